@@ -1,0 +1,173 @@
+"""The KV connector contract: one small interface per role.
+
+A connector moves KV between this engine's paged cache and somewhere else (files, a host/disk
+tier cascade, another instance). It has two halves that never share memory:
+
+* the scheduler half decides *what* to load or save and tells the worker through a
+  `KVConnectorMetadata` built once per step;
+* the worker half moves the bytes around each forward pass and reports back through a
+  `KVConnectorOutput`.
+
+A connector is named by a `KVConnectorBase` subclass that points at its two halves; the registry
+(or `kv_connector_module_path`) resolves the name to that class.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Iterable
+
+if TYPE_CHECKING:
+    from kvtier.connector.config import KVTransferConfig
+    from kvtier.kv import KVCacheBlocks, Request
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass
+class KVConnectorMetadata:
+    """What the scheduler half tells the worker half for one step. Connectors subclass it."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker half reports back after one step."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    # Block ids whose load failed (bad data, missed deadline); the scheduler applies
+    # `kv_load_failure_policy` to the requests that own them.
+    invalid_block_ids: set[int] = field(default_factory=set)
+    stats: dict[str, float] = field(default_factory=dict)
+    events: list[Any] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.stats or self.events)
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """Facts about the engine a connector may need, fixed at start-up."""
+
+    block_size: int
+    num_layers: int
+    # Prefixes every key written outside the process (model, dtype, block size, layout).
+    namespace: bytes
+    # Engine metrics registry (kvtier.engine.metrics.MetricsRegistry) or None.
+    metrics: Any = None
+
+
+class KVConnectorScheduler(ABC):
+    """Scheduler half. Lives in the scheduler; sees requests and block ids, never tensors."""
+
+    def __init__(self, config: "KVTransferConfig", context: ConnectorContext) -> None:
+        self.config = config
+        self.context = context
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        """Tokens beyond the local hit that this connector can provide, and whether the load is
+        asynchronous. `None` means "cannot tell yet": the scheduler skips the request this step
+        and asks again next step. Must have no side effects."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        """Blocks were allocated for the request: remember which ones to fill."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        """This step's loads and saves for the worker half; resets per-step state."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The worker half's report for the last step."""
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """The request finished. Returning True keeps its blocks allocated until the worker lists
+        the request in `finished_sending`. The dict is returned to the client as
+        `kv_transfer_params`."""
+        return False, None
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def shutdown(self) -> None:
+        """Stop background threads; called once when the engine stops."""
+
+
+class KVConnectorWorker(ABC):
+    """Worker half. Lives next to the model; moves bytes between the paged KV cache and elsewhere.
+
+    The per-layer hooks are called from inside the model's attention layers only when a
+    connector is configured, so an engine without one pays nothing.
+    """
+
+    def __init__(self, config: "KVTransferConfig", context: ConnectorContext) -> None:
+        self.config = config
+        self.context = context
+        self._metadata: KVConnectorMetadata | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """The paged KV tensors, by layer name: (2, num_blocks, block_size, kv_heads, head_dim)."""
+        self.kv_caches = kv_caches
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    @property
+    def connector_metadata(self) -> KVConnectorMetadata:
+        assert self._metadata is not None, "no connector metadata bound for this step"
+        return self._metadata
+
+    @abstractmethod
+    def start_load_kv(self, forward_context: Any) -> None:
+        """Start this step's loads; do not wait for them."""
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Block until `layer_name`'s KV for this step has arrived (layer-wise pipelining)."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any) -> None:
+        """`layer_name`'s KV for this step was written into the paged cache: start saving it."""
+
+    def wait_for_save(self) -> None:
+        """Block until this step's saves no longer need the paged blocks they read."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) request ids since the last call."""
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return set()
+
+    def get_stats(self) -> dict[str, float]:
+        return {}
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def shutdown(self) -> None:
+        """Stop background threads; called once when the engine stops."""
+
+
+class KVConnectorBase:
+    """Names a connector. `kv_connector` in the transfer config resolves to a subclass."""
+
+    scheduler_cls: ClassVar[type[KVConnectorScheduler]]
+    worker_cls: ClassVar[type[KVConnectorWorker]]
+
+    @classmethod
+    def create(cls, role: KVConnectorRole, config: "KVTransferConfig",
+               context: ConnectorContext) -> KVConnectorScheduler | KVConnectorWorker:
+        half = cls.scheduler_cls if role is KVConnectorRole.SCHEDULER else cls.worker_cls
+        return half(config, context)

@@ -1,0 +1,60 @@
+"""Per-request sampling and stopping parameters, in vLLM's and OpenAI's shape."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Validated once on construction; a bad value raises ValueError naming the field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k cut
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the model's context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (self.n >= 1, "n", "must be >= 1"),
+            (self.temperature >= 0.0, "temperature", "must be >= 0"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "top_k", "must be >= 0 (or -1 to disable)"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
+            (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
+            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
+             "must be <= max_tokens"),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+             "must be >= 0"),
+            (all(s for s in self.stop), "stop", "must not contain empty strings"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
