@@ -1,0 +1,401 @@
+"""The scheduler: decides each step which requests run and how many tokens each computes.
+
+One step is `schedule()` (a short pipeline of phases, below) followed by
+`update_from_output()` once the model runner has run the batch. Requests whose KV arrives
+asynchronously from a connector wait in WAITING_FOR_REMOTE_KVS while keeping their place in
+the waiting queue (SPEC 5 and 6).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from kvtier.kv import Request, RequestStatus
+from kvtier.sched.admission import Admission, plan_admission
+from kvtier.sched.batch import StepBatch
+from kvtier.sched.config import SchedulerConfig
+from kvtier.sched.errors import SchedulerQueueFullError
+from kvtier.sched.kv_loads import KVLoadTracker, status_after_load
+from kvtier.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
+                                 NewRequestData, SchedulerOutput)
+from kvtier.sched.request_queue import create_request_queue
+from kvtier.sched.stats import SchedulerStats
+from kvtier.sched.stop import check_stop
+from kvtier.sched.transfers import TransferFailures
+
+if TYPE_CHECKING:
+    from kvtier.connector.base import KVConnectorOutput, KVConnectorScheduler
+    from kvtier.kv import KVCacheBlocks, KVCacheManager
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: "KVCacheManager",
+                 connector: "KVConnectorScheduler | None" = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.connector = connector
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.loads = KVLoadTracker(config.kv_load_timeout_s, clock)
+        self.failures = TransferFailures(self, config.kv_load_failure_policy)
+        # Finished since the last schedule(): the runner drops their state.
+        self._finished_req_ids: set[str] = set()
+        # Running requests whose KV was cut back (bad blocks): the runner must rebuild them.
+        self.resync_req_ids: set[str] = set()
+        # Requests whose external load failed: they recompute instead of asking again.
+        self.no_external_load: set[str] = set()
+        self._clock = clock
+        # Finished requests whose blocks stay held until a transfer ends: the transfers
+        # ("recving" | "sending") and when the engine stops waiting for them.
+        self._awaiting_free: dict[str, tuple[set[str], float]] = {}
+        self._num_preemptions = 0
+        self._connector_stats: dict[str, float] = {}
+        self._worker_events: list[Any] = []
+
+    # ---- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in the scheduler; "
+                             "use a unique id per request")
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise SchedulerQueueFullError(
+                f"{len(self.waiting)} requests are waiting (max_waiting_requests={limit}); "
+                "retry later")
+        self.requests[request.request_id] = request
+        self.waiting.add_request(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        finished_status: RequestStatus) -> None:
+        """Finish requests from outside (abort, a stop string matched by the engine). Unknown
+        or already finished ids are ignored."""
+        if not RequestStatus.is_finished(finished_status):
+            raise ValueError(f"finished_status must be a FINISHED_* status, got "
+                             f"{finished_status!r}")
+        ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+        targets = [self.requests[i] for i in ids
+                   if i in self.requests and not self.requests[i].is_finished()]
+        self.remove_from_queues(targets)
+        for request in targets:
+            self.finish_request(request, finished_status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose blocks wait for a transfer to end, or abandoned loads: the
+        engine keeps stepping (with empty batches) so the worker can report them, for at
+        most `kv_load_timeout_s`. The blocks of a transfer never reported stay held."""
+        now = self._clock()
+        return (any(now <= deadline for _, deadline in self._awaiting_free.values())
+                or self.loads.has_orphans_in_time())
+
+    # ---- schedule(): the step pipeline ---------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        self.failures.abandon_overdue_loads()
+        batch = StepBatch(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(batch)
+        # A step that had to preempt is out of blocks: admitting newcomers would thrash.
+        if not batch.num_preempted:
+            self._schedule_waiting(batch)
+        output = self._build_output(batch)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        for req_id, num_tokens in output.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        return output
+
+    def _schedule_running(self, batch: StepBatch) -> None:
+        """Decodes and unfinished chunked prefills, in order; preempt when out of blocks."""
+        index = 0
+        while index < len(self.running) and batch.token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, batch.token_budget)
+            if num_new <= 0:
+                # The runner sampled nothing for it last step; there is nothing to compute.
+                index += 1
+                continue
+            new_blocks = self._allocate_or_preempt(request, num_new, batch)
+            if new_blocks is None:
+                break
+            if request.request_id in self.resync_req_ids:
+                self.resync_req_ids.discard(request.request_id)
+                batch.dropped_req_ids.add(request.request_id)
+                batch.add_new(request, num_new)
+            else:
+                batch.add_cached(request, num_new, new_blocks.get_block_ids())
+            index = self.running.index(request) + 1 if batch.num_preempted else index + 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int,
+                             batch: StepBatch) -> "KVCacheBlocks | None":
+        """Blocks for `num_new` more tokens, preempting others until they fit; None when the
+        request itself had to be preempted."""
+        while True:
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_blocks is not None:
+                return new_blocks
+            victim = self._pick_victim()
+            self._preempt(victim, batch)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, batch: StepBatch) -> None:
+        """Recompute-style preemption: drop the KV, restart from the head of the queue."""
+        self.running.remove(request)
+        batch.preempt(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self._num_preemptions += 1
+        self.resync_req_ids.discard(request.request_id)
+        self.waiting.prepend_request(request)
+
+    def _schedule_waiting(self, batch: StepBatch) -> None:
+        """Admit waiting requests in queue order until the budget, the seat cap or the blocks
+        run out. Requests that cannot start yet keep their place for the next step."""
+        skipped: list[Request] = []
+        while (len(self.waiting) > 0 and batch.token_budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting.peek_request()
+            if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+                    and not self._try_promote(request)):
+                skipped.append(self.waiting.pop_request())
+                continue
+            admission = plan_admission(
+                request, self.kv_cache_manager, self.connector, batch.token_budget,
+                enable_chunked_prefill=self.config.enable_chunked_prefill,
+                ask_connector=request.request_id not in self.no_external_load)
+            if admission is None:
+                skipped.append(self.waiting.pop_request())
+                continue
+            if admission.num_new_tokens > batch.token_budget:
+                break
+            if not self._admit(request, admission, batch):
+                break
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                skipped.append(request)
+        self.waiting.prepend_requests(skipped)
+
+    def _admit(self, request: Request, admission: Admission, batch: StepBatch) -> bool:
+        """Allocate and start the request (running, or loading); False if blocks ran out."""
+        already_computed = request.num_computed_tokens
+        new_blocks = self.kv_cache_manager.allocate_slots(
+            request, admission.num_new_tokens,
+            num_new_computed_tokens=admission.num_local_tokens,
+            new_computed_blocks=admission.computed_blocks,
+            num_external_computed_tokens=admission.num_external_tokens,
+            delay_cache_blocks=admission.load_async,
+            full_sequence_must_fit=self.config.enable_chunked_prefill)
+        if new_blocks is None:
+            return False
+        self.waiting.pop_request()
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(
+                request, self.kv_cache_manager.get_blocks(request.request_id),
+                admission.num_external_tokens)
+        request.num_computed_tokens = already_computed + admission.num_computed_tokens
+        if admission.load_async:
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            self.loads.start(request.request_id)
+            return True
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        batch.add_new(request, admission.num_new_tokens)
+        return True
+
+    def _try_promote(self, request: Request) -> bool:
+        """A request whose load arrived becomes schedulable again (SPEC 6)."""
+        req_id = request.request_id
+        if not self.loads.is_received(req_id):
+            return False
+        if self.loads.finish(req_id):
+            self.no_external_load.add(req_id)
+            if request.num_computed_tokens > 0:
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            else:
+                self.kv_cache_manager.free(request)
+        else:
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            # A whole-prompt hit still recomputes the last token to get its logits.
+            request.num_computed_tokens = min(request.num_computed_tokens,
+                                              request.num_tokens - 1)
+        request.status = status_after_load(request.num_preemptions)
+        return True
+
+    def _build_output(self, batch: StepBatch) -> SchedulerOutput:
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return SchedulerOutput(
+            scheduled_new_reqs=[self._new_request_data(r) for r in batch.new_reqs],
+            scheduled_cached_reqs=[
+                CachedRequestData(r.request_id, batch.new_block_ids[r.request_id],
+                                  r.num_computed_tokens)
+                for r in batch.cached_reqs],
+            num_scheduled_tokens=batch.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(batch.num_scheduled_tokens.values()),
+            finished_req_ids=finished,
+            preempted_req_ids=batch.dropped_req_ids)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            token_ids=list(request.all_token_ids),
+            num_prompt_tokens=request.num_prompt_tokens,
+            sampling_params=request.sampling_params,
+            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
+            num_computed_tokens=request.num_computed_tokens)
+
+    # ---- update_from_output(): after the runner ------------------------------------------
+
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        kv_output = model_runner_output.kv_connector_output
+        outputs: list[EngineCoreOutput] = []
+        discarded: set[str] = set()
+        if kv_output is not None and kv_output.invalid_block_ids:
+            discarded = self.failures.handle_invalid_blocks(kv_output.invalid_block_ids, outputs)
+        stopped: set[str] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished() or req_id in discarded:
+                continue
+            output = self._append_sampled(request, model_runner_output)
+            if output is not None:
+                outputs.append(output)
+                if output.finished:
+                    stopped.add(req_id)
+        if stopped:
+            self.running = [r for r in self.running if r.request_id not in stopped]
+        if kv_output is not None:
+            self._update_from_kv_output(kv_output)
+        return outputs
+
+    def _append_sampled(self, request: Request,
+                        runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+        sampled = runner_output.sampled_token_ids.get(request.request_id)
+        if not sampled:
+            return None
+        kept: list[int] = []
+        status = None
+        for token_id in sampled:
+            request.append_output_token_ids(token_id)
+            kept.append(token_id)
+            status = check_stop(request, self.config.max_model_len)
+            if status is not None:
+                break
+        kv_transfer_params = None if status is None else self.finish_request(request, status)
+        logprobs = runner_output.logprobs.get(request.request_id, [])
+        return EngineCoreOutput(
+            req_id=request.request_id, new_token_ids=kept,
+            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
+            new_logprobs=logprobs[:len(kept)], num_cached_tokens=request.num_cached_tokens or 0,
+            kv_transfer_params=kv_transfer_params)
+
+    def _update_from_kv_output(self, kv_output: "KVConnectorOutput") -> None:
+        for req_id in kv_output.finished_recving:
+            orphaned = self.loads.take_orphaned_blocks(req_id)
+            if orphaned is not None:
+                self.kv_cache_manager.free_popped_blocks(orphaned)
+            elif not self._transfer_ended(req_id, "recving"):
+                self.loads.mark_received(req_id)
+        for req_id in kv_output.finished_sending:
+            self._transfer_ended(req_id, "sending")
+        for name, value in kv_output.stats.items():
+            self._connector_stats[name] = self._connector_stats.get(name, 0.0) + value
+        self._worker_events.extend(kv_output.events)
+        if self.connector is not None:
+            self.connector.update_connector_output(kv_output)
+
+    # ---- finishing and freeing -----------------------------------------------------------
+
+    def remove_from_queues(self, requests: list[Request]) -> None:
+        doomed = {r.request_id for r in requests}
+        self.running = [r for r in self.running if r.request_id not in doomed]
+        self.waiting.remove_requests(requests)
+
+    def finish_request(self, request: Request,
+                       status: RequestStatus) -> dict[str, Any] | None:
+        """Mark finished and free its blocks, or hold them while a transfer still uses them.
+        Returns the connector's kv_transfer_params. The caller removed it from the queues."""
+        req_id = request.request_id
+        loading = self.loads.is_in_flight(req_id)
+        self.loads.forget(req_id)
+        request.status = status
+        self._finished_req_ids.add(req_id)
+        self.resync_req_ids.discard(req_id)
+        self.no_external_load.discard(req_id)
+        delay_free, kv_transfer_params = False, None
+        if self.connector is not None:
+            # The connector interface takes one block list: the first KV cache group's.
+            delay_free, kv_transfer_params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(req_id)[0])
+        pending = {"recving"} if loading else set()
+        if delay_free:
+            pending.add("sending")
+        if pending:
+            self._awaiting_free[req_id] = (pending, self._clock() + self.config.kv_load_timeout_s)
+        else:
+            self._release(req_id)
+        return kv_transfer_params
+
+    def _transfer_ended(self, req_id: str, kind: str) -> bool:
+        """A transfer a finished request was waiting on ended; True if one was awaited."""
+        pending = self._awaiting_free.get(req_id, (set(), 0.0))[0]
+        if kind not in pending:
+            return False
+        pending.discard(kind)
+        if not pending:
+            del self._awaiting_free[req_id]
+            self._release(req_id)
+        return True
+
+    def _release(self, req_id: str) -> None:
+        self.kv_cache_manager.free(self.requests.pop(req_id))
+
+    # ---- stats, events, shutdown ---------------------------------------------------------
+
+    def make_stats(self) -> SchedulerStats:
+        prefix = self.kv_cache_manager.make_prefix_cache_stats()
+        stats = SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_waiting_for_remote_kvs=self.loads.num_in_flight,
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=prefix.queries,
+            prefix_cache_hits=prefix.hits,
+            num_preemptions=self._num_preemptions,
+            num_kv_load_failures=self.failures.num_load_failures,
+            num_kv_load_timeouts=self.failures.num_load_timeouts,
+            connector_stats=self._connector_stats)
+        self._num_preemptions = 0
+        self.failures.reset_counts()
+        self._connector_stats = {}
+        return stats
+
+    def take_kv_events(self) -> list[Any]:
+        """Device-cache events, then the connector's, then the worker connector's."""
+        events = list(self.kv_cache_manager.take_events())
+        if self.connector is not None:
+            events.extend(self.connector.take_events())
+        events.extend(self._worker_events)
+        self._worker_events = []
+        return events
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

@@ -1,0 +1,113 @@
+"""What the scheduler does when external KV does not arrive intact (SPEC 6, load failures).
+
+Two ways a load fails: the worker reports some loaded blocks invalid
+(`KVConnectorOutput.invalid_block_ids`), or an asynchronous load misses its deadline. Bad
+blocks are always dropped from the prefix cache so no other request can hit them; then
+`kv_load_failure_policy` decides: `recompute` cuts the request's computed tokens back to the
+first bad block and computes from there, `fail` finishes it with FINISHED_ERROR.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier.kv import Request, RequestStatus
+from kvtier.sched.kv_loads import status_after_load
+from kvtier.sched.output import EngineCoreOutput
+
+if TYPE_CHECKING:
+    from kvtier.sched.scheduler import Scheduler
+
+
+class TransferFailures:
+    """The scheduler's load-failure handling, kept apart from the step pipeline it serves."""
+
+    def __init__(self, scheduler: "Scheduler", policy: str) -> None:
+        self._scheduler = scheduler
+        self._policy = policy
+        kv_cache_config = scheduler.kv_cache_manager.kv_cache_config
+        self._group_block_sizes = [group.kv_cache_spec.block_size
+                                   for group in kv_cache_config.kv_cache_groups]
+        self.num_load_failures = 0
+        self.num_load_timeouts = 0
+
+    def reset_counts(self) -> None:
+        self.num_load_failures = 0
+        self.num_load_timeouts = 0
+
+    def abandon_overdue_loads(self) -> None:
+        """Loads past their deadline count as failed: the request recomputes with fresh
+        blocks; the old ones stay held until the late worker reports the load finished."""
+        sched = self._scheduler
+        for req_id in sched.loads.overdue():
+            request = sched.requests[req_id]
+            sched.loads.abandon(req_id, sched.kv_cache_manager.pop_blocks_for_free(request))
+            request.num_computed_tokens = 0
+            request.status = status_after_load(request.num_preemptions)
+            sched.no_external_load.add(req_id)
+            self.num_load_timeouts += 1
+
+    def handle_invalid_blocks(self, invalid_block_ids: set[int],
+                              outputs: list[EngineCoreOutput]) -> set[str]:
+        """Apply the policy to every live request holding a bad block within its computed
+        tokens. Appends error outputs (policy `fail`) to `outputs`; returns the ids whose
+        tokens sampled this step came from bad KV and must be dropped."""
+        sched = self._scheduler
+        sched.kv_cache_manager.evict_blocks(invalid_block_ids)
+        discarded: set[str] = set()
+        for request in list(sched.requests.values()):
+            if request.is_finished():
+                continue
+            first_bad = self._first_bad_position(request, invalid_block_ids)
+            if first_bad is None or first_bad >= request.num_computed_tokens:
+                continue
+            self.num_load_failures += 1
+            # KV computed after a bad block attended to it: that is bad too.
+            sched.kv_cache_manager.evict_blocks(self._block_ids_from(request, first_bad))
+            if request.status == RequestStatus.RUNNING:
+                discarded.add(request.request_id)
+            if self._policy == "fail":
+                outputs.append(self._fail(request, first_bad))
+            else:
+                self._recompute_from(request, first_bad)
+        return discarded
+
+    def _first_bad_position(self, request: Request, invalid_block_ids: set[int]) -> int | None:
+        """Token position where the request's first invalid block starts, over all groups."""
+        block_ids = self._scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        positions = [index * block_size
+                     for ids, block_size in zip(block_ids, self._group_block_sizes)
+                     for index, block_id in enumerate(ids) if block_id in invalid_block_ids]
+        return min(positions, default=None)
+
+    def _block_ids_from(self, request: Request, position: int) -> list[int]:
+        """The request's blocks, in every group, holding tokens at or after `position`."""
+        block_ids = self._scheduler.kv_cache_manager.get_block_ids(request.request_id)
+        return [block_id
+                for ids, block_size in zip(block_ids, self._group_block_sizes)
+                for block_id in ids[position // block_size:]]
+
+    def _recompute_from(self, request: Request, first_bad: int) -> None:
+        sched = self._scheduler
+        request.num_computed_tokens = first_bad
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            sched.loads.mark_failed(request.request_id)
+        elif request.status == RequestStatus.RUNNING:
+            # The runner's copy of this request ran ahead on bad KV: it rebuilds it.
+            sched.resync_req_ids.add(request.request_id)
+        elif first_bad == 0:
+            # Promoted but not yet admitted: with nothing valid left it starts from a fresh
+            # prefix lookup, which needs it to hold no blocks.
+            sched.kv_cache_manager.free(request)
+
+    def _fail(self, request: Request, first_bad: int) -> EngineCoreOutput:
+        sched = self._scheduler
+        request.error = (f"KV load failed for request {request.request_id!r}: the block at "
+                         f"token {first_bad} arrived invalid (kv_load_failure_policy='fail'; "
+                         "use 'recompute' to compute it locally instead)")
+        sched.remove_from_queues([request])
+        kv_transfer_params = sched.finish_request(request, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
+                                finish_reason="error",
+                                num_cached_tokens=request.num_cached_tokens or 0,
+                                kv_transfer_params=kv_transfer_params, error=request.error)

@@ -1,0 +1,24 @@
+"""Every KVCacheManager a scheduler test builds is checked for broken invariants afterwards."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+import pytest
+from sched_fakes import make_manager
+
+from kvtier.kv import KVCacheManager
+
+
+@pytest.fixture
+def managers() -> Iterator[Callable[..., KVCacheManager]]:
+    created: list[KVCacheManager] = []
+
+    def factory(num_blocks: int, **options: object) -> KVCacheManager:
+        manager = make_manager(num_blocks, **options)
+        created.append(manager)
+        return manager
+
+    yield factory
+    for manager in created:
+        manager.check_invariants()
