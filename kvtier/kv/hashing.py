@@ -1,0 +1,127 @@
+"""Deterministic chained block hashes: the identity of a prefix, equal in every process.
+
+hash(block i) = H(parent_hash, token_ids of block i, extra_keys of block i), where the parent of
+block 0 is a fixed seed hash. H works on canonical CBOR bytes, never on Python's `hash()`, so no
+PYTHONHASHSEED, process, or machine can change a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Any, Callable, NewType, Sequence
+
+import cbor2
+import xxhash
+
+if TYPE_CHECKING:
+    from kvtier.kv.request import Request
+
+BlockHash = NewType("BlockHash", bytes)
+
+# A function (parent, block token ids, extra keys) -> BlockHash.
+HashFunction = Callable[[bytes, Sequence[int], "tuple[Any, ...] | None"], BlockHash]
+
+# Changing either constant changes every key ever written: bump the version instead of editing.
+_SEED_TEXT = b"kvtier/block-hash-seed/v1"
+_XXHASH_SEED = 0x6B76_7469_6572  # "kvtier"
+_NAMESPACE_VERSION = "kvtier/namespace/v1"
+
+
+def _sha256_cbor(parent: bytes, token_ids: Sequence[int], extra_keys: Any) -> BlockHash:
+    payload = cbor2.dumps((parent, token_ids, extra_keys), canonical=True)
+    return BlockHash(hashlib.sha256(payload).digest())
+
+
+def _xxh3_cbor(parent: bytes, token_ids: Sequence[int], extra_keys: Any) -> BlockHash:
+    payload = cbor2.dumps((parent, token_ids, extra_keys), canonical=True)
+    return BlockHash(xxhash.xxh3_128_digest(payload, seed=_XXHASH_SEED))
+
+
+_HASH_FUNCTIONS: dict[str, HashFunction] = {
+    "sha256_cbor": _sha256_cbor,
+    "xxhash": _xxh3_cbor,
+}
+HASH_ALGOS = tuple(_HASH_FUNCTIONS)
+
+
+def get_hash_function(hash_algo: str) -> HashFunction:
+    try:
+        return _HASH_FUNCTIONS[hash_algo]
+    except KeyError:
+        raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {hash_algo!r}") from None
+
+
+def seed_hash(hash_algo: str = "sha256_cbor") -> BlockHash:
+    """The parent hash of block 0: a constant of the algorithm, identical in every process."""
+    return get_hash_function(hash_algo)(_SEED_TEXT, (), None)
+
+
+def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
+                      extra_keys: tuple[Any, ...] | None = None,
+                      hash_algo: str = "sha256_cbor") -> BlockHash:
+    """Hash one full block outside a Request; `parent_hash=None` means block 0."""
+    parent = seed_hash(hash_algo) if parent_hash is None else parent_hash
+    return get_hash_function(hash_algo)(parent, list(token_ids), extra_keys)
+
+
+def block_extra_keys(request: "Request", start: int, end: int) -> tuple[Any, ...] | None:
+    """Everything besides the tokens of [start, end) that changes their KV; None when nothing."""
+    keys: list[Any] = []
+    if request.lora_name is not None:
+        keys.append(request.lora_name)
+    for feature in request.mm_features:
+        if feature.offset < end and feature.offset + feature.length > start:
+            # The offset tells apart the same item placed at different positions in the block.
+            keys.append((feature.identifier, feature.offset - start))
+    if start == 0 and request.cache_salt is not None:
+        keys.append(request.cache_salt)
+    return tuple(keys) if keys else None
+
+
+def make_block_hasher(block_size: int,
+                      hash_algo: str = "sha256_cbor") -> "Callable[[Request], list[BlockHash]]":
+    """Build the function a Request calls to hash its newly full blocks.
+
+    The returned function hashes the blocks of `request.all_token_ids` that are full but not yet
+    in `request.block_hashes`, chaining from the last known hash, and returns only those.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    hash_fn = get_hash_function(hash_algo)
+    seed = seed_hash(hash_algo)
+
+    def hash_new_full_blocks(request: "Request") -> list[BlockHash]:
+        known = request.block_hashes
+        start = len(known) * block_size
+        token_ids = request.all_token_ids
+        num_tokens = len(token_ids)
+        new_hashes: list[BlockHash] = []
+        if start + block_size > num_tokens:
+            return new_hashes  # most decode steps: the last block is not full yet
+        parent = known[-1] if known else seed
+        while start + block_size <= num_tokens:
+            end = start + block_size
+            parent = hash_fn(parent, token_ids[start:end], block_extra_keys(request, start, end))
+            new_hashes.append(parent)
+            start = end
+        return new_hashes
+
+    return hash_new_full_blocks
+
+
+def namespace_digest(model_id: str, dtype: str, block_size: int, kv_layout: str,
+                     spec_kinds: tuple[str, ...]) -> bytes:
+    """Prefix for every key written outside the process.
+
+    Instances whose KV bytes are not interchangeable (other model, dtype, block size, layout or
+    KV spec kinds) get different digests, so they can share a store without reading each
+    other's data.
+    """
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    if not model_id:
+        raise ValueError("model_id must be a non-empty string")
+    payload = cbor2.dumps(
+        (_NAMESPACE_VERSION, model_id, dtype, block_size, kv_layout, list(spec_kinds)),
+        canonical=True)
+    return hashlib.sha256(payload).digest()
