@@ -1,0 +1,230 @@
+"""AsyncLLM: one engine thread per process serving many asyncio clients.
+
+The engine is not thread safe, so only the engine thread touches it. Clients hand it commands
+(add, abort) through a queue; it runs `step()` while any request is unfinished, so requests from
+all clients are batched together (continuous batching). Each request's outputs travel back to
+the client's event loop through that request's own asyncio queue (`call_soon_threadsafe`).
+
+A failing `step()` fails the requests in flight (each gets the error) and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from kvtier.engine.kv_events import EventPublisher
+
+if TYPE_CHECKING:
+    from kvtier.engine.outputs import RequestOutput
+    from kvtier.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# How long the idle engine thread sleeps on the command queue before re-checking for shutdown.
+_IDLE_WAIT_S = 0.05
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (shut down, or never started)."""
+
+
+class EngineShuttingDownError(RuntimeError):
+    """The engine is draining for shutdown and takes no new requests."""
+
+
+class EngineStepError(RuntimeError):
+    """engine.step() raised while this request was in flight; the request was aborted."""
+
+
+@dataclass
+class _Stream:
+    """Where one request's outputs go: an asyncio queue owned by the client's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item: "RequestOutput | BaseException") -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            # The client's loop is closed: nobody is left to read this.
+            pass
+
+
+@dataclass
+class _AddCommand:
+    request_id: str
+    prompt: str | list[int]
+    params: "SamplingParams"
+    options: dict[str, Any]
+    stream: _Stream
+    accepted: concurrent.futures.Future
+
+
+@dataclass
+class _AbortCommand:
+    request_ids: list[str]
+
+
+class AsyncLLM:
+    """Runs an Engine on its own thread; `generate()` streams one request's outputs."""
+
+    def __init__(self, engine: Any, publisher: EventPublisher | None = None, *,
+                 submit_timeout_s: float = 60.0, output_timeout_s: float = 600.0) -> None:
+        """submit_timeout_s bounds the wait for the engine thread to accept a request;
+        output_timeout_s bounds the wait between two outputs of one request."""
+        self.engine = engine
+        self.publisher = publisher or EventPublisher()
+        self.submit_timeout_s = submit_timeout_s
+        self.output_timeout_s = output_timeout_s
+        self._step_errors = engine.metrics.counter(
+            "kvtier:engine_step_errors", "Engine steps that raised; their requests failed.")
+        self._commands: queue.Queue[_AddCommand | _AbortCommand] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._stop = threading.Event()
+        self._draining = False
+        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, prompt: str | list[int], params: "SamplingParams",
+                       request_id: str, **options: Any) -> AsyncIterator["RequestOutput"]:
+        """Yield the request's cumulative outputs until it finishes.
+
+        options go to Engine.add_request (priority, cache_salt, kv_transfer_params, ...); its
+        ValueError / EngineQueueFullError is raised here before anything is yielded. Leaving
+        early (client gone, task cancelled) aborts the request and frees its blocks.
+        """
+        stream = _Stream(asyncio.get_running_loop())
+        await self._submit_add(_AddCommand(request_id, prompt, params, options, stream,
+                                           concurrent.futures.Future()))
+        finished = False
+        try:
+            while not finished:
+                item = await asyncio.wait_for(stream.queue.get(), self.output_timeout_s)
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no-op if it already finished); safe from any thread."""
+        self._commands.put(_AbortCommand([request_id]))
+
+    async def _submit_add(self, command: _AddCommand) -> None:
+        if self._draining:
+            raise EngineShuttingDownError("the server is shutting down; retry on another "
+                                          "instance")
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        self._commands.put(command)
+        await asyncio.wait_for(asyncio.wrap_future(command.accepted), self.submit_timeout_s)
+
+    def shutdown(self, drain_timeout_s: float = 30.0, join_timeout_s: float = 10.0) -> None:
+        """Finish in-flight requests within drain_timeout_s, abort the rest, stop the thread."""
+        self._draining = True
+        deadline = time.monotonic() + drain_timeout_s
+        while self._streams and self.is_running and time.monotonic() < deadline:
+            time.sleep(_IDLE_WAIT_S)
+        self._stop.set()
+        self._thread.join(join_timeout_s)
+        if self._thread.is_alive():
+            logger.warning("engine thread did not stop within %.1f s", join_timeout_s)
+        self.publisher.shutdown()
+        self.engine.shutdown()
+
+    # ---- engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._publish_events()
+        self._fail_all(EngineDeadError("the engine shut down before the request finished"))
+        self._publish_events()
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=_IDLE_WAIT_S) if block else \
+                self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, command: _AddCommand | _AbortCommand) -> None:
+        if isinstance(command, _AbortCommand):
+            live = [rid for rid in command.request_ids if self._streams.pop(rid, None)]
+            if live:
+                self.engine.abort_request(live)
+            return
+        if not command.accepted.set_running_or_notify_cancel():
+            return  # the client stopped waiting (deadline or disconnect) before we got here
+        try:
+            self.engine.add_request(command.request_id, command.prompt, command.params,
+                                    **command.options)
+        except Exception as exc:  # the client sees it as the add's outcome (400 / 503)
+            command.accepted.set_exception(exc)
+            return
+        self._streams[command.request_id] = command.stream
+        command.accepted.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            self._step_errors.inc()
+            logger.exception("engine step failed; failing the %d requests in flight",
+                             len(self._streams))
+            self._fail_all(EngineStepError(f"engine step failed: {exc!r}"))
+            return
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished:
+                del self._streams[output.request_id]
+            stream.put(output)
+
+    def _fail_all(self, error: BaseException) -> None:
+        request_ids = list(self._streams)
+        if not request_ids:
+            return
+        try:
+            self.engine.abort_request(request_ids)
+        except Exception:
+            logger.exception("aborting the failed requests also failed")
+        for request_id in request_ids:
+            self._streams.pop(request_id).put(error)
+
+    def _publish_events(self) -> None:
+        try:
+            events = self.engine.take_kv_events()
+        except Exception:
+            logger.exception("taking KV events failed")
+            return
+        if events:
+            self.publisher.publish(events)

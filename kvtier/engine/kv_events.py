@@ -1,0 +1,261 @@
+"""Publishes the engine's KV cache events over ZMQ in the layout vLLM's consumers read.
+
+Wire format (what llm-d's indexer, Dynamo's relay and vLLM's example subscriber decode):
+  PUB multipart message: [topic bytes, seq (8-byte big-endian), msgpack payload]
+  payload = [ts, [event, ...], data_parallel_rank]
+  event   = [type name, *fields], e.g.
+            ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
+            ["BlockRemoved", block_hashes, medium]
+            ["AllBlocksCleared"]
+Block hashes go out as unsigned 64-bit ints (the low 64 bits of the hash), which is what vLLM
+sends by default and what those consumers index on; the paged cache's medium goes out as "GPU".
+Events of other types (the offloading connector's tier moves) go out as
+[type name, *dataclass fields in declaration order].
+
+An optional ROUTER replay socket answers a request [start seq (8-byte big-endian)] with one
+[seq, payload] message per buffered batch from that seq on, then [END_SEQ, b""].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgpack
+import zmq
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+_PUBLISHERS = ("null", "zmq")
+_ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
+# Field order on the wire for the KV cache core's events (group_idx is not part of vLLM's layout).
+_WIRE_FIELDS: dict[str, tuple[str, ...]] = {
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium"),
+    "BlockRemoved": ("block_hashes", "medium"),
+    "AllBlocksCleared": (),
+}
+_HASH_FIELDS = frozenset({"block_hashes", "parent_block_hash"})
+# vLLM calls the paged cache's medium "GPU" on every platform; routers match on that name.
+_WIRE_MEDIUM = {"device": "GPU"}
+# How long start-up waits for the publisher thread to bind its sockets.
+_BIND_DEADLINE_S = 10.0
+_POLL_INTERVAL_S = 0.05
+_CLOSE_LINGER_MS = 500
+
+
+class KVEventsConfigError(ValueError):
+    """A --kv-events-config value that cannot be used; the message names the field."""
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config shape. Binds 127.0.0.1 unless an endpoint says otherwise."""
+
+    enable_kv_cache_events: bool = False
+    # None: "zmq" when events are enabled (vLLM leaves it unset the same way).
+    publisher: str | None = None
+    endpoint: str = "tcp://127.0.0.1:5557"
+    replay_endpoint: str | None = None
+    # Batches kept for replay.
+    buffer_steps: int = 10_000
+    # ZMQ high-water mark of the PUB socket (messages queued per slow subscriber).
+    hwm: int = 100_000
+    # Batches waiting for the publisher thread; past it new batches are dropped and counted.
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
+        object.__setattr__(self, "publisher", publisher)
+        checks = [
+            (publisher in _PUBLISHERS, "publisher", f"must be one of {', '.join(_PUBLISHERS)}"),
+            (self.endpoint.startswith(_ENDPOINT_SCHEMES), "endpoint",
+             "must start with tcp://, ipc:// or inproc://"),
+            (self.replay_endpoint is None or self.replay_endpoint.startswith(_ENDPOINT_SCHEMES),
+             "replay_endpoint", "must be null or start with tcp://, ipc:// or inproc://"),
+            (self.buffer_steps >= 1, "buffer_steps", "must be >= 1"),
+            (self.hwm >= 1, "hwm", "must be >= 1"),
+            (self.max_queue_size >= 1, "max_queue_size", "must be >= 1"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise KVEventsConfigError(
+                    f"kv_events_config.{name} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def is_publishing(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> "KVEventsConfig":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise KVEventsConfigError(f"--kv-events-config is not valid JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise KVEventsConfigError("--kv-events-config must be a JSON object")
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KVEventsConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise KVEventsConfigError(f"unknown kv_events_config key(s) {', '.join(unknown)}; "
+                                      f"valid keys: {', '.join(sorted(known))}")
+        return cls(**data)
+
+
+def external_block_hash(block_hash: bytes | int | None) -> int | None:
+    """The low 64 bits of a block hash as an int (vLLM's default external form)."""
+    if block_hash is None or isinstance(block_hash, int):
+        return block_hash
+    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+
+
+def encode_event(event: Any) -> list[Any]:
+    """One event as the tagged msgpack array consumers decode."""
+    name = type(event).__name__
+    fields = _WIRE_FIELDS.get(name)
+    if fields is None:
+        fields = tuple(f.name for f in dataclasses.fields(event))
+    wire: list[Any] = [name]
+    for field_name in fields:
+        value = getattr(event, field_name)
+        if field_name == "block_hashes":
+            value = [external_block_hash(h) for h in value]
+        elif field_name in _HASH_FIELDS:
+            value = external_block_hash(value)
+        elif field_name == "medium":
+            value = _WIRE_MEDIUM.get(value, value)
+        elif field_name == "lora_id" and not isinstance(value, int):
+            # Consumers decode lora_id as an int; kvtier names adapters, so a name goes as None.
+            value = None
+        elif isinstance(value, tuple):
+            value = list(value)
+        wire.append(value)
+    return wire
+
+
+def encode_batch(ts: float, events: Iterable[Any], data_parallel_rank: int = 0) -> bytes:
+    """A KVEventBatch payload: [ts, [events...], data_parallel_rank]."""
+    return msgpack.packb([ts, [encode_event(e) for e in events], data_parallel_rank],
+                         use_bin_type=True)
+
+
+class EventPublisher:
+    """Takes event lists from the engine thread; the base class drops them (publisher "null")."""
+
+    def publish(self, events: list[Any]) -> None:
+        """Queue one batch; never blocks the engine thread."""
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Flush what is queued within timeout_s and release sockets."""
+
+
+class ZmqEventPublisher(EventPublisher):
+    """A PUB socket (and optional ROUTER replay socket) served by one thread.
+
+    ZMQ sockets are not thread safe, so the thread creates, uses and closes them; the engine
+    thread only puts batches on a queue.
+    """
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+        self.config = config
+        self.data_parallel_rank = data_parallel_rank
+        self.num_dropped = 0
+        self._queue: queue.Queue[tuple[float, list[Any]]] = queue.Queue(config.max_queue_size)
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._bind_error: BaseException | None = None
+        self._replay_buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name="kvtier-kv-events", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(_BIND_DEADLINE_S):
+            raise TimeoutError(f"KV event publisher did not bind {config.endpoint} "
+                               f"within {_BIND_DEADLINE_S} s")
+        if self._bind_error is not None:
+            raise KVEventsConfigError(f"cannot bind kv_events_config.endpoint "
+                                      f"{config.endpoint}: {self._bind_error}")
+
+    def publish(self, events: list[Any]) -> None:
+        if not events:
+            return
+        try:
+            self._queue.put_nowait((time.time(), events))
+        except queue.Full:
+            self.num_dropped += 1
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("KV event publisher did not stop within %.1f s", timeout_s)
+
+    def _run(self) -> None:
+        context = zmq.Context.instance()
+        pub = context.socket(zmq.PUB)
+        replay = context.socket(zmq.ROUTER) if self.config.replay_endpoint else None
+        try:
+            pub.setsockopt(zmq.SNDHWM, self.config.hwm)
+            pub.bind(self.config.endpoint)
+            if replay is not None:
+                replay.bind(self.config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._bind_error = exc
+            self._ready.set()
+            _close(pub, replay)
+            return
+        self._ready.set()
+        try:
+            self._serve(pub, replay)
+        finally:
+            _close(pub, replay)
+
+    def _serve(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+        topic = self.config.topic.encode()
+        while not (self._stop.is_set() and self._queue.empty()):
+            if replay is not None:
+                self._answer_replays(replay)
+            try:
+                ts, events = self._queue.get(timeout=_POLL_INTERVAL_S)
+            except queue.Empty:
+                continue
+            payload = encode_batch(ts, events, self.data_parallel_rank)
+            seq = self._seq.to_bytes(8, "big")
+            pub.send_multipart([topic, seq, payload])
+            self._replay_buffer.append((self._seq, payload))
+            self._seq += 1
+
+    def _answer_replays(self, replay: zmq.Socket) -> None:
+        while replay.poll(0):
+            frames = replay.recv_multipart()
+            client, start = frames[0], int.from_bytes(frames[-1], "big")
+            for seq, payload in list(self._replay_buffer):
+                if seq >= start:
+                    replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
+            replay.send_multipart([client, b"", END_SEQ, b""])
+
+
+def _close(*sockets: zmq.Socket | None) -> None:
+    for sock in sockets:
+        if sock is not None:
+            # A short linger lets the last batches reach subscribers at shutdown.
+            sock.close(linger=_CLOSE_LINGER_MS)
+
+
+def make_event_publisher(config: KVEventsConfig | None) -> EventPublisher:
+    """The publisher a config asks for; no config or publisher "null": one that drops events."""
+    if config is None or not config.is_publishing:
+        return EventPublisher()
+    return ZmqEventPublisher(config)

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP API (FastAPI): completions, chat, models, health, metrics."""

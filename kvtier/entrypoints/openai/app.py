@@ -1,0 +1,89 @@
+"""The FastAPI application: routes, API key check, HTTP metrics, error bodies, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from kvtier.entrypoints.openai import chat, completions, system
+from kvtier.entrypoints.openai.context import ServerContext
+from kvtier.entrypoints.openai.errors import AuthenticationError, install_error_handlers
+
+# Only the model API needs the key; probes (/health, /metrics, /version) stay open, as in vLLM.
+_PROTECTED_PREFIX = "/v1"
+
+
+def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0) -> FastAPI:
+    """shutdown_timeout_s: how long shutdown lets in-flight engine requests finish."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        # Off the event loop: draining waits on the engine thread.
+        await asyncio.to_thread(ctx.async_llm.shutdown, shutdown_timeout_s)
+
+    app = FastAPI(title="kvtier", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    for module in (completions, chat, system):
+        app.include_router(module.router)
+
+    app.add_middleware(HTTPMetricsMiddleware, ctx=ctx)
+    if ctx.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=ctx.api_key)
+    return app
+
+
+class APIKeyMiddleware:
+    """401 for /v1 requests without `Authorization: Bearer <key>` (plain ASGI, so streaming
+    responses and disconnect detection pass through untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIX) and \
+                not self._has_key(Headers(scope=scope).get("authorization", "")):
+            error = AuthenticationError("invalid or missing API key; send 'Authorization: "
+                                        "Bearer <key>'", code="invalid_api_key")
+            await error.to_response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+    def _has_key(self, header: str) -> bool:
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.api_key)
+
+
+class HTTPMetricsMiddleware:
+    """Counts requests as http_requests_total{handler, method, status}."""
+
+    def __init__(self, app: ASGIApp, ctx: ServerContext) -> None:
+        self.app = app
+        self.ctx = ctx
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = [500]
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, capture)
+        finally:
+            # The matched route's template, never the raw path (bounded label values).
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.ctx.metrics.http_requests.labels(
+                handler=route, method=scope["method"], status=f"{status[0] // 100}xx").inc()

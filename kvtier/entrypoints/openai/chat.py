@@ -1,0 +1,129 @@
+"""POST /v1/chat/completions: the chat template renders the messages into one prompt."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvtier.engine.outputs import RequestOutput
+from kvtier.entrypoints.openai.connection import (REQUEST_ID_HEADER, base_request_id,
+                                                  cancel_on_disconnect)
+from kvtier.entrypoints.openai.context import ServerContext
+from kvtier.entrypoints.openai.generation import (Outputs, final_outputs, open_generations,
+                                                  output_error, to_api_error)
+from kvtier.entrypoints.openai.logprobs import chat_logprobs
+from kvtier.entrypoints.openai.prompts import Prompt, chat_prompt, check_context
+from kvtier.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
+                                                ChatCompletionRequest, ChatCompletionResponse,
+                                                ChatResponseMessage, ChatStreamChoice,
+                                                DeltaMessage, UsageInfo)
+from kvtier.entrypoints.openai.sampling import chat_sampling_params
+from kvtier.entrypoints.openai.streaming import (DONE, SSE_HEADERS, DeltaTracker, sse,
+                                                 sse_error, usage_dict)
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+    ctx: ServerContext = raw.app.state.ctx
+    ctx.check_model(body.model)
+    params = chat_sampling_params(body)
+    prompt = chat_prompt(ctx, body)
+    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
+        else "max_tokens"
+    check_context(ctx, prompt, params.max_tokens, "messages", max_tokens_param)
+    ctx.metrics.params_n.observe(params.n)
+    if params.max_tokens is not None:
+        ctx.metrics.params_max_tokens.observe(params.max_tokens)
+    response_id = f"chatcmpl-{base_request_id(raw)}"
+    generations = await open_generations(ctx, [prompt], params, [response_id], dict(
+        priority=body.priority, cache_salt=body.cache_salt,
+        kv_transfer_params=body.kv_transfer_params))
+    headers = {REQUEST_ID_HEADER: response_id}
+    if body.stream:
+        return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id),
+                                 media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **headers})
+    finals = await cancel_on_disconnect(raw, final_outputs(generations))
+    if finals is None:
+        return Response(status_code=499)
+    error = output_error(finals[0])
+    if error is not None:
+        raise error
+    response = _response(ctx, body, prompt, finals[0], response_id)
+    return JSONResponse(response.model_dump(exclude_none=True), headers=headers)
+
+
+def _num_top(body: ChatCompletionRequest) -> int:
+    return body.top_logprobs or 0
+
+
+def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
+              final: RequestOutput, response_id: str) -> ChatCompletionResponse:
+    choices = []
+    for completion in final.outputs:
+        logprobs = None
+        if body.logprobs and completion.logprobs is not None:
+            logprobs = chat_logprobs(ctx.tokenizer, completion.token_ids, completion.logprobs,
+                                     _num_top(body))
+        choices.append(ChatChoice(
+            index=completion.index, message=ChatResponseMessage(content=completion.text),
+            logprobs=logprobs, finish_reason=completion.finish_reason,
+            stop_reason=completion.stop_reason,
+            token_ids=completion.token_ids if body.return_token_ids else None))
+    num_completion = sum(len(c.token_ids) for c in final.outputs)
+    usage = UsageInfo(**usage_dict(len(prompt.token_ids), num_completion,
+                                   final.num_cached_tokens))
+    return ChatCompletionResponse(
+        id=response_id, model=ctx.model_name, choices=choices, usage=usage,
+        prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
+        kv_transfer_params=final.kv_transfer_params)
+
+
+async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
+                  outputs: Outputs, response_id: str) -> AsyncIterator[str]:
+    tracker = DeltaTracker()
+    num_cached = 0
+    options = body.stream_options
+    try:
+        async for output in outputs:
+            error = output_error(output)
+            if error is not None:
+                yield sse_error(error)
+                break
+            num_cached = output.num_cached_tokens
+            choices = [choice for completion in output.outputs
+                       if (choice := _stream_choice(ctx, body, tracker, completion))]
+            if choices:
+                usage = None
+                if options and options.continuous_usage_stats:
+                    usage = UsageInfo(**usage_dict(len(prompt.token_ids),
+                                                   tracker.num_completion_tokens, num_cached))
+                yield sse(ChatCompletionChunk(id=response_id, model=ctx.model_name,
+                                              choices=choices, usage=usage))
+        else:
+            if options and options.include_usage:
+                usage = UsageInfo(**usage_dict(len(prompt.token_ids),
+                                               tracker.num_completion_tokens, num_cached))
+                yield sse(ChatCompletionChunk(id=response_id, model=ctx.model_name, choices=[],
+                                              usage=usage))
+    except Exception as exc:  # the stream has started: report in-band, then end it
+        yield sse_error(to_api_error(exc))
+    yield DONE
+
+
+def _stream_choice(ctx: ServerContext, body: ChatCompletionRequest, tracker: DeltaTracker,
+                   completion) -> ChatStreamChoice | None:
+    delta = tracker.advance(completion.index, completion)
+    if delta is None:
+        return None
+    message = DeltaMessage(role="assistant" if delta.is_first else None, content=delta.text)
+    logprobs = None
+    if body.logprobs and delta.logprobs is not None:
+        logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, _num_top(body))
+    return ChatStreamChoice(index=completion.index, delta=message, logprobs=logprobs,
+                            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                            token_ids=delta.token_ids if body.return_token_ids else None)

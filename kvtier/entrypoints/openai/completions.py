@@ -1,0 +1,153 @@
+"""POST /v1/completions: one engine request per prompt, n choices each."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from kvtier.engine.outputs import CompletionOutput, RequestOutput
+from kvtier.entrypoints.openai.connection import (REQUEST_ID_HEADER, base_request_id,
+                                                  cancel_on_disconnect)
+from kvtier.entrypoints.openai.context import ServerContext
+from kvtier.entrypoints.openai.errors import BadRequestError
+from kvtier.entrypoints.openai.generation import (Outputs, final_outputs, merged,
+                                                  open_generations, output_error, to_api_error)
+from kvtier.entrypoints.openai.logprobs import completion_logprobs
+from kvtier.entrypoints.openai.prompts import Prompt, check_context, completion_prompts
+from kvtier.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
+                                                CompletionRequest, CompletionResponse,
+                                                UsageInfo)
+from kvtier.entrypoints.openai.sampling import completion_sampling_params
+from kvtier.entrypoints.openai.streaming import (DONE, SSE_HEADERS, DeltaTracker, sse,
+                                                 sse_error, usage_dict)
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+    ctx: ServerContext = raw.app.state.ctx
+    ctx.check_model(body.model)
+    prompts = completion_prompts(ctx, body.prompt)
+    params = completion_sampling_params(body, len(prompts))
+    if body.echo and body.logprobs is not None:
+        raise BadRequestError("echo together with logprobs is not supported", param="echo",
+                              code="unsupported_parameter")
+    for i, prompt in enumerate(prompts):
+        check_context(ctx, prompt, params.max_tokens,
+                      "prompt" if len(prompts) == 1 else f"prompt[{i}]", "max_tokens")
+    ctx.metrics.params_n.observe(params.n)
+    if params.max_tokens is not None:
+        ctx.metrics.params_max_tokens.observe(params.max_tokens)
+    response_id = f"cmpl-{base_request_id(raw)}"
+    request_ids = [response_id] if len(prompts) == 1 else \
+        [f"{response_id}-{i}" for i in range(len(prompts))]
+    generations = await open_generations(ctx, prompts, params, request_ids, dict(
+        priority=body.priority, cache_salt=body.cache_salt,
+        kv_transfer_params=body.kv_transfer_params))
+    headers = {REQUEST_ID_HEADER: response_id}
+    if body.stream:
+        return StreamingResponse(_stream(ctx, body, prompts, generations, response_id),
+                                 media_type="text/event-stream",
+                                 headers={**SSE_HEADERS, **headers})
+    finals = await cancel_on_disconnect(raw, final_outputs(generations))
+    if finals is None:
+        return Response(status_code=499)
+    for final in finals:
+        error = output_error(final)
+        if error is not None:
+            raise error
+    response = _response(ctx, body, prompts, finals, response_id)
+    return JSONResponse(response.model_dump(exclude_none=True), headers=headers)
+
+
+def _choice_text(body: CompletionRequest, prompt_text: str, completion: CompletionOutput) -> str:
+    return prompt_text + completion.text if body.echo else completion.text
+
+
+def _prompt_text(ctx: ServerContext, prompt: Prompt) -> str:
+    if prompt.text is not None:
+        return prompt.text
+    return ctx.tokenizer.decode(prompt.token_ids) if ctx.tokenizer is not None else ""
+
+
+def _response(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt],
+              finals: list[RequestOutput], response_id: str) -> CompletionResponse:
+    choices = []
+    for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
+        prompt_text = _prompt_text(ctx, prompt) if body.echo else ""
+        for completion in final.outputs:
+            logprobs = None
+            if body.logprobs is not None and completion.logprobs is not None:
+                logprobs = completion_logprobs(ctx.tokenizer, completion.token_ids,
+                                               completion.logprobs, body.logprobs, 0)
+            choices.append(CompletionChoice(
+                index=prompt_index * body.n + completion.index,
+                text=_choice_text(body, prompt_text, completion), logprobs=logprobs,
+                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
+                prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
+                token_ids=completion.token_ids if body.return_token_ids else None))
+    num_completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    usage = UsageInfo(**usage_dict(sum(len(p.token_ids) for p in prompts), num_completion,
+                                   sum(f.num_cached_tokens for f in finals)))
+    return CompletionResponse(id=response_id, model=ctx.model_name, choices=choices,
+                              usage=usage, kv_transfer_params=finals[0].kv_transfer_params)
+
+
+async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt],
+                  generations: list[Outputs], response_id: str) -> AsyncIterator[str]:
+    trackers = [DeltaTracker() for _ in prompts]
+    num_cached = [0] * len(prompts)
+    num_prompt = sum(len(p.token_ids) for p in prompts)
+    try:
+        async for prompt_index, output in merged(generations):
+            error = output_error(output)
+            if error is not None:
+                yield sse_error(error)
+                break
+            num_cached[prompt_index] = output.num_cached_tokens
+            choices = _chunk_choices(ctx, body, prompts[prompt_index], prompt_index,
+                                     trackers[prompt_index], output)
+            if choices:
+                usage = None
+                if body.stream_options and body.stream_options.continuous_usage_stats:
+                    usage = UsageInfo(**usage_dict(
+                        num_prompt, sum(t.num_completion_tokens for t in trackers),
+                        sum(num_cached)))
+                yield sse(CompletionChunk(id=response_id, model=ctx.model_name,
+                                          choices=choices, usage=usage))
+        else:
+            if body.stream_options and body.stream_options.include_usage:
+                usage = UsageInfo(**usage_dict(
+                    num_prompt, sum(t.num_completion_tokens for t in trackers),
+                    sum(num_cached)))
+                yield sse(CompletionChunk(id=response_id, model=ctx.model_name, choices=[],
+                                          usage=usage))
+    except Exception as exc:  # the stream has started: report in-band, then end it
+        yield sse_error(to_api_error(exc))
+    yield DONE
+
+
+def _chunk_choices(ctx: ServerContext, body: CompletionRequest, prompt: Prompt,
+                   prompt_index: int, tracker: DeltaTracker,
+                   output: RequestOutput) -> list[CompletionChoice]:
+    choices = []
+    for completion in output.outputs:
+        delta = tracker.advance(completion.index, completion)
+        if delta is None:
+            continue
+        prefix = _prompt_text(ctx, prompt) if body.echo and delta.is_first else ""
+        logprobs = None
+        if body.logprobs is not None and delta.logprobs is not None:
+            logprobs = completion_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs,
+                                           body.logprobs, delta.text_start)
+        choices.append(CompletionChoice(
+            index=prompt_index * body.n + completion.index, text=prefix + delta.text,
+            logprobs=logprobs, finish_reason=delta.finish_reason,
+            stop_reason=delta.stop_reason,
+            prompt_token_ids=prompt.token_ids if body.return_token_ids and delta.is_first
+            else None,
+            token_ids=delta.token_ids if body.return_token_ids else None))
+    return choices

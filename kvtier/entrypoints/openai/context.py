@@ -1,0 +1,65 @@
+"""What every endpoint needs: the AsyncLLM, the served names, limits and server metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.engine.async_llm import AsyncLLM
+from kvtier.entrypoints.openai.errors import BadRequestError
+
+# vLLM's bucket edges for request parameters.
+_N_BUCKETS = (1, 2, 5, 10, 20)
+_MAX_TOKENS_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000,
+                       50000, 100000)
+
+
+class ServerMetrics:
+    """Series the HTTP layer measures; the engine records the per-request ones itself."""
+
+    def __init__(self, registry: Any) -> None:
+        self.http_requests = registry.counter(
+            "http_requests_total", "HTTP requests by handler, method and status class.",
+            labelnames=("handler", "method", "status"))
+        self.params_n = registry.histogram("vllm:request_params_n",
+                                           "The n request parameter.", buckets=_N_BUCKETS)
+        self.params_max_tokens = registry.histogram(
+            "vllm:request_params_max_tokens", "The max_tokens request parameter.",
+            buckets=_MAX_TOKENS_BUCKETS)
+
+
+@dataclass
+class ServerContext:
+    async_llm: AsyncLLM
+    # The first name is the one responses carry; requests may use any of them.
+    served_model_names: tuple[str, ...]
+    model_path: str | None
+    api_key: str | None
+    metrics: ServerMetrics
+
+    @property
+    def engine(self) -> Any:
+        return self.async_llm.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    def check_model(self, requested: str | None) -> None:
+        """None means the served model (vLLM allows leaving it out)."""
+        if requested is not None and requested not in self.served_model_names:
+            raise BadRequestError(f"the model '{requested}' does not exist; this server serves "
+                                  f"{', '.join(self.served_model_names)}", param="model",
+                                  code="model_not_found")

@@ -1,0 +1,116 @@
+"""OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}.
+
+Every failure a client can cause ends here as a JSON error with the field it concerns in
+`param`; anything else becomes a 500 with the same shape, and the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvtier.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client should wait before retrying a request refused for load.
+RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """An error answered to the client as-is (status, OpenAI error body, extra headers)."""
+
+    status_code = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def to_response(self) -> JSONResponse:
+        info = ErrorInfo(message=self.message, type=self.error_type, param=self.param,
+                         code=self.code)
+        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=self.status_code,
+                            headers=self.headers)
+
+
+class BadRequestError(APIError):
+    pass
+
+
+class AuthenticationError(APIError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
+class NotFoundError(APIError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class ServiceUnavailableError(APIError):
+    status_code = 503
+    error_type = "service_unavailable_error"
+
+    def __init__(self, message: str, *, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+class InternalServerError(APIError):
+    status_code = 500
+    error_type = "internal_server_error"
+
+
+def param_from_location(location: tuple) -> str | None:
+    """("body", "messages", 0, "content") -> "messages[0].content"."""
+    parts = [p for p in location if p != "body"]
+    text = ""
+    for part in parts:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text or None
+
+
+def validation_error(exc: RequestValidationError) -> BadRequestError:
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+    if first.get("type") == "json_invalid":
+        detail = first.get("ctx", {}).get("error", first.get("msg"))
+        return BadRequestError(f"malformed JSON body: {detail}", code="invalid_json")
+    param = param_from_location(tuple(first.get("loc", ())))
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        return BadRequestError(f"missing required field '{param}'", param=param,
+                               code="missing_required_parameter")
+    if first.get("type") == "model_attributes_type":
+        return BadRequestError("request body must be a JSON object", code="invalid_json")
+    return BadRequestError(f"invalid value for '{param}': {message}", param=param,
+                           code="invalid_value")
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).to_response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = APIError(str(exc.detail), code=str(exc.status_code))
+        error.status_code = exc.status_code
+        return error.to_response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s", request.url.path)
+        return InternalServerError(f"internal server error: {exc!r}").to_response()

@@ -1,0 +1,140 @@
+"""Opening engine requests for an endpoint, and following them until they end.
+
+`open_generations` adds every prompt's request before the endpoint answers, so refusals (bad
+input, full queue) become 400 / 503 instead of a broken 200 stream. Leaving a generator early
+(client gone) aborts its request in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator
+
+from kvtier.engine.async_llm import EngineDeadError, EngineShuttingDownError, EngineStepError
+from kvtier.engine.outputs import RequestOutput
+from kvtier.entrypoints.openai.context import ServerContext
+from kvtier.entrypoints.openai.errors import (APIError, BadRequestError, InternalServerError,
+                                              ServiceUnavailableError)
+from kvtier.entrypoints.openai.prompts import Prompt
+from kvtier.sampling_params import SamplingParams
+from kvtier.sched.errors import SchedulerQueueFullError
+
+Outputs = AsyncIterator[RequestOutput]
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """The client-facing form of whatever adding or running a request raised."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, SchedulerQueueFullError) or type(exc).__name__ == "EngineQueueFullError":
+        return ServiceUnavailableError(f"the server is at capacity ({exc}); retry later",
+                                       code="queue_full")
+    if isinstance(exc, EngineShuttingDownError):
+        return ServiceUnavailableError(str(exc), code="shutting_down")
+    if isinstance(exc, EngineDeadError):
+        return ServiceUnavailableError(str(exc), code="engine_dead")
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return ServiceUnavailableError("the engine did not answer in time; retry later",
+                                       code="timeout")
+    if isinstance(exc, EngineStepError):
+        return InternalServerError(str(exc), code="engine_step_failed")
+    if isinstance(exc, ValueError):
+        return BadRequestError(str(exc), code="invalid_value")
+    return InternalServerError(f"internal server error: {exc!r}")
+
+
+def output_error(output: RequestOutput) -> APIError | None:
+    """A request the engine finished with an error (e.g. a failed KV load under policy fail)."""
+    if output.error is None:
+        return None
+    return InternalServerError(f"request failed in the engine: {output.error}",
+                               code="request_failed")
+
+
+async def open_generations(ctx: ServerContext, prompts: list[Prompt], params: SamplingParams,
+                           request_ids: list[str], options: dict[str, Any]) -> list[Outputs]:
+    """One started generation per prompt; if any is refused, the others are aborted."""
+    results = await asyncio.gather(
+        *(_open_one(ctx, p, params, rid, options) for p, rid in zip(prompts, request_ids)),
+        return_exceptions=True)
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is None:
+        return list(results)
+    for result in results:
+        if not isinstance(result, BaseException):
+            await result.aclose()
+    raise to_api_error(failure) from failure
+
+
+async def _open_one(ctx: ServerContext, prompt: Prompt, params: SamplingParams,
+                    request_id: str, options: dict[str, Any]) -> Outputs:
+    outputs = ctx.async_llm.generate(prompt.token_ids, params, request_id, **options)
+    try:
+        first = await outputs.__anext__()
+    except BaseException:
+        await outputs.aclose()
+        raise
+    return _prepend(first, outputs)
+
+
+async def _prepend(first: RequestOutput, rest: Outputs) -> Outputs:
+    try:
+        yield first
+        if not first.finished:
+            async for output in rest:
+                yield output
+    finally:
+        await rest.aclose()
+
+
+async def final_outputs(generations: list[Outputs]) -> list[RequestOutput]:
+    """The last (finished) output of each generation, run concurrently."""
+    async def last(outputs: Outputs) -> RequestOutput:
+        final = None
+        try:
+            async for final in outputs:
+                pass
+        finally:
+            await outputs.aclose()
+        return final
+
+    tasks = [asyncio.ensure_future(last(g)) for g in generations]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def merged(generations: list[Outputs]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from all generations in arrival order."""
+    if len(generations) == 1:
+        async for output in generations[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, outputs: Outputs) -> None:
+        try:
+            async for output in outputs:
+                queue.put_nowait((index, output))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            queue.put_nowait((index, exc))
+        finally:
+            await outputs.aclose()
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

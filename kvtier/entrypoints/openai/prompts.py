@@ -1,0 +1,112 @@
+"""Prompts as token ids, checked against the vocabulary and the context length.
+
+Tokenizing here (not in the engine) lets every refusal name the request field, and hands the
+engine ids it can trust: an out-of-vocabulary id would otherwise fail a whole batched step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.entrypoints.openai.context import ServerContext
+from kvtier.entrypoints.openai.errors import BadRequestError
+from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
+from kvtier.models.errors import ChatTemplateError
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str | None
+    token_ids: list[int]
+
+
+def completion_prompts(ctx: ServerContext, prompt: Any) -> list[Prompt]:
+    """OpenAI's four prompt forms: text, texts, token ids, lists of token ids."""
+    if isinstance(prompt, str):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        items = [prompt]
+    else:
+        items = list(prompt)
+    if not items:
+        raise BadRequestError("prompt must not be empty", param="prompt", code="invalid_value")
+    return [_one_prompt(ctx, item, f"prompt[{i}]" if len(items) > 1 else "prompt")
+            for i, item in enumerate(items)]
+
+
+def _one_prompt(ctx: ServerContext, item: str | list[int], param: str) -> Prompt:
+    if isinstance(item, str):
+        token_ids = _tokenize(ctx, item, param, add_special_tokens=True)
+        prompt = Prompt(item, token_ids)
+    else:
+        _check_token_ids(ctx, item, param)
+        prompt = Prompt(None, list(item))
+    if not prompt.token_ids:
+        raise BadRequestError(f"{param} must not be empty", param=param, code="invalid_value")
+    return prompt
+
+
+def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> Prompt:
+    if not request.messages:
+        raise BadRequestError("messages must not be empty", param="messages",
+                              code="invalid_value")
+    if ctx.tokenizer is None:
+        raise BadRequestError("this model has no tokenizer, so it cannot take chat messages",
+                              param="messages", code="invalid_value")
+    messages = [_message_dict(m, i) for i, m in enumerate(request.messages)]
+    try:
+        text = ctx.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=request.add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise BadRequestError(str(exc), param="messages", code="invalid_value") from exc
+    # The template writes the special tokens itself.
+    token_ids = _tokenize(ctx, text, "messages", add_special_tokens=False)
+    return Prompt(text, token_ids)
+
+
+def _message_dict(message: Any, index: int) -> dict[str, Any]:
+    content = message.content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.type != "text" or part.text is None:
+                raise BadRequestError(f"content part type '{part.type}' is not supported; only "
+                                      f"text", param=f"messages[{index}].content[{j}].type",
+                                      code="unsupported_parameter")
+            texts.append(part.text)
+        content = "\n".join(texts)
+    extra = {k: v for k, v in (message.model_extra or {}).items() if isinstance(v, str)}
+    return {**extra, "role": message.role, "content": content or ""}
+
+
+def _tokenize(ctx: ServerContext, text: str, param: str, add_special_tokens: bool) -> list[int]:
+    if ctx.tokenizer is None:
+        raise BadRequestError("this model has no tokenizer; send token ids instead of text",
+                              param=param, code="invalid_value")
+    return ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def _check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> None:
+    vocab_size = ctx.vocab_size
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequestError(f"{param} holds token id {bad}, outside the vocabulary "
+                              f"[0, {vocab_size})", param=param, code="invalid_value")
+
+
+def check_context(ctx: ServerContext, prompt: Prompt, max_tokens: int | None,
+                  prompt_param: str, max_tokens_param: str) -> None:
+    """The prompt must leave room for at least one token, and for max_tokens if given."""
+    num_prompt = len(prompt.token_ids)
+    limit = ctx.max_model_len
+    if num_prompt >= limit:
+        raise BadRequestError(
+            f"this model's maximum context length is {limit} tokens, but the {prompt_param} "
+            f"has {num_prompt} tokens; shorten it to at most {limit - 1}",
+            param=prompt_param, code="context_length_exceeded")
+    if max_tokens is not None and num_prompt + max_tokens > limit:
+        raise BadRequestError(
+            f"{max_tokens_param}={max_tokens} is too large: the prompt has {num_prompt} tokens "
+            f"and the context holds {limit}; ask for at most {limit - num_prompt}",
+            param=max_tokens_param, code="context_length_exceeded")

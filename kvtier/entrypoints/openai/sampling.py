@@ -1,0 +1,108 @@
+"""Turns an API request into SamplingParams, refusing what the engine cannot honour.
+
+SamplingParams owns the value rules (ranges, min_tokens <= max_tokens); this file adds the
+limits that protect a shared server (n, logprobs, seed range) and the OpenAI fields kvtier does
+not implement, so nothing is silently ignored. Each refusal names the request field.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from kvtier.entrypoints.openai.errors import BadRequestError
+from kvtier.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
+                                                SamplingFields)
+from kvtier.sampling_params import SamplingParams
+
+# Completions one request may ask for (prompts x n): each one is a request in the engine.
+MAX_CHOICES = 128
+# The most top logprobs per token, as OpenAI allows.
+MAX_LOGPROBS = 20
+_SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+_FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+
+
+def completion_sampling_params(request: CompletionRequest, num_prompts: int) -> SamplingParams:
+    _check_common(request, num_prompts)
+    if request.best_of is not None and request.best_of != request.n:
+        raise BadRequestError("best_of other than n is not supported", param="best_of",
+                              code="unsupported_parameter")
+    if request.suffix is not None:
+        raise BadRequestError("suffix is not supported", param="suffix",
+                              code="unsupported_parameter")
+    _check_logprobs(request.logprobs, "logprobs")
+    return _build(request, max_tokens=request.max_tokens, max_tokens_param="max_tokens",
+                  logprobs=request.logprobs)
+
+
+def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+    _check_common(request, 1)
+    if request.tools:
+        raise BadRequestError("tools are not supported", param="tools",
+                              code="unsupported_parameter")
+    if request.response_format and request.response_format.get("type", "text") != "text":
+        raise BadRequestError("only response_format {\"type\": \"text\"} is supported",
+                              param="response_format", code="unsupported_parameter")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs",
+                              code="invalid_value")
+    _check_logprobs(request.top_logprobs, "top_logprobs")
+    logprobs = (request.top_logprobs or 0) if request.logprobs else None
+    param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
+    max_tokens = request.max_completion_tokens if param == "max_completion_tokens" \
+        else request.max_tokens
+    return _build(request, max_tokens=max_tokens, max_tokens_param=param, logprobs=logprobs)
+
+
+def _check_common(request: SamplingFields, num_prompts: int) -> None:
+    for name in _FLOAT_FIELDS:
+        value = getattr(request, name)
+        if value is not None and not math.isfinite(value):
+            raise BadRequestError(f"{name} must be a finite number, got {value}", param=name,
+                                  code="invalid_value")
+    if request.n * num_prompts > MAX_CHOICES:
+        raise BadRequestError(f"n x number of prompts must be <= {MAX_CHOICES}, got "
+                              f"{request.n * num_prompts}", param="n", code="invalid_value")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name) != 0.0:
+            raise BadRequestError(f"{name} is not supported (must be 0)", param=name,
+                                  code="unsupported_parameter")
+    if request.logit_bias:
+        raise BadRequestError("logit_bias is not supported", param="logit_bias",
+                              code="unsupported_parameter")
+    if request.seed is not None and not _SEED_RANGE[0] <= request.seed <= _SEED_RANGE[1]:
+        raise BadRequestError("seed must fit in 64 bits", param="seed", code="invalid_value")
+
+
+def _check_logprobs(value: int | None, param: str) -> None:
+    if value is not None and not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequestError(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}",
+                              param=param, code="invalid_value")
+
+
+def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
+           logprobs: int | None) -> SamplingParams:
+    if max_tokens is not None and max_tokens < 1:
+        raise BadRequestError(f"{max_tokens_param} must be >= 1, got {max_tokens}",
+                              param=max_tokens_param, code="invalid_value")
+    options = dict(
+        n=request.n,
+        temperature=1.0 if request.temperature is None else request.temperature,
+        top_p=1.0 if request.top_p is None else request.top_p,
+        top_k=0 if request.top_k is None else request.top_k,
+        min_p=0.0 if request.min_p is None else request.min_p,
+        seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
+        stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
+        stop_token_ids=list(request.stop_token_ids or []), ignore_eos=request.ignore_eos,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        skip_special_tokens=request.skip_special_tokens, logprobs=logprobs)
+    try:
+        return SamplingParams(**options)
+    except ValueError as exc:
+        match = _FIELD_IN_MESSAGE.search(str(exc))
+        param = match.group(1) if match else None
+        if param == "max_tokens":
+            param = max_tokens_param
+        raise BadRequestError(str(exc), param=param, code="invalid_value") from exc

@@ -1,0 +1,76 @@
+"""Server-sent events and the per-choice deltas between cumulative engine outputs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvtier.engine.outputs import CompletionOutput
+from kvtier.entrypoints.openai.errors import APIError
+from kvtier.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+DONE = "data: [DONE]\n\n"
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(body: BaseModel) -> str:
+    return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+
+
+def sse_error(error: APIError) -> str:
+    info = ErrorInfo(message=error.message, type=error.error_type, param=error.param,
+                     code=error.code)
+    return f"data: {json.dumps(ErrorResponse(error=info).model_dump())}\n\n"
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one choice gained since the last chunk sent for it."""
+
+    text: str
+    # Offset of text in the choice's whole output text.
+    text_start: int
+    token_ids: list[int]
+    # Offset of token_ids in the choice's whole output (for logprob slices).
+    start: int
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    is_first: bool
+
+
+class DeltaTracker:
+    """Turns cumulative CompletionOutputs into deltas, one stream of them per choice index."""
+
+    def __init__(self) -> None:
+        # choice index -> (characters sent, tokens sent, finished sent)
+        self._sent: dict[int, tuple[int, int, bool]] = {}
+
+    def advance(self, index: int, completion: CompletionOutput) -> Delta | None:
+        text_len, num_tokens, done = self._sent.get(index, (0, 0, False))
+        if done:
+            return None
+        text = completion.text[text_len:]
+        token_ids = completion.token_ids[num_tokens:]
+        finished = completion.finish_reason is not None
+        is_first = index not in self._sent
+        if not (text or token_ids or finished or is_first):
+            return None
+        self._sent[index] = (len(completion.text), len(completion.token_ids), finished)
+        logprobs = None if completion.logprobs is None else \
+            completion.logprobs[num_tokens:num_tokens + len(token_ids)]
+        return Delta(text, text_len, token_ids, num_tokens, logprobs, completion.finish_reason,
+                     completion.stop_reason if finished else None, is_first)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(num_tokens for _, num_tokens, _ in self._sent.values())
+
+
+def usage_dict(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+            "total_tokens": num_prompt + num_completion,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}

@@ -1,0 +1,44 @@
+"""GET /v1/models, /health, /version, /metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import kvtier
+from kvtier.entrypoints.openai.context import ServerContext
+from kvtier.entrypoints.openai.errors import ServiceUnavailableError
+from kvtier.entrypoints.openai.protocol import ModelCard, ModelList
+
+router = APIRouter()
+
+
+def _ctx(raw: Request) -> ServerContext:
+    return raw.app.state.ctx
+
+
+@router.get("/v1/models")
+async def list_models(raw: Request) -> JSONResponse:
+    ctx = _ctx(raw)
+    cards = [ModelCard(id=name, root=ctx.model_path or ctx.engine.model_name,
+                       max_model_len=ctx.max_model_len) for name in ctx.served_model_names]
+    return JSONResponse(ModelList(data=cards).model_dump())
+
+
+@router.get("/health")
+async def health(raw: Request) -> Response:
+    """200 while the engine loop runs; 503 once it has stopped (a load balancer drains us)."""
+    if not _ctx(raw).async_llm.is_running:
+        raise ServiceUnavailableError("the engine loop is not running", code="engine_dead")
+    return Response(status_code=200)
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": kvtier.__version__})
+
+
+@router.get("/metrics")
+async def metrics(raw: Request) -> Response:
+    return Response(_ctx(raw).engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)

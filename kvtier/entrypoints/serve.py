@@ -1,0 +1,74 @@
+"""`kvtier serve [MODEL]`: the OpenAI-compatible server on uvicorn.
+
+SIGTERM / Ctrl-C: uvicorn stops accepting connections and lets in-flight requests finish (up to
+--shutdown-timeout), then the engine drains what is left and stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+from kvtier.engine.args import add_engine_args, engine_config_from_args
+
+logger = logging.getLogger(__name__)
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; 0.0.0.0 exposes it)")
+    group.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    group.add_argument("--api-key", default=None,
+                       help="require 'Authorization: Bearer KEY' on /v1 requests")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use (default: the model argument)")
+    group.add_argument("--kv-events-config", default=None,
+                       help='KV event publishing as JSON, vLLM\'s shape, e.g. '
+                            '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                            '"endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events"}\'')
+    group.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish at shutdown")
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvtier.engine.async_llm import AsyncLLM
+    from kvtier.engine.engine import Engine
+    from kvtier.engine.kv_events import KVEventsConfig, make_event_publisher
+    from kvtier.entrypoints.openai.app import build_app
+    from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout <= 0:
+        raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
+    config = engine_config_from_args(args)
+    events_config = None
+    if args.kv_events_config is not None:
+        events_config = KVEventsConfig.from_json(args.kv_events_config)
+        if events_config.enable_kv_cache_events:
+            config = dataclasses.replace(config, cache=dataclasses.replace(
+                config.cache, enable_kv_cache_events=True))
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # Bind the event socket before loading the model: a taken port fails fast.
+    publisher = make_event_publisher(events_config)
+    engine = Engine(config)
+    async_llm = AsyncLLM(engine, publisher)
+    model_arg = config.model.model
+    names = tuple(args.served_model_name or [model_arg or engine.model_name])
+    ctx = ServerContext(async_llm, names, model_arg, args.api_key,
+                        ServerMetrics(engine.metrics))
+    app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        timeout_graceful_shutdown=int(args.shutdown_timeout)))
+    logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    server.run()
+    return 0

@@ -1,0 +1,69 @@
+"""Runs `kvtier serve` in a subprocess on a free port, and stops it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+
+# Loading torch and the model under a shared, busy CPU can take a while.
+START_DEADLINE_S = 120.0
+STOP_DEADLINE_S = 30.0
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    def __init__(self, model_dir: str, *extra_args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        command = [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", model_dir,
+                   "--port", str(self.port), "--dtype", "float32",
+                   "--uvicorn-log-level", "warning", *extra_args]
+        self.log_path = os.path.join(model_dir, f"server-{self.port}.log")
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log,
+                                        stderr=subprocess.STDOUT)
+        self._wait_healthy()
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + START_DEADLINE_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}: {self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"server not healthy within {START_DEADLINE_S} s: {self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def terminate(self) -> int:
+        """SIGTERM, then wait for the exit code (killing it past the deadline)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(STOP_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(STOP_DEADLINE_S)
+
+    def stop(self) -> None:
+        self.terminate()
+        self._log.close()

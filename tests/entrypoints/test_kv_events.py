@@ -1,0 +1,90 @@
+"""KV event wire format and the ZMQ publisher (real sockets on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from kvtier.engine.kv_events import (END_SEQ, KVEventsConfig, KVEventsConfigError,
+                                     ZmqEventPublisher, encode_batch, encode_event,
+                                     make_event_publisher)
+from kvtier.kv import AllBlocksCleared, BlockRemoved, BlockStored
+from server_process import free_port
+
+HASH_A = bytes(range(32))
+HASH_B = bytes([0xFF] * 32)
+RECV_DEADLINE_MS = 5000
+
+
+def test_events_encode_in_vllm_layout():
+    stored = BlockStored([HASH_A, HASH_B], None, [1, 2, 3, 4], 2, None, "device", 0)
+    removed = BlockRemoved([HASH_B], "device", 0)
+    low_a = int.from_bytes(HASH_A[-8:], "big")
+    assert encode_event(stored) == ["BlockStored", [low_a, 2 ** 64 - 1], None, [1, 2, 3, 4], 2,
+                                    None, "GPU"]
+    assert encode_event(removed) == ["BlockRemoved", [2 ** 64 - 1], "GPU"]
+    assert encode_event(AllBlocksCleared()) == ["AllBlocksCleared"]
+    payload = msgpack.unpackb(encode_batch(12.5, [removed, AllBlocksCleared()]))
+    assert payload == [12.5, [["BlockRemoved", [2 ** 64 - 1], "GPU"], ["AllBlocksCleared"]], 0]
+
+
+def test_config_defaults_and_errors():
+    config = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "topic": "t"}')
+    assert (config.publisher, config.endpoint, config.is_publishing) == \
+        ("zmq", "tcp://127.0.0.1:5557", True)
+    assert KVEventsConfig().publisher == "null"
+    with pytest.raises(KVEventsConfigError, match="unknown kv_events_config key"):
+        KVEventsConfig.from_dict({"enable_kv_cache_events": True, "endpoit": "x"})
+    with pytest.raises(KVEventsConfigError, match="publisher"):
+        KVEventsConfig(enable_kv_cache_events=True, publisher="kafka")
+    with pytest.raises(KVEventsConfigError, match="endpoint"):
+        KVEventsConfig(endpoint="127.0.0.1:5557")
+    with pytest.raises(KVEventsConfigError, match="not valid JSON"):
+        KVEventsConfig.from_json("{")
+    assert type(make_event_publisher(None)).__name__ == "EventPublisher"
+
+
+def test_publisher_sends_sequenced_batches_and_replays():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher = ZmqEventPublisher(KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=endpoint, replay_endpoint=replay_endpoint,
+        topic="kv"))
+    context = zmq.Context.instance()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    sub.setsockopt(zmq.RCVTIMEO, RECV_DEADLINE_MS)
+    sub.connect(endpoint)
+    replay = context.socket(zmq.DEALER)
+    replay.setsockopt(zmq.RCVTIMEO, RECV_DEADLINE_MS)
+    replay.connect(replay_endpoint)
+    try:
+        time.sleep(0.5)  # let the subscription reach the PUB socket
+        publisher.publish([BlockRemoved([HASH_A], "device", 0)])
+        publisher.publish([AllBlocksCleared()])
+        received = [sub.recv_multipart() for _ in range(2)]
+        assert [(t, int.from_bytes(s, "big")) for t, s, _ in received] == [(b"kv", 0),
+                                                                           (b"kv", 1)]
+        assert msgpack.unpackb(received[1][2])[1] == [["AllBlocksCleared"]]
+        replay.send_multipart([b"", (1).to_bytes(8, "big")])
+        first = replay.recv_multipart()
+        end = replay.recv_multipart()
+        assert first[:2] == [b"", (1).to_bytes(8, "big")] and first[2] == received[1][2]
+        assert end == [b"", END_SEQ, b""]
+    finally:
+        sub.close(linger=0)
+        replay.close(linger=0)
+        publisher.shutdown()
+
+
+def test_taken_port_fails_at_start():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
+    try:
+        with pytest.raises(KVEventsConfigError, match="cannot bind"):
+            ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
+    finally:
+        first.shutdown()

@@ -1,0 +1,92 @@
+"""A server with one running slot and one waiting slot: 503 when full; graceful SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from server_process import ServerProcess
+
+# Long enough that the first request is still running while the test fills the queue.
+LONG = 1500
+SHORT = 64
+WAIT_DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    proc = ServerProcess(tiny_model[0], "--max-num-seqs", "1", "--max-waiting-requests", "1",
+                         "--num-device-blocks", "64")
+    yield proc
+    proc.stop()
+
+
+def _stream(url: str, prompt: list[int], max_tokens: int, result: dict,
+            first_token: threading.Event, stop: threading.Event) -> None:
+    """Read a streamed completion into result; leave early (disconnect) once stop is set."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "return_token_ids": True, "temperature": 0.0}
+    tokens, finish = [], None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120.0) as response:
+        for line in response.iter_lines():
+            if stop.is_set():
+                break
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            tokens += choice.get("token_ids", [])
+            finish = choice.get("finish_reason") or finish
+            first_token.set()
+    result.update(status=response.status_code, tokens=tokens, finish=finish)
+
+
+def _start(url: str, prompt: list[int], max_tokens: int, stop: threading.Event):
+    result, first_token = {}, threading.Event()
+    thread = threading.Thread(target=_stream, args=(url, prompt, max_tokens, result,
+                                                    first_token, stop))
+    thread.start()
+    return thread, result, first_token
+
+
+def _waiting(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines():
+        if line.startswith("vllm:num_requests_waiting "):
+            return float(line.split()[1])
+    raise AssertionError("vllm:num_requests_waiting missing from /metrics")
+
+
+def test_full_waiting_queue_is_503_with_retry_after(server):
+    stop = threading.Event()
+    running, _, running_started = _start(server.url, [3, 4, 5], LONG, stop)
+    try:
+        assert running_started.wait(WAIT_DEADLINE_S)
+        queued, _, _ = _start(server.url, [4, 4, 5], LONG, stop)
+        deadline = time.monotonic() + WAIT_DEADLINE_S
+        while _waiting(server.url) != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        refused = httpx.post(f"{server.url}/v1/completions",
+                             json={"prompt": [7], "max_tokens": 2}, timeout=30.0)
+        assert running.is_alive()
+    finally:
+        stop.set()
+    assert refused.status_code == 503
+    assert refused.headers["retry-after"] == "1"
+    error = refused.json()["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable_error", "queue_full")
+    for thread in (running, queued):
+        thread.join(WAIT_DEADLINE_S)
+
+
+def test_sigterm_finishes_in_flight_request(server):
+    thread, result, first_token = _start(server.url, [9, 8, 7], SHORT, threading.Event())
+    assert first_token.wait(WAIT_DEADLINE_S)
+    # uvicorn re-raises the signal once shutdown is done, so the exit status says SIGTERM.
+    assert server.terminate() == -signal.SIGTERM
+    thread.join(WAIT_DEADLINE_S)
+    assert (result["status"], len(result["tokens"]), result["finish"]) == \
+        (200, SHORT, "length")
