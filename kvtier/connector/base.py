@@ -61,6 +61,9 @@ class ConnectorContext:
     namespace: bytes
     # Engine metrics registry (kvtier.engine.metrics.MetricsRegistry) or None.
     metrics: Any = None
+    # The device KV cache geometry (kvtier.kv.KVCacheConfig: groups, layer names, specs) or
+    # None; connectors that lay KV out in their own memory (offloading) need it.
+    kv_cache_config: Any = None
 
 
 class KVConnectorScheduler(ABC):

@@ -1,0 +1,301 @@
+"""ExampleConnector: the reference connector, one file per KV block in a shared directory.
+
+Read this file to write your own connector. It shows the whole lifecycle:
+
+* scheduler half: `get_num_new_matched_tokens` counts the request's next blocks that have a file;
+  `update_state_after_alloc` remembers the blocks the scheduler allocated for them;
+  `build_connector_meta` turns that into this step's loads, plus saves of every block that
+  becomes full of computed KV this step;
+* worker half: `start_load_kv` copies files into the paged cache on a background thread and
+  `get_finished` reports the request in `finished_recving` when its load is done; bad or missing
+  files come back through `get_block_ids_with_load_errors`; `wait_for_save` copies this step's
+  full blocks out of the paged cache and writes them on another thread.
+
+A block's file is named by its chained block hash (which covers the whole prefix) under a
+directory named by the engine's namespace digest, so any later request or any other process
+running the same model with the same prefix finds it. Writes go to a temporary file renamed
+into place, so a reader never sees half a block.
+
+Extra config: {"shared_storage_path": DIR, "flush_timeout_s": 30.0}. Models with one KV cache
+group only (all layers full attention, or all the same sliding window).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import pickle
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvtier.connector.base import (ConnectorContext, KVConnectorBase, KVConnectorMetadata,
+                                   KVConnectorScheduler, KVConnectorWorker)
+from kvtier.connector.config import KVTransferConfig, parse_options
+
+if TYPE_CHECKING:
+    from kvtier.kv import KVCacheBlocks, Request
+    from kvtier.sched.output import SchedulerOutput
+
+# What torch.load raises on a truncated or garbled file.
+_CORRUPT_FILE_ERRORS = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)
+
+
+@dataclass(frozen=True)
+class ExampleConnectorOptions:
+    shared_storage_path: str
+    # Deadline for writes still in flight when the engine shuts down.
+    flush_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shared_storage_path, str) or not self.shared_storage_path:
+            raise ValueError("ExampleConnector extra config: shared_storage_path must be a "
+                             f"directory path, got {self.shared_storage_path!r}")
+        if not isinstance(self.flush_timeout_s, (int, float)) or self.flush_timeout_s <= 0:
+            raise ValueError("ExampleConnector extra config: flush_timeout_s must be a number "
+                             f"of seconds > 0, got {self.flush_timeout_s!r}")
+
+
+def _parse_options(config: KVTransferConfig) -> ExampleConnectorOptions:
+    return parse_options(ExampleConnectorOptions, config.kv_connector_extra_config,
+                         "ExampleConnector extra config")
+
+
+class BlockFiles:
+    """Names the file of each block: <root>/<namespace digest>/<block hash>.kv."""
+
+    def __init__(self, root: str, namespace: bytes) -> None:
+        self.directory = os.path.join(root, hashlib.sha256(namespace).hexdigest()[:32])
+
+    def path(self, block_hash: bytes) -> str:
+        return os.path.join(self.directory, block_hash.hex() + ".kv")
+
+    def exists(self, block_hash: bytes) -> bool:
+        return os.path.exists(self.path(block_hash))
+
+
+@dataclass(frozen=True)
+class BlockTransfer:
+    """One block moved between the paged cache (by id) and its file (by hash)."""
+
+    block_id: int
+    block_hash: bytes
+
+
+@dataclass
+class ExampleConnectorMetadata(KVConnectorMetadata):
+    # request id -> the blocks to fill for it; the request is reported once all are tried.
+    loads: dict[str, list[BlockTransfer]] = field(default_factory=dict)
+    saves: list[BlockTransfer] = field(default_factory=list)
+
+
+class ExampleConnectorScheduler(KVConnectorScheduler):
+    """Decides which blocks to load and save; touches only the file names, never the bytes."""
+
+    def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
+        super().__init__(config, context)
+        self.files = BlockFiles(_parse_options(config).shared_storage_path, context.namespace)
+        self._requests: dict[str, "Request"] = {}
+        self._block_ids: dict[str, list[int]] = {}
+        self._num_saved_blocks: dict[str, int] = {}
+        # request id -> number of blocks to load, set at allocation, sent at the next build.
+        self._pending_loads: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(self, request: "Request",
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.config.is_consumer:
+            return 0, False
+        block_size = self.context.block_size
+        # The last token is always computed: the model needs its logits to sample.
+        last_block = (request.num_tokens - 1) // block_size
+        num_hits = 0
+        for block_hash in request.block_hashes[num_computed_tokens // block_size:last_block]:
+            if not self.files.exists(block_hash):
+                break
+            num_hits += 1
+        return num_hits * block_size, num_hits > 0
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+                                 num_external_tokens: int) -> None:
+        block_ids = blocks.get_block_ids()
+        if len(block_ids) != 1:
+            raise NotImplementedError(
+                f"ExampleConnector supports models with one KV cache group (every layer the "
+                f"same attention type); this one has {len(block_ids)}")
+        self._requests[request.request_id] = request
+        self._block_ids[request.request_id] = list(block_ids[0])
+        if num_external_tokens > 0:
+            self._pending_loads[request.request_id] = num_external_tokens // self.context.block_size
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ExampleConnectorMetadata:
+        meta = ExampleConnectorMetadata(loads=self._take_loads())
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self._block_ids[new_req.req_id] = list(new_req.block_ids[0])
+        for cached_req in scheduler_output.scheduled_cached_reqs:
+            self._block_ids.setdefault(cached_req.req_id, []).extend(cached_req.new_block_ids[0])
+        if self.config.is_producer:
+            meta.saves = self._collect_saves(scheduler_output)
+        return meta
+
+    def _take_loads(self) -> dict[str, list[BlockTransfer]]:
+        loads = {}
+        for req_id, num_blocks in self._pending_loads.items():
+            request, block_ids = self._requests[req_id], self._block_ids[req_id]
+            # The scheduler has set num_computed_tokens to local hit + external tokens (SPEC 6).
+            end = request.num_computed_tokens // self.context.block_size
+            loads[req_id] = [BlockTransfer(block_ids[i], request.block_hashes[i])
+                             for i in range(end - num_blocks, end)]
+        self._pending_loads.clear()
+        return loads
+
+    def _collect_saves(self, scheduler_output: "SchedulerOutput") -> list[BlockTransfer]:
+        saves: dict[bytes, BlockTransfer] = {}
+        for data in [*scheduler_output.scheduled_new_reqs,
+                     *scheduler_output.scheduled_cached_reqs]:
+            num_computed = (data.num_computed_tokens
+                            + scheduler_output.num_scheduled_tokens[data.req_id])
+            for block in self._new_full_blocks(data.req_id, num_computed):
+                # Requests sharing a prefix in one step would write the same file twice.
+                saves.setdefault(block.block_hash, block)
+        return list(saves.values())
+
+    def _new_full_blocks(self, req_id: str, num_computed_tokens: int) -> list[BlockTransfer]:
+        """Blocks of `req_id` full of computed KV after this step and not saved yet."""
+        request = self._requests.get(req_id)
+        if request is None:
+            return []
+        start = self._num_saved_blocks.get(req_id, 0)
+        end = min(num_computed_tokens // self.context.block_size, len(request.block_hashes))
+        self._num_saved_blocks[req_id] = max(start, end)
+        block_ids = self._block_ids[req_id]
+        return [BlockTransfer(block_ids[i], request.block_hashes[i]) for i in range(start, end)
+                if not self.files.exists(request.block_hashes[i])]
+
+    def request_finished(self, request: "Request",
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy their blocks out in wait_for_save, so the blocks can be freed at once.
+        for state in (self._requests, self._block_ids, self._num_saved_blocks,
+                      self._pending_loads):
+            state.pop(request.request_id, None)
+        return False, None
+
+
+class ExampleConnectorWorker(KVConnectorWorker):
+    """Moves blocks between the paged cache and the files, off the forward pass's thread."""
+
+    def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
+        super().__init__(config, context)
+        self.options = _parse_options(config)
+        self.files = BlockFiles(self.options.shared_storage_path, context.namespace)
+        # Separate threads so that a slow write never delays a load.
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, "example-connector-load")
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, "example-connector-save")
+        self._loads: dict[str, tuple[concurrent.futures.Future, list[BlockTransfer]]] = {}
+        self._saves: list[concurrent.futures.Future] = []
+        self._load_errors: set[int] = set()
+        self._stats: Counter[str] = Counter()
+        self._counters = {} if context.metrics is None else {
+            name: context.metrics.counter(f"kvtier:example_connector_{name}",
+                                          f"ExampleConnector {name.replace('_', ' ')}")
+            for name in ("blocks_loaded", "blocks_saved", "load_errors", "save_errors")}
+
+    def start_load_kv(self, forward_context: Any) -> None:
+        loads = self.connector_metadata.loads
+        deadline = time.monotonic() + self.config.kv_load_timeout_s
+        for req_id, blocks in loads.items():
+            future = self._loader.submit(self._load_blocks, blocks, deadline)
+            self._loads[req_id] = (future, blocks)
+
+    def _load_blocks(self, blocks: list[BlockTransfer], deadline: float) -> set[int]:
+        """Fill the blocks from their files; returns the ids of the blocks that failed."""
+        failed = set()
+        # Inference mode as in the forward pass: the caches may be inference tensors.
+        with torch.inference_mode():
+            for block in blocks:
+                # Past the deadline the scheduler gives up on these blocks: leave them alone.
+                if time.monotonic() > deadline or not self._load_block(block):
+                    failed.add(block.block_id)
+        return failed
+
+    def _load_block(self, block: BlockTransfer) -> bool:
+        try:
+            stored = torch.load(self.files.path(block.block_hash), map_location="cpu",
+                                weights_only=True)
+        except _CORRUPT_FILE_ERRORS:
+            return False
+        if not self._matches_cache(stored):
+            return False
+        for name, cache in self.kv_caches.items():
+            cache[:, block.block_id].copy_(stored[name])  # (2, block_size, kv_heads, head_dim)
+        return True
+
+    def _matches_cache(self, stored: Any) -> bool:
+        """A file from another layout or a corrupted one must never reach the cache."""
+        if not isinstance(stored, dict) or stored.keys() != self.kv_caches.keys():
+            return False
+        return all(isinstance(stored[name], torch.Tensor)
+                   and stored[name].shape == cache[:, 0].shape
+                   and stored[name].dtype == cache.dtype
+                   for name, cache in self.kv_caches.items())
+
+    def wait_for_save(self) -> None:
+        for block in self.connector_metadata.saves:
+            # Copy now: once this step ends the scheduler may hand the block to another request.
+            block_kv = {name: cache[:, block.block_id].to("cpu", copy=True)
+                        for name, cache in self.kv_caches.items()}
+            self._saves.append(self._saver.submit(self._write, block.block_hash, block_kv))
+
+    def _write(self, block_hash: bytes, block_kv: dict[str, torch.Tensor]) -> None:
+        path = self.files.path(block_hash)
+        os.makedirs(self.files.directory, exist_ok=True)
+        temp_path = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        torch.save(block_kv, temp_path)
+        os.replace(temp_path, path)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        finished_recving = set()
+        for req_id, (future, blocks) in list(self._loads.items()):
+            if not future.done():
+                continue
+            del self._loads[req_id]
+            failed = ({block.block_id for block in blocks} if future.exception() is not None
+                      else future.result())
+            self._load_errors |= failed
+            self._count("blocks_loaded", len(blocks) - len(failed))
+            self._count("load_errors", len(failed))
+            finished_recving.add(req_id)
+        for future in [f for f in self._saves if f.done()]:
+            self._saves.remove(future)
+            self._count("save_errors" if future.exception() is not None else "blocks_saved", 1)
+        return set(), finished_recving
+
+    def _count(self, name: str, amount: int) -> None:
+        if amount:
+            self._stats[f"example_connector_{name}"] += amount
+            if name in self._counters:
+                self._counters[name].inc(amount)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_stats(self) -> dict[str, float]:
+        """Counts since the last call."""
+        stats, self._stats = dict(self._stats), Counter()
+        return stats
+
+    def shutdown(self) -> None:
+        # Another process may be waiting for these files: give pending writes a deadline.
+        concurrent.futures.wait(self._saves, timeout=self.options.flush_timeout_s)
+        self._saver.shutdown(wait=False)
+        self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+class ExampleConnector(KVConnectorBase):
+    scheduler_cls = ExampleConnectorScheduler
+    worker_cls = ExampleConnectorWorker

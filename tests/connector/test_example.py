@@ -1,0 +1,195 @@
+"""ExampleConnector on real tensors: both halves driven step by step as the engine drives them."""
+
+import os
+
+import pytest
+import torch
+
+from kvtier.connector import ConnectorContext, KVConnectorRole, KVTransferConfig, create_connector
+from kvtier.connector.example import BlockFiles, BlockTransfer
+from kvtier.kv.hashing import make_block_hasher
+from kvtier.kv.request import Request
+
+from connector_testing import (CONTEXT, AllocatedBlocks, decode_output, empty_output,
+                               make_kv_caches, make_request, prefill_output,
+                               wait_finished_recving)
+
+
+def make_halves(path, context=CONTEXT, **config_fields):
+    config = KVTransferConfig("ExampleConnector",
+                              kv_connector_extra_config={"shared_storage_path": str(path)},
+                              **config_fields)
+    return (create_connector(config, KVConnectorRole.SCHEDULER, context),
+            create_connector(config, KVConnectorRole.WORKER, context))
+
+
+def run_step(worker, meta):
+    """The worker hooks around one forward pass (the forward itself writes nothing here)."""
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    worker.clear_connector_metadata()
+
+
+def save_prompt(path, request, block_ids, caches):
+    """Process A: prefill `request` in one step and save its full blocks; returns the saves."""
+    scheduler, worker = make_halves(path)
+    worker.register_kv_caches(caches)
+    scheduler.update_state_after_alloc(request, AllocatedBlocks(block_ids), 0)
+    meta = scheduler.build_connector_meta(prefill_output(request, block_ids))
+    run_step(worker, meta)
+    worker.shutdown()  # waits for the writes
+    return meta.saves
+
+
+def start_load(path, request, block_ids, num_local_tokens=0, context=CONTEXT,
+               after_lookup=lambda: None, **config_fields):
+    """Process B: the scheduler's async load path up to the worker starting the load."""
+    scheduler, worker = make_halves(path, context, **config_fields)
+    caches = make_kv_caches(seed=None)
+    worker.register_kv_caches(caches)
+    num_external, is_async = scheduler.get_num_new_matched_tokens(request, num_local_tokens)
+    after_lookup()
+    scheduler.update_state_after_alloc(request, AllocatedBlocks(block_ids), num_external)
+    request.num_computed_tokens = num_local_tokens + num_external
+    meta = scheduler.build_connector_meta(empty_output())
+    run_step(worker, meta)
+    return worker, caches, meta, (num_external, is_async)
+
+
+def test_save_then_load_into_other_blocks_is_byte_exact(tmp_path):
+    request_a = make_request("a", num_tokens=10)
+    caches_a = make_kv_caches(seed=0)
+    saves = save_prompt(tmp_path, request_a, [1, 2, 3], caches_a)
+    assert saves == [BlockTransfer(1, request_a.block_hashes[0]),
+                     BlockTransfer(2, request_a.block_hashes[1])]
+
+    request_b = make_request("b", num_tokens=10)
+    worker, caches_b, meta, matched = start_load(tmp_path, request_b, [5, 6, 7])
+    assert matched == (8, True)
+    assert meta.loads == {"b": [BlockTransfer(5, request_b.block_hashes[0]),
+                                BlockTransfer(6, request_b.block_hashes[1])]}
+    assert meta.saves == []
+    assert wait_finished_recving(worker, "b") == set()
+    for name, cache in caches_b.items():
+        assert torch.equal(cache[:, 5], caches_a[name][:, 1])
+        assert torch.equal(cache[:, 6], caches_a[name][:, 2])
+        assert torch.count_nonzero(cache[:, [0, 1, 2, 3, 4, 7]]) == 0
+    assert worker.get_stats() == {"example_connector_blocks_loaded": 2}
+    worker.shutdown()
+
+
+def test_block_files_are_content_addressed_in_the_namespace(tmp_path):
+    request = make_request("a", num_tokens=9)
+    save_prompt(tmp_path, request, [1, 2, 3], make_kv_caches(seed=0))
+    files = BlockFiles(str(tmp_path), CONTEXT.namespace)
+    assert sorted(os.listdir(files.directory)) == sorted(h.hex() + ".kv"
+                                                          for h in request.block_hashes)
+    other_model = ConnectorContext(block_size=4, num_layers=2, namespace=b"other-ns")
+    _, _, _, matched = start_load(tmp_path, make_request("b", 9), [1, 2, 3], context=other_model)
+    assert matched == (0, False)
+
+
+def test_lookup_keeps_the_last_token_and_starts_after_the_local_hit(tmp_path):
+    saved = make_request("a", num_tokens=13)  # three full blocks saved
+    save_prompt(tmp_path, saved, [1, 2, 3, 4], make_kv_caches(seed=0))
+    scheduler, worker = make_halves(tmp_path)
+    # 12 tokens = 3 full blocks, but the last token must be computed: only 2 blocks offered.
+    assert scheduler.get_num_new_matched_tokens(make_request("b", 12), 0) == (8, True)
+    assert scheduler.get_num_new_matched_tokens(make_request("c", 13), 4) == (8, True)
+    assert scheduler.get_num_new_matched_tokens(make_request("d", 13), 12) == (0, False)
+    # Same first block, different second block: the chained hash stops the match at block 0.
+    diverging = Request("e", [0, 1, 2, 3] + [99] * 9, block_hasher=make_block_hasher(4))
+    assert scheduler.get_num_new_matched_tokens(diverging, 0) == (4, True)
+    assert scheduler.get_num_new_matched_tokens(
+        make_request("f", 13, first_token=1), 0) == (0, False)
+    worker.shutdown()
+
+
+def test_partial_load_keeps_going_and_reports_bad_blocks(tmp_path):
+    request = make_request("a", num_tokens=13)
+    caches_a = make_kv_caches(seed=0)
+    save_prompt(tmp_path, request, [1, 2, 3, 4], caches_a)
+    files = BlockFiles(str(tmp_path), CONTEXT.namespace)
+    with open(files.path(request.block_hashes[1]), "wb") as corrupt:
+        corrupt.write(b"not a tensor")
+    # Deleted between lookup and load: a miss the worker must report, not crash on.
+    worker, caches_b, meta, matched = start_load(
+        tmp_path, make_request("b", num_tokens=13), [4, 5, 6, 7],
+        after_lookup=lambda: os.remove(files.path(request.block_hashes[2])))
+    assert matched == (12, True)
+    assert wait_finished_recving(worker, "b") == {5, 6}
+    for name, cache in caches_b.items():
+        assert torch.equal(cache[:, 4], caches_a[name][:, 1])
+    assert worker.get_stats() == {"example_connector_blocks_loaded": 1,
+                                  "example_connector_load_errors": 2}
+    worker.shutdown()
+
+
+def test_a_file_with_another_shape_is_a_load_error(tmp_path):
+    request = make_request("a", num_tokens=5)
+    save_prompt(tmp_path, request, [1, 2], make_kv_caches(seed=0))
+    files = BlockFiles(str(tmp_path), CONTEXT.namespace)
+    wrong = {name: torch.zeros(2, 4, 2, 5) for name in make_kv_caches(None)}
+    torch.save(wrong, files.path(request.block_hashes[0]))
+    worker, caches_b, _, matched = start_load(tmp_path, make_request("b", 5), [3, 4])
+    assert matched == (4, True)
+    assert wait_finished_recving(worker, "b") == {3}
+    assert all(torch.count_nonzero(cache) == 0 for cache in caches_b.values())
+    worker.shutdown()
+
+
+def test_a_load_past_its_deadline_fails_every_block(tmp_path):
+    request = make_request("a", num_tokens=9)
+    save_prompt(tmp_path, request, [1, 2, 3], make_kv_caches(seed=0))
+    worker, caches_b, _, _ = start_load(tmp_path, make_request("b", 9), [4, 5, 6],
+                                        kv_load_timeout_s=1e-9)
+    assert wait_finished_recving(worker, "b") == {4, 5}
+    assert all(torch.count_nonzero(cache) == 0 for cache in caches_b.values())
+    worker.shutdown()
+
+
+def test_decode_saves_each_block_once_when_it_fills(tmp_path):
+    scheduler, worker = make_halves(tmp_path)
+    caches = make_kv_caches(seed=1)
+    worker.register_kv_caches(caches)
+    request = make_request("a", num_tokens=6)
+    scheduler.update_state_after_alloc(request, AllocatedBlocks([3, 4]), 0)
+    meta = scheduler.build_connector_meta(prefill_output(request, [3, 4]))
+    assert meta.saves == [BlockTransfer(3, request.block_hashes[0])]
+    run_step(worker, meta)
+    request.append_output_token_ids([100, 101])  # block 1 (tokens 4..7) is now known
+    meta = scheduler.build_connector_meta(decode_output("a", [], num_computed=6))
+    assert meta.saves == []  # token 7 is not computed yet
+    request.append_output_token_ids(102)
+    meta = scheduler.build_connector_meta(decode_output("a", [5], num_computed=7))
+    assert meta.saves == [BlockTransfer(4, request.block_hashes[1])]
+    run_step(worker, meta)
+    worker.shutdown()
+    files = BlockFiles(str(tmp_path), CONTEXT.namespace)
+    stored = torch.load(files.path(request.block_hashes[1]), weights_only=True)
+    assert all(torch.equal(stored[name], cache[:, 4]) for name, cache in caches.items())
+
+
+@pytest.mark.parametrize("role, saves, matched", [("kv_producer", 1, (0, False)),
+                                                  ("kv_consumer", 0, (4, True))])
+def test_role_limits_the_direction(tmp_path, role, saves, matched):
+    save_prompt(tmp_path, make_request("a", num_tokens=5), [1, 2], make_kv_caches(seed=0))
+    scheduler, worker = make_halves(tmp_path, kv_role=role)
+    request = make_request("b", num_tokens=9, first_token=50)
+    scheduler.update_state_after_alloc(request, AllocatedBlocks([3, 4, 5]), 0)
+    assert len(scheduler.build_connector_meta(prefill_output(request, [3, 4, 5])).saves) == \
+        2 * saves
+    assert scheduler.get_num_new_matched_tokens(make_request("c", 5), 0) == matched
+    worker.shutdown()
+
+
+def test_a_model_with_several_kv_cache_groups_is_refused(tmp_path):
+    class TwoGroups:
+        def get_block_ids(self):
+            return ([1, 2], [3, 4])
+
+    scheduler, worker = make_halves(tmp_path)
+    with pytest.raises(NotImplementedError, match="supports models with one KV cache group"):
+        scheduler.update_state_after_alloc(make_request("a", 8), TwoGroups(), 0)
+    worker.shutdown()
