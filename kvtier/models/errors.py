@@ -1,0 +1,17 @@
+"""Typed errors of the models package."""
+
+
+class ModelLoadError(ValueError):
+    """A model file is missing, unreadable, corrupt or describes something kvtier cannot run.
+
+    The message always names the offending file and the problem.
+    """
+
+    def __init__(self, path: str, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.path = path
+        self.problem = problem
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer has no chat template, or the template failed to render."""

@@ -1,0 +1,87 @@
+"""Rebuild a byte-level BPE `tokenizers` tokenizer from GGUF tokenizer metadata
+(tokenizer.ggml.model == "gpt2": tokens, merges, token types, special ids, chat template)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as BackendTokenizer
+
+from kvtier.models.errors import ModelLoadError
+from kvtier.models.tokenizer import Tokenizer
+
+# llama.cpp token types (gguf.TokenType).
+_CONTROL = 3
+_USER_DEFINED = 4
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+                r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def _split_then_bytes(pattern: str) -> Callable[[], pre_tokenizers.PreTokenizer]:
+    def build() -> pre_tokenizers.PreTokenizer:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return build
+
+
+def _gpt2() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _smollm() -> pre_tokenizers.PreTokenizer:
+    # Digits one by one, then GPT-2's split.
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _gpt2()])
+
+
+# tokenizer.ggml.pre -> pre-tokenizer builder.
+PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
+    "default": _gpt2, "gpt2": _gpt2, "smollm": _smollm,
+    "llama-bpe": _split_then_bytes(_LLAMA3_SPLIT), "qwen2": _split_then_bytes(_QWEN2_SPLIT),
+}
+
+
+def _backend(fields: dict[str, Any], path: str) -> BackendTokenizer:
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ModelLoadError(path, f"tokenizer.ggml.pre {pre!r} is not supported; known: "
+                                   f"{', '.join(sorted(PRE_TOKENIZERS))}")
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                     ignore_merges=pre == "llama-bpe")
+    backend = BackendTokenizer(bpe)
+    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    types = fields.get("tokenizer.ggml.token_type", [])
+    backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                for i, kind in enumerate(types) if kind == _CONTROL])
+    backend.add_tokens([AddedToken(tokens[i], special=False, normalized=False)
+                        for i, kind in enumerate(types) if kind == _USER_DEFINED])
+    return backend
+
+
+def tokenizer_from_gguf(fields: dict[str, Any], path: str,
+                        extra_eos_token_ids: tuple[int, ...] = ()) -> Tokenizer | None:
+    """The GGUF's tokenizer, or None if the file carries none."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind is None:
+        return None
+    if kind != "gpt2":
+        raise ModelLoadError(path, f"tokenizer.ggml.model {kind!r} is not supported; kvtier "
+                                   "reads byte-level BPE ('gpt2') tokenizers")
+    backend = _backend(fields, path)
+    tokens = fields["tokenizer.ggml.tokens"]
+    bos_id = fields.get("tokenizer.ggml.bos_token_id")
+    eos_id = fields.get("tokenizer.ggml.eos_token_id")
+    bos = None if bos_id is None else tokens[bos_id]
+    if bos is not None and fields.get("tokenizer.ggml.add_bos_token", False):
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
+    return Tokenizer(backend, bos_token=bos, eos_token=None if eos_id is None else tokens[eos_id],
+                     chat_template=fields.get("tokenizer.chat_template"),
+                     extra_eos_token_ids=extra_eos_token_ids)

@@ -1,0 +1,105 @@
+"""Parse an HF config.json into a ModelConfig."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from kvtier.models.config import ModelConfig
+from kvtier.models.errors import ModelLoadError
+from kvtier.models.registry import ARCHITECTURES, find_hf_architecture
+
+_LAYER_TYPE_FULL = "full_attention"
+_LAYER_TYPE_SLIDING = "sliding_attention"
+
+
+def read_json(path: str) -> dict[str, Any]:
+    """A JSON object from `path`; ModelLoadError if missing or not a JSON object."""
+    if not os.path.isfile(path):
+        raise ModelLoadError(path, "file not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(path, f"not readable JSON ({exc})") from exc
+    if not isinstance(data, dict):
+        raise ModelLoadError(path, "expected a JSON object at the top level")
+    return data
+
+
+def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling) from either transformers 5's `rope_parameters` or the older
+    `rope_theta` + `rope_scaling` keys. Plain RoPE gives scaling None."""
+    params = dict(hf.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    scaling = params or hf.get("rope_scaling") or None
+    if scaling is None:
+        return theta, None
+    scaling = dict(scaling)
+    # Older configs say "type" where newer ones say "rope_type".
+    rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **scaling}
+
+
+def _layer_windows(hf: dict[str, Any], default: tuple[int | None, ...],
+                   path: str) -> tuple[int | None, ...]:
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        return default
+    window = hf.get("sliding_window")
+    windows: list[int | None] = []
+    for kind in layer_types:
+        if kind == _LAYER_TYPE_FULL:
+            windows.append(None)
+        elif kind == _LAYER_TYPE_SLIDING and window is not None:
+            windows.append(int(window))
+        else:
+            raise ModelLoadError(path, f"layer_types entry {kind!r} is not supported "
+                                       f"(sliding_window={window!r})")
+    return tuple(windows)
+
+
+def _eos_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (int(value),)
+
+
+def parse_hf_config(model_dir: str, name: str) -> ModelConfig:
+    """ModelConfig from `model_dir/config.json`. Raises ModelLoadError naming the file."""
+    path = os.path.join(model_dir, "config.json")
+    hf = read_json(path)
+    spec = find_hf_architecture(hf)
+    if spec is None:
+        known = ", ".join(c for s in ARCHITECTURES.values() for c in s.hf_classes)
+        raise ModelLoadError(path, f"unsupported architecture {hf.get('architectures')!r} "
+                                   f"(model_type {hf.get('model_type')!r}); kvtier runs {known}")
+    try:
+        num_layers = int(hf["num_hidden_layers"])
+        num_heads = int(hf["num_attention_heads"])
+        hidden_size = int(hf["hidden_size"])
+        windows = _layer_windows(hf, spec.default_windows(hf, num_layers), path)
+        rope_theta, rope_scaling = parse_rope(hf)
+        return ModelConfig(
+            architecture=spec.name, vocab_size=int(hf["vocab_size"]), hidden_size=hidden_size,
+            intermediate_size=int(hf["intermediate_size"]), num_layers=num_layers,
+            num_heads=num_heads, num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
+            head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
+            rope_theta=rope_theta, rope_scaling=rope_scaling,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            sliding_window=next((w for w in windows if w is not None), None),
+            layer_sliding_windows=windows,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=spec.qkv_bias(hf), o_proj_bias=spec.o_proj_bias(hf),
+            qk_norm=spec.qk_norm, bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=_eos_ids(hf.get("eos_token_id")), name=name)
+    except ModelLoadError:
+        raise
+    except KeyError as exc:
+        raise ModelLoadError(path, f"missing required key {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(path, f"invalid value: {exc}") from exc

@@ -1,0 +1,205 @@
+"""One decoder for the Llama family (Llama, Qwen2, Qwen3, Mistral); the differences are
+ModelConfig flags: q/k/v and o_proj biases, q/k RMSNorm, per-layer sliding windows.
+
+Parameter names follow HF's LlamaForCausalLM except that q/k/v and gate/up are fused into
+`qkv_proj` and `gate_up_proj` (one matmul each instead of three / two); `load_weights` maps HF
+names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.models.attention import AttentionMetadata, paged_attention, write_kv
+from kvtier.models.config import KVCacheGroupLayout, ModelConfig
+from kvtier.models.errors import ModelLoadError
+from kvtier.models.rope import RotaryEmbedding, apply_rotary
+
+# HF parameter name part -> (fused name part, shard index within the fused weight).
+_FUSED_SHARDS = {
+    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
+    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and scale in the model dtype, as HF does, so bf16 results agree.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.split_sizes = [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                            self.num_kv_heads * self.head_dim]
+        self.qkv_proj = nn.Linear(config.hidden_size, sum(self.split_sizes),
+                                  bias=config.attention_bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
+                                bias=config.o_proj_bias, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype)
+        self.layer_name = config.layer_names[layer_index]
+        self.group_id = config.layer_group_ids[layer_index]
+        self.sliding_window = config.layer_sliding_windows[layer_index]
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)  # (T, Hq, D)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        hooks = metadata.layer_hooks
+        if hooks is not None:
+            hooks.wait_for_layer_load(self.layer_name)
+        write_kv(kv_cache, k, v, metadata.slot_mapping[self.group_id])
+        out = paged_attention(q, kv_cache, metadata, self.group_id, self.scale,
+                              self.sliding_window)
+        if hooks is not None:
+            hooks.save_kv_layer(self.layer_name, kv_cache, metadata)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
+                                      bias=False, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
+                                   dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_index, dtype)
+        self.mlp = MLP(config, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache,
+                                         metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderStack(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype)
+                                    for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(input_ids, positions, kv_caches, metadata) -> hidden; compute_logits(hidden)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderStack(config, dtype)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
+                                     dtype=dtype)
+        # Built on the real device even when the parameters start on "meta".
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
+                                      device)
+        self.layer_group_ids: list[int] = list(config.layer_group_ids)
+
+    def kv_cache_groups(self) -> tuple[KVCacheGroupLayout, ...]:
+        """One entry per KV cache group (the runner turns them into kvtier.kv specs)."""
+        return self.config.kv_cache_groups()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], metadata: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions: (T,); kv_caches: one paged tensor per layer -> (T, hidden)."""
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> fp32 (N, vocab)."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
+        """Copy HF-named tensors into the parameters; every parameter must be covered.
+
+        `source` names the file(s) in error messages.
+        """
+        params = dict(self.named_parameters())
+        pending = {name: _num_shards(name) for name in params}
+        for hf_name, tensor in weights:
+            name, shard = _fused_name(hf_name)
+            if name not in params:
+                if hf_name == "lm_head.weight" and self.lm_head is None:
+                    continue  # Tied: some checkpoints still store a copy of the embeddings.
+                raise ModelLoadError(source, f"unexpected tensor {hf_name!r}")
+            target = _shard_view(params[name], name, shard, self.config)
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ModelLoadError(source, f"tensor {hf_name!r} has shape {tuple(tensor.shape)}"
+                                             f", expected {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor)
+            pending[name] -= 1
+        missing = sorted(name for name, count in pending.items() if count > 0)
+        if missing:
+            raise ModelLoadError(source, f"missing tensors for {', '.join(missing)}")
+
+
+def _fused_name(hf_name: str) -> tuple[str, int | None]:
+    for part, (fused_part, shard) in _FUSED_SHARDS.items():
+        if part in hf_name:
+            return hf_name.replace(part, fused_part), shard
+    return hf_name, None
+
+
+def _num_shards(name: str) -> int:
+    if ".qkv_proj." in name:
+        return 3
+    return 2 if ".gate_up_proj." in name else 1
+
+
+def _shard_view(param: torch.Tensor, name: str, shard: int | None,
+                config: ModelConfig) -> torch.Tensor:
+    """The rows of a fused parameter that one HF tensor fills (the whole parameter if unfused)."""
+    if shard is None:
+        return param
+    if ".qkv_proj." in name:
+        q_rows = config.num_heads * config.head_dim
+        kv_rows = config.num_kv_heads * config.head_dim
+        sizes = [q_rows, kv_rows, kv_rows]
+    else:
+        sizes = [config.intermediate_size] * 2
+    return param.narrow(0, sum(sizes[:shard]), sizes[shard])

@@ -1,0 +1,82 @@
+"""Architecture table: what differs between the Llama-family models, in one place.
+
+The decoder is one class; each architecture only sets flags and says which layers slide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+# (hf config dict, num_layers) -> per-layer window (None = full attention). Used only when the
+# config has no explicit `layer_types` list (transformers < 5 wrote none).
+WindowRule = Callable[[dict[str, Any], int], tuple[int | None, ...]]
+
+
+def _no_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    return (None,) * num_layers
+
+
+def _window_on_every_layer(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    return (hf.get("sliding_window"),) * num_layers
+
+
+def _window_above_max_window_layers(hf: dict[str, Any],
+                                    num_layers: int) -> tuple[int | None, ...]:
+    # Qwen2/Qwen3: layers from `max_window_layers` on slide, and only with use_sliding_window.
+    window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
+    first_sliding = hf.get("max_window_layers", num_layers)
+    return tuple(window if i >= first_sliding else None for i in range(num_layers))
+
+
+@dataclass(frozen=True)
+class ArchitectureSpec:
+    name: str
+    hf_classes: tuple[str, ...]
+    # q/k/v biases regardless of `attention_bias` (Qwen2 always has them).
+    always_qkv_bias: bool
+    # `attention_bias` also puts a bias on o_proj (Llama, Qwen3); Qwen2 never has one.
+    o_proj_follows_attention_bias: bool
+    qk_norm: bool
+    default_windows: WindowRule
+
+    def qkv_bias(self, hf: dict[str, Any]) -> bool:
+        return self.always_qkv_bias or bool(hf.get("attention_bias", False))
+
+    def o_proj_bias(self, hf: dict[str, Any]) -> bool:
+        return self.o_proj_follows_attention_bias and bool(hf.get("attention_bias", False))
+
+
+ARCHITECTURES: dict[str, ArchitectureSpec] = {
+    spec.name: spec for spec in (
+        ArchitectureSpec("llama", ("LlamaForCausalLM",), always_qkv_bias=False,
+                         o_proj_follows_attention_bias=True, qk_norm=False,
+                         default_windows=_no_windows),
+        ArchitectureSpec("qwen2", ("Qwen2ForCausalLM",), always_qkv_bias=True,
+                         o_proj_follows_attention_bias=False, qk_norm=False,
+                         default_windows=_window_above_max_window_layers),
+        ArchitectureSpec("qwen3", ("Qwen3ForCausalLM",), always_qkv_bias=False,
+                         o_proj_follows_attention_bias=True, qk_norm=True,
+                         default_windows=_window_above_max_window_layers),
+        ArchitectureSpec("mistral", ("MistralForCausalLM",), always_qkv_bias=False,
+                         o_proj_follows_attention_bias=True, qk_norm=False,
+                         default_windows=_window_on_every_layer),
+    )
+}
+
+# HF `architectures[0]` -> spec.
+BY_HF_CLASS: dict[str, ArchitectureSpec] = {
+    hf_class: spec for spec in ARCHITECTURES.values() for hf_class in spec.hf_classes}
+
+# GGUF `general.architecture` values kvtier reads.
+GGUF_ARCHITECTURES: dict[str, ArchitectureSpec] = {"llama": ARCHITECTURES["llama"]}
+
+
+def find_hf_architecture(hf: dict[str, Any]) -> ArchitectureSpec | None:
+    """The spec for an HF config dict: by `architectures`, else by `model_type`."""
+    for hf_class in hf.get("architectures") or ():
+        if hf_class in BY_HF_CLASS:
+            return BY_HF_CLASS[hf_class]
+    if hf.get("architectures"):
+        return None
+    return ARCHITECTURES.get(hf.get("model_type", ""))

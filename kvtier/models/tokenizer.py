@@ -1,0 +1,103 @@
+"""Tokenizer: a `tokenizers` backend plus the facts the engine needs (special ids, chat template).
+
+Built from an HF directory (tokenizer.json, tokenizer_config.json, chat_template.jinja) or from a
+GGUF file's metadata (`gguf_tokenizer.py`).
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as BackendTokenizer
+
+from kvtier.models.errors import ChatTemplateError, ModelLoadError
+from kvtier.models.hf_config import read_json
+
+
+def _raise_from_template(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+class Tokenizer:
+    def __init__(self, backend: BackendTokenizer, *, bos_token: str | None,
+                 eos_token: str | None, chat_template: str | None,
+                 extra_eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.backend = backend
+        self.bos_token = bos_token
+        self.eos_token = eos_token
+        self.chat_template = chat_template
+        self.bos_token_id = None if bos_token is None else backend.token_to_id(bos_token)
+        eos = [] if eos_token is None else [backend.token_to_id(eos_token)]
+        self.eos_token_ids: tuple[int, ...] = tuple(
+            dict.fromkeys(i for i in [*eos, *extra_eos_token_ids] if i is not None))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        if self.chat_template is None:
+            raise ChatTemplateError("this model's tokenizer has no chat template; pass a plain "
+                                    "prompt instead of chat messages")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_from_template
+        return env.from_string(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The chat rendered as one prompt string. It usually carries its own special tokens:
+        encode it with add_special_tokens=False."""
+        try:
+            return self._compiled_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+
+    @classmethod
+    def from_hf_dir(cls, model_dir: str,
+                    extra_eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer | None":
+        """The directory's tokenizer, or None if it has no tokenizer.json."""
+        path = os.path.join(model_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            return None
+        try:
+            backend = BackendTokenizer.from_file(path)
+        except Exception as exc:  # the Rust parser raises a bare Exception
+            raise ModelLoadError(path, f"not a valid tokenizer.json ({exc})") from exc
+        config_path = os.path.join(model_dir, "tokenizer_config.json")
+        config = read_json(config_path) if os.path.isfile(config_path) else {}
+        return cls(backend, bos_token=_token_text(config.get("bos_token")),
+                   eos_token=_token_text(config.get("eos_token")),
+                   chat_template=_chat_template(model_dir, config),
+                   extra_eos_token_ids=extra_eos_token_ids)
+
+
+def _token_text(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens as a string or as {"content": ...}.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _chat_template(model_dir: str, config: dict[str, Any]) -> str | None:
+    # transformers 5 writes the template to its own file; older versions put it in the config,
+    # possibly as a list of named templates.
+    path = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        return named.get("default")
+    return template

@@ -1,0 +1,99 @@
+"""The fast paged attention equals the plain reference; write_kv fills exactly the mapped slots;
+the connector layer hooks run in order around each layer."""
+
+import pytest
+import torch
+from helpers import PagedDriver
+
+from kvtier.models import (build_attention_metadata, paged_attention, reference_paged_attention,
+                           write_kv)
+
+BLOCK = 4
+NUM_BLOCKS = 40
+HEAD_DIM = 8
+
+
+def _scenario(num_heads: int, num_kv_heads: int):
+    """A mixed step: two decodes, a fresh prefill and a prefill chunk over a cached prefix."""
+    gen = torch.Generator().manual_seed(0)
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, num_kv_heads, HEAD_DIM, generator=gen)
+    num_computed = [10, 0, 7, 21]
+    query_lens = [1, 6, 5, 1]
+    # Non-contiguous, out-of-order block ids; seq 3 ends exactly on a block boundary + 2.
+    tables = [[33, 5, 17], [9, 2], [30, 11, 25], [4, 38, 12, 27, 6, 19]]
+    metadata = build_attention_metadata(num_computed, query_lens, [tables], BLOCK)
+    query = torch.randn(sum(query_lens), num_heads, HEAD_DIM, generator=gen)
+    return query, kv_cache, metadata
+
+
+@pytest.mark.parametrize("window", [None, 3, 5, 8])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
+def test_fast_attention_equals_reference(window, num_heads, num_kv_heads):
+    query, kv_cache, metadata = _scenario(num_heads, num_kv_heads)
+    fast = paged_attention(query, kv_cache, metadata, 0, 0.3, window)
+    reference = reference_paged_attention(query, kv_cache, metadata, 0, 0.3, window)
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_only_batch_equals_reference(window):
+    gen = torch.Generator().manual_seed(1)
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, 2, HEAD_DIM, generator=gen)
+    tables = [[7, 3, 29, 14], [22], [31, 9, 36, 8, 15]]
+    metadata = build_attention_metadata([13, 2, 17], [1, 1, 1], [tables], BLOCK)
+    assert metadata.is_decode_only
+    query = torch.randn(3, 4, HEAD_DIM, generator=gen)
+    fast = paged_attention(query, kv_cache, metadata, 0, 0.5, window)
+    reference = reference_paged_attention(query, kv_cache, metadata, 0, 0.5, window)
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_window_skips_blocks_before_it():
+    """Blocks wholly before the window are never read, so they may be the null block (here
+    poisoned with NaN) as the sliding-window manager leaves them."""
+    query, kv_cache, metadata = _scenario(4, 2)
+    reference = reference_paged_attention(query, kv_cache, metadata, 0, 0.3, 3)
+    kv_cache[:, 33] = float("nan")  # seq 0's first block: positions 0-3; its query is at 10
+    kv_cache[:, 4] = float("nan")  # seq 3's first block: positions 0-3; its query is at 21
+    out = paged_attention(query, kv_cache, metadata, 0, 0.3, 3)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_fills_exactly_the_mapped_slots():
+    kv_cache = torch.zeros(2, 8, BLOCK, 1, 2)
+    metadata = build_attention_metadata([3, 0], [2, 1], [[[5, 2], [7]]], BLOCK)
+    assert metadata.slot_mapping[0].tolist() == [5 * 4 + 3, 2 * 4 + 0, 7 * 4 + 0]
+    key = torch.tensor([[[1.0, 1.0]], [[2.0, 2.0]], [[3.0, 3.0]]])
+    write_kv(kv_cache, key, -key, metadata.slot_mapping[0])
+    assert kv_cache[0, 5, 3, 0].tolist() == [1.0, 1.0]
+    assert kv_cache[0, 2, 0, 0].tolist() == [2.0, 2.0]
+    assert kv_cache[1, 7, 0, 0].tolist() == [-3.0, -3.0]
+    assert kv_cache.abs().sum().item() == 2 * (2 + 4 + 6)
+
+
+class RecordingHooks:
+    """Stands in for a KVConnectorWorker: records the per-layer hook calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.calls.append(f"wait {layer_name}")
+
+    def save_kv_layer(self, layer_name, kv_layer, attn_metadata) -> None:
+        # The layer's new K must already be in the cache when it is saved.
+        slot = attn_metadata.slot_mapping[0][0].item()
+        assert kv_layer[0].flatten(0, 1)[slot].abs().sum() > 0
+        self.calls.append(f"save {layer_name}")
+
+
+def test_layer_hooks_wrap_every_layer_in_order(model_pair):
+    _, loaded = model_pair
+    driver = PagedDriver(loaded.model)
+    hooks = RecordingHooks()
+    metadata = build_attention_metadata(
+        [0], [3], [[[5]] for _ in loaded.model.kv_cache_groups()], 4, layer_hooks=hooks)
+    with torch.no_grad():
+        loaded.model(torch.tensor([4, 5, 6]), torch.arange(3), driver.kv_caches, metadata)
+    assert hooks.calls == ["wait model.layers.0.self_attn", "save model.layers.0.self_attn",
+                           "wait model.layers.1.self_attn", "save model.layers.1.self_attn"]
