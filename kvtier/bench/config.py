@@ -1,0 +1,73 @@
+"""Configuration of the multi-turn benchmark: the workload's shape and the server it drives."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ApiKind = Literal["chat", "completions"]
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """Shape of the multi-turn workload (issue 7).
+
+    Every conversation's first message is the shared system prefix followed by a context unique to
+    that conversation; each turn then appends a new user message, and the server's reply joins the
+    history, so the prompt of turn t holds everything said in turns 0..t-1. Lengths are in tokens
+    of the fixed word list (see words.py).
+    """
+
+    num_conversations: int = 8
+    num_turns: int = 4
+    system_prompt_tokens: int = 512
+    context_tokens: int = 512
+    user_tokens: int = 64
+    output_tokens: int = 32
+    think_time_s: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.num_conversations >= 1, "num_conversations", "must be >= 1"),
+            (self.num_turns >= 1, "num_turns", "must be >= 1"),
+            (self.system_prompt_tokens >= 0, "system_prompt_tokens", "must be >= 0"),
+            (self.context_tokens >= 0, "context_tokens", "must be >= 0"),
+            (self.user_tokens >= 1, "user_tokens", "must be >= 1"),
+            (self.output_tokens >= 1, "output_tokens", "must be >= 1"),
+            (self.think_time_s >= 0.0, "think_time_s", "must be >= 0"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"MultiTurnConfig.{name} {rule}, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class ServerTarget:
+    """An OpenAI-compatible server to benchmark.
+
+    `model` None: the first model the server lists on /v1/models. `request_timeout_s` bounds each
+    request from send to last byte; `run_timeout_s` bounds the whole run.
+    """
+
+    url: str = "http://127.0.0.1:8000"
+    model: str | None = None
+    api: ApiKind = "chat"
+    request_timeout_s: float = 300.0
+    run_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError("ServerTarget.url must start with http:// or https://, "
+                             f"got {self.url!r}")
+        if self.api not in ("chat", "completions"):
+            raise ValueError(f"ServerTarget.api must be 'chat' or 'completions', got {self.api!r}")
+        if self.request_timeout_s <= 0.0:
+            raise ValueError("ServerTarget.request_timeout_s must be > 0, "
+                             f"got {self.request_timeout_s}")
+        if self.run_timeout_s <= 0.0:
+            raise ValueError(f"ServerTarget.run_timeout_s must be > 0, got {self.run_timeout_s}")
+
+    @property
+    def base_url(self) -> str:
+        return self.url.rstrip("/")

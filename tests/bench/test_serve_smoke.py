@@ -1,0 +1,118 @@
+"""`kvtier bench multi-turn` against a real `kvtier serve` with a tiny random-weight model.
+
+The short form of the issue 7 benchmark: two conversations, two turns, through the CLI the
+users run. The numbers mean nothing here; the test asserts the JSON has every field, that no
+request failed and that the token counts are what the server reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models
+from tokenizers.pre_tokenizers import ByteLevel
+
+from kvtier.bench import REPORT_FIELDS
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+START_DEADLINE_S = 180.0  # torch import and model load on a shared, busy CPU
+SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                 "{% endif %}")
+
+
+def _save_tiny_model(directory: Path) -> None:
+    """2-layer Llama, byte-level tokenizer (one token per byte), chat template."""
+    vocab = {symbol: i for i, symbol in enumerate(sorted(ByteLevel.alphabet()))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(list(SPECIALS))
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"bos_token": None, "eos_token": SPECIALS[2], "chat_template": CHAT_TEMPLATE}))
+    config = transformers.LlamaConfig(
+        vocab_size=256 + len(SPECIALS), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, bos_token_id=256, eos_token_id=258)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(directory)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"kvtier serve exited: {log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"kvtier serve not healthy in {START_DEADLINE_S} s")
+
+
+@pytest.fixture
+def kvtier_server(tmp_path):
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    _save_tiny_model(model_dir)
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", str(model_dir),
+             "--port", str(port), "--dtype", "float32", "--uvicorn-log-level", "warning"],
+            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(process, url, log_path)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
+# ~12 s, nearly all of it the server's start-up; issue 7 wants it in the default suite.
+def test_bench_cli_against_kvtier_serve(kvtier_server, tmp_path):
+    out = tmp_path / "bench.json"
+    command = [sys.executable, "-m", "kvtier.entrypoints.cli", "bench", "multi-turn",
+               "--url", kvtier_server, "--num-conversations", "2", "--num-turns", "2",
+               "--system-prompt-tokens", "6", "--context-tokens", "2", "--user-tokens", "3",
+               "--output-tokens", "4", "--no-progress", "--request-timeout", "60",
+               "--run-timeout", "120", "--output-json", str(out),
+               "--output-plot", str(tmp_path / "bench.png")]
+    done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert tuple(report) == REPORT_FIELDS
+    assert (report["num_requests"], report["num_failed"], report["errors"]) == (4, 0, [])
+    assert report["output_tokens"] == 4 * 4
+    assert report["input_tokens"] > 0
+    assert [row["count"] for row in report["ttft_by_turn_s"]] == [2, 2]
+    assert "device" in report["hit_rates"]
+    assert (tmp_path / "bench.png").stat().st_size > 0
