@@ -1,0 +1,251 @@
+"""TTFT of a device hit, a host hit, a disk hit and a full recompute, and tier throughput.
+
+For each prompt length, one fresh prompt is served four ways:
+  recompute  first sight: the whole prefill is computed (and offloaded to host and disk)
+  device     again at once: a device prefix-cache hit
+  host       after reset_prefix_cache() drops the device copy: loaded from host memory
+  disk       in a second engine on the same disk directory (cold device and host): from disk
+TTFT is arrival -> first token of a max_tokens=1 request. Each hit is checked in the metrics.
+
+Throughput of the tiers is printed next to this machine's raw memcpy and raw file write/read
+bandwidth, measured in the same run: "component" is wall-clock throughput of the real copy
+handler and fs tier on this model's chunks with nothing else running; "in-engine" is bytes over
+summed per-batch copy time from the kvtier:offload_* metrics during the TTFT runs.
+
+    python benchmarks/offload_ttft.py                     # SmolLM2-135M, 1k / 4k / 8k tokens
+    python benchmarks/offload_ttft.py --lengths 1024 --json
+Targets (issue 5): at 4k tokens disk-hit TTFT <= 1/4 of recompute, host-hit <= 1/8; tier
+throughput >= 70% of the raw figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from kvtier import LLM, SamplingParams
+from kvtier.connector.offloading.metadata import ChunkTransfer
+from kvtier.connector.offloading.transfer import ChunkCopier
+from kvtier.offload.host_area import HostArea
+from kvtier.offload.keys import make_chunk_key
+from kvtier.offload.layout import ChunkLayout
+from kvtier.offload.tiers.base import TierContext, TransferJob
+from kvtier.offload.tiers.fs import FsTier, FsTierOptions
+
+_RAW_BYTES = 256 * 2**20
+_DIRECTIONS = ("device_to_host", "host_to_device", "host_to_fs", "fs_to_host")
+
+
+def main() -> None:
+    args = _parse_args()
+    disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="kvtier-offload-ttft-")
+    offload = f"host={args.host},disk={disk_dir}:{args.disk}"
+    engine_args = dict(dtype=args.dtype, device=args.device, kv_offload=offload,
+                       kv_cache_memory_bytes=args.device_kv, max_num_batched_tokens=args.chunk,
+                       max_model_len=max(args.lengths) + 16)
+    rng = random.Random(args.seed)
+    results = {"ttft_s": {}, "checks": {}}
+    llm = LLM(args.model, **engine_args)
+    vocab = llm.engine.model_config.vocab_size
+    prompts = {n: [rng.randrange(100, vocab) for _ in range(n)] for n in args.lengths}
+    _warm_up(llm, rng, vocab)
+    for n, prompt in prompts.items():
+        results["ttft_s"][n], results["checks"][n] = _first_engine(llm, prompt)
+    results["tier_throughput_bytes_per_s"] = _tier_throughput(llm.get_metrics())
+    results["component_bytes_per_s"] = _component_throughput(llm, disk_dir)
+    llm.engine.shutdown()  # drains the cascade to disk
+    second = LLM(args.model, **engine_args)
+    _warm_up(second, rng, vocab)
+    for n, prompt in prompts.items():
+        ttft, cached, hits = _timed(second, prompt, "fs")
+        results["ttft_s"][n]["disk"] = ttft
+        results["checks"][n]["disk"] = {"cached_tokens": cached, "fs_hits": hits}
+    disk_rates = _tier_throughput(second.get_metrics())
+    results["tier_throughput_bytes_per_s"]["fs_to_host"] = disk_rates["fs_to_host"]
+    second.engine.shutdown()
+    results["raw_bytes_per_s"] = _raw_bandwidth(disk_dir, args.device)
+    _report(results, args.json)
+
+
+def _warm_up(llm: LLM, rng: random.Random, vocab: int) -> None:
+    """One throwaway request: first-call costs (allocations, kernel selection) are not TTFT."""
+    prompt = [rng.randrange(100, vocab) for _ in range(64)]
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=2))
+
+
+def _first_engine(llm: LLM, prompt: list[int]) -> tuple[dict, dict]:
+    ttft, checks = {}, {}
+    ttft["recompute"], checks["recompute"], _ = _timed(llm, prompt, "host")
+    ttft["device"], checks["device"], _ = _timed(llm, prompt, "host")
+    _wait_idle(llm)
+    llm.reset_prefix_cache()
+    ttft["host"], cached, hits = _timed(llm, prompt, "host")
+    checks["host"] = {"cached_tokens": cached, "host_hits": hits}
+    return ttft, checks
+
+
+def _timed(llm: LLM, prompt: list[int], tier: str) -> tuple[float, int, float]:
+    """(TTFT seconds, prompt tokens served from cache, new hits of `tier`) for one request."""
+    hits_key = f'kvtier:offload_tier_hits_total{{tier="{tier}"}}'
+    before = llm.get_metrics().get(hits_key, 0.0)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    output = llm.generate([{"prompt_token_ids": prompt}], params)[0]
+    ttft = output.metrics.first_token_time - output.metrics.arrival_time
+    return ttft, output.num_cached_tokens, llm.get_metrics().get(hits_key, 0.0) - before
+
+
+def _wait_idle(llm: LLM) -> None:
+    """Let device->host stores finish so that the host copy exists before the device one goes."""
+    if not llm.engine.scheduler.connector.flush(timeout_s=120):
+        raise TimeoutError("offloading did not go idle within 120 s")
+
+
+def _tier_throughput(metrics: dict[str, float]) -> dict[str, float | None]:
+    rates: dict[str, float | None] = {}
+    for direction in _DIRECTIONS:
+        num_bytes = metrics.get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
+        seconds = metrics.get(f'kvtier:offload_transfer_seconds_sum{{direction="{direction}"}}',
+                              0.0)
+        rates[direction] = num_bytes / seconds if seconds > 0 else None
+    return rates
+
+
+def _component_throughput(llm: LLM, directory: str) -> dict[str, float]:
+    """Wall-clock throughput of the real copy and fs components on this model's chunks, with
+    nothing else running (the in-engine metrics sum per-job times of concurrent jobs)."""
+    layout = llm.engine.scheduler.connector.layouts[0]
+    caches = list(llm.engine.runner.kv_caches)
+    num_chunks = min(256, caches[0].shape[1] - 1, _RAW_BYTES // layout.block_bytes)
+    single = ChunkLayout(layout.page_bytes, layout.num_layers, 1)
+    area = HostArea(num_chunks * single.chunk_bytes, single.chunk_bytes)
+    copier = ChunkCopier(area.buffer, area.slot_bytes, [caches], [single])
+    transfers = [ChunkTransfer(i, "bench", 0, i, (0,), (i + 1,)) for i in range(num_chunks)]
+    num_bytes = num_chunks * single.chunk_bytes
+    # Best of three: the first pass also faults the fresh host pages in.
+    rates = {"device_to_host": num_bytes / min(
+                 _seconds(lambda: copier.device_to_host(transfers)) for _ in range(3)),
+             "host_to_device": num_bytes / min(
+                 _seconds(lambda: copier.host_to_device(transfers)) for _ in range(3))}
+    tier = FsTier(FsTierOptions(root_dir=os.path.join(directory, "component")),
+                  TierContext("fs", b"component-bench"))
+    keys = [make_chunk_key(b"component-bench", 0, i.to_bytes(32, "big"))
+            for i in range(num_chunks)]
+    for direction, submit in (("host_to_fs", tier.submit_store), ("fs_to_host", tier.submit_load)):
+        rates[direction] = num_bytes / _seconds(lambda: _run_jobs(tier, submit, keys, area))
+    tier.shutdown()
+    return rates
+
+
+def _run_jobs(tier: FsTier, submit, keys: list, area: HostArea) -> None:
+    deadline = time.monotonic() + 120
+    for slot, key in enumerate(keys):
+        submit(TransferJob(slot, key, area.slot_view(slot), deadline))
+    num_done = 0
+    while num_done < len(keys):
+        results = list(tier.get_finished_jobs())
+        if not all(result.ok for result in results) or time.monotonic() > deadline:
+            raise RuntimeError("fs tier jobs failed or hung during the throughput measurement")
+        num_done += len(results)
+        time.sleep(0.0005)
+
+
+def _seconds(action) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def _raw_bandwidth(directory: str, device: str | None) -> dict[str, float]:
+    host = np.ones(_RAW_BYTES, dtype=np.uint8)
+    copy = np.empty_like(host)
+    raw = {"memcpy": _bytes_per_s(lambda: np.copyto(copy, host))}
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_device = torch.ones(_RAW_BYTES, dtype=torch.uint8, device=dev)
+    host_tensor = torch.from_numpy(copy)
+    raw["device_to_host"] = _bytes_per_s(lambda: _sync(host_tensor.copy_(on_device), dev))
+    raw["host_to_device"] = _bytes_per_s(lambda: _sync(on_device.copy_(host_tensor), dev))
+    path = os.path.join(directory, "raw-bandwidth.bin")
+    raw["file_write"] = _bytes_per_s(lambda: _write_file(path, host))
+    raw["file_read"] = _bytes_per_s(lambda: _read_file(path, copy))
+    os.unlink(path)
+    return raw
+
+
+def _sync(_: object, device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _write_file(path: str, data: np.ndarray) -> None:
+    # Temp file + rename, no fsync: what the fs tier does per chunk.
+    with open(path + ".tmp", "wb") as f:
+        f.write(memoryview(data))
+    os.replace(path + ".tmp", path)
+
+
+def _read_file(path: str, out: np.ndarray) -> None:
+    with open(path, "rb") as f:
+        f.readinto(memoryview(out))
+
+
+def _bytes_per_s(action, repeats: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        best = min(best, time.perf_counter() - start)
+    return _RAW_BYTES / best
+
+
+def _report(results: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"{'tokens':>7} {'recompute':>10} {'device':>8} {'host':>8} {'disk':>8}   "
+          f"host/recompute disk/recompute")
+    for n, ttft in results["ttft_s"].items():
+        print(f"{n:>7} {ttft['recompute']:>10.4f} {ttft['device']:>8.4f} {ttft['host']:>8.4f} "
+              f"{ttft['disk']:>8.4f}   {ttft['host'] / ttft['recompute']:>14.3f} "
+              f"{ttft['disk'] / ttft['recompute']:>14.3f}")
+    print("checks:", json.dumps(results["checks"]))
+    gib = 2**30
+    raw = results["raw_bytes_per_s"]
+    pairs = [("device_to_host", "device_to_host"), ("host_to_device", "host_to_device"),
+             ("host_to_fs", "file_write"), ("fs_to_host", "file_read")]
+    print(f"{'':>15}  {'component':>10} {'in-engine':>10} {'raw':>10}  (GiB/s)")
+    for tier_direction, raw_name in pairs:
+        rate = results["tier_throughput_bytes_per_s"][tier_direction]
+        in_engine = "n/a" if rate is None else f"{rate / gib:.2f}"
+        component = results["component_bytes_per_s"][tier_direction] / gib
+        print(f"{tier_direction:>15}: {component:>10.2f} {in_engine:>10} "
+              f"{raw[raw_name] / gib:>10.2f}  ({raw_name}, "
+              f"{100 * component * gib / raw[raw_name]:.0f}% of raw)")
+    print(f"{'raw memcpy':>15}: {raw['memcpy'] / gib:.2f} GiB/s")
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M GGUF)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--host", default="2GiB", help="host tier budget")
+    parser.add_argument("--disk", default="4GiB", help="disk tier budget")
+    parser.add_argument("--disk-dir", default=None,
+                        help="disk tier directory (default: a temp dir)")
+    parser.add_argument("--device-kv", default="1GiB", help="device KV cache budget")
+    parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    main()

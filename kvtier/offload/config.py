@@ -1,0 +1,160 @@
+"""Offloading options: the seed's `kv_connector_extra_config` and the one-flag `--kv-offload`.
+
+Both forms end up in one frozen `OffloadConfig`. The JSON form is what `OffloadingConnector`
+receives; the flag form (`host=4GiB,disk=/var/cache/kvtier:50GiB`) is expanded by
+`parse_kv_offload` into that same JSON so the engine has one code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping, get_args
+
+from kvtier.offload.options import is_positive_int, parse_options, require
+from kvtier.offload.sizes import parse_size
+
+EvictionPolicyName = Literal["lru", "arc"]
+SPEC_NAME = "TieringOffloadingSpec"
+CONNECTOR_NAME = "OffloadingConnector"
+_WHERE = "kv_connector_extra_config"
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """One secondary tier: its `type`, its own parsed options, and a unique label for metrics."""
+
+    type: str
+    name: str
+    # The tier class's own frozen options dataclass (or the raw dict for a tier without one).
+    options: Any
+    module_path: str | None = None
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """What `OffloadingConnector` reads from `kv_connector_extra_config`."""
+
+    cpu_bytes_to_use: int
+    spec_name: str = SPEC_NAME
+    blocks_per_chunk: int = 1
+    eviction_policy: EvictionPolicyName = "lru"
+    # Offload only the prompt's blocks (decode blocks are rarely shared).
+    offload_prompt_only: bool = False
+    # A chunk is stored only once this many requests have contained it (1: always store).
+    store_threshold: int = 1
+    # Deadline for one tier job (promotion or cascade store); late jobs count as failed.
+    tier_job_timeout_s: float = 30.0
+    secondary_tiers: tuple[TierSpec, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        require(self.spec_name == SPEC_NAME, f"{_WHERE}.spec_name", f"must be {SPEC_NAME!r}",
+                self.spec_name)
+        require(self.cpu_bytes_to_use > 0, f"{_WHERE}.cpu_bytes_to_use",
+                "must be > 0 (the host tier's byte budget, e.g. \"4GiB\")", self.cpu_bytes_to_use)
+        require(is_positive_int(self.blocks_per_chunk), f"{_WHERE}.blocks_per_chunk",
+                "must be an integer >= 1", self.blocks_per_chunk)
+        require(self.eviction_policy in get_args(EvictionPolicyName),
+                f"{_WHERE}.eviction_policy", f"must be one of {list(get_args(EvictionPolicyName))}",
+                self.eviction_policy)
+        require(isinstance(self.offload_prompt_only, bool), f"{_WHERE}.offload_prompt_only",
+                "must be true or false", self.offload_prompt_only)
+        require(is_positive_int(self.store_threshold), f"{_WHERE}.store_threshold",
+                "must be an integer >= 1", self.store_threshold)
+        require(isinstance(self.tier_job_timeout_s, (int, float)) and self.tier_job_timeout_s > 0,
+                f"{_WHERE}.tier_job_timeout_s", "must be a number of seconds > 0",
+                self.tier_job_timeout_s)
+
+    @classmethod
+    def from_extra_config(cls, raw: Mapping[str, Any]) -> "OffloadConfig":
+        """Parse the user's dict; unknown keys and bad values raise ValueError naming them."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{_WHERE} must be a JSON object, got {raw!r}")
+        values = dict(raw)
+        if "cpu_bytes_to_use" in values:
+            values["cpu_bytes_to_use"] = parse_size(values["cpu_bytes_to_use"],
+                                                    f"{_WHERE}.cpu_bytes_to_use")
+        tiers = values.pop("secondary_tiers", [])
+        require(isinstance(tiers, (list, tuple)), f"{_WHERE}.secondary_tiers",
+                "must be a list of tier objects", tiers)
+        values["secondary_tiers"] = _parse_tiers(tiers)
+        return parse_options(cls, values, _WHERE)
+
+
+def _parse_tiers(raw_tiers: list[Any] | tuple[Any, ...]) -> tuple[TierSpec, ...]:
+    # Imported here: the tier registry imports tier option classes, which import this module's
+    # helpers; a module-level import would be circular.
+    from kvtier.offload.tiers.registry import parse_tier_options
+
+    specs: list[TierSpec] = []
+    for index, raw in enumerate(raw_tiers):
+        where = f"{_WHERE}.secondary_tiers[{index}]"
+        require(isinstance(raw, Mapping) and isinstance(raw.get("type"), str), where,
+                "must be an object with a string \"type\"", raw)
+        options = {k: v for k, v in raw.items() if k not in ("type", "module_path", "name")}
+        module_path = raw.get("module_path")
+        name = raw.get("name") or _unique_name(raw["type"], specs)
+        parsed = parse_tier_options(raw["type"], module_path, options, where)
+        specs.append(TierSpec(type=raw["type"], name=name, options=parsed,
+                              module_path=module_path))
+    return tuple(specs)
+
+
+def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:
+    taken = {spec.name for spec in earlier}
+    if tier_type not in taken:
+        return tier_type
+    index = 1
+    while f"{tier_type}{index}" in taken:
+        index += 1
+    return f"{tier_type}{index}"
+
+
+_FLAG_HELP = ("expected comma-separated key=value pairs such as "
+              "'host=4GiB,disk=/var/cache/kvtier:50GiB' (keys: host, disk, policy, "
+              "blocks_per_chunk)")
+
+
+def parse_kv_offload(flag: str) -> dict[str, Any]:
+    """`--kv-offload host=4GiB,disk=/var/cache/kvtier:50GiB` -> a KVTransferConfig dict.
+
+    `host` (required) is the host tier's byte budget. `disk=DIR[:SIZE]` adds an fs tier (SIZE
+    is its byte budget; it may repeat). `policy=lru|arc` and `blocks_per_chunk=N` are optional.
+    The returned dict is validated here, so a bad flag fails at start-up.
+    """
+    if not isinstance(flag, str) or not flag.strip():
+        raise ValueError(f"--kv-offload: {_FLAG_HELP}, got {flag!r}")
+    extra: dict[str, Any] = {"spec_name": SPEC_NAME, "secondary_tiers": []}
+    for part in flag.split(","):
+        key, sep, value = part.strip().partition("=")
+        if not sep or not value:
+            raise ValueError(f"--kv-offload: {_FLAG_HELP}, got {part!r}")
+        _apply_flag_pair(extra, key.strip(), value.strip())
+    if "cpu_bytes_to_use" not in extra:
+        raise ValueError("--kv-offload: 'host=SIZE' is required (e.g. host=4GiB): every "
+                         "offload passes through host memory")
+    OffloadConfig.from_extra_config(extra)
+    return {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+def _apply_flag_pair(extra: dict[str, Any], key: str, value: str) -> None:
+    if key == "host":
+        extra["cpu_bytes_to_use"] = parse_size(value, "--kv-offload host")
+    elif key == "disk":
+        extra["secondary_tiers"].append(_parse_disk(value))
+    elif key == "policy":
+        extra["eviction_policy"] = value
+    elif key == "blocks_per_chunk":
+        require(value.isdigit(), "--kv-offload blocks_per_chunk", "must be an integer >= 1",
+                value)
+        extra["blocks_per_chunk"] = int(value)
+    else:
+        raise ValueError(f"--kv-offload: unknown key {key!r}; {_FLAG_HELP}")
+
+
+def _parse_disk(value: str) -> dict[str, Any]:
+    # The size is optional and comes after the last colon; a path may itself contain colons.
+    root, sep, size = value.rpartition(":")
+    if sep and root and size and size[0].isdigit():
+        return {"type": "fs", "root_dir": root, "max_bytes": parse_size(size, "--kv-offload disk")}
+    return {"type": "fs", "root_dir": value}

@@ -1,0 +1,43 @@
+"""The host area: one preallocated buffer cut into equal chunk slots.
+
+Allocated once at start-up (no allocation per transfer); tiers and copy handlers get views of it,
+never copies. Slots are sized for the largest chunk of any KV cache group, so one pool serves a
+hybrid model's groups alike.
+"""
+
+from __future__ import annotations
+
+from typing import NewType
+
+import numpy as np
+
+SlotId = NewType("SlotId", int)
+
+
+class HostArea:
+    """`num_slots` slots of `slot_bytes` each, carved out of a byte budget."""
+
+    def __init__(self, budget_bytes: int, slot_bytes: int) -> None:
+        if slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = budget_bytes // slot_bytes
+        if self.num_slots < 1:
+            raise ValueError(f"kv_connector_extra_config.cpu_bytes_to_use={budget_bytes} holds no "
+                             f"chunk; it must be at least one chunk ({slot_bytes} bytes)")
+        # uint8 so any KV dtype can be viewed through it (the worker views it as torch tensors).
+        self.buffer = np.zeros(self.num_slots * slot_bytes, dtype=np.uint8)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_slots * self.slot_bytes
+
+    def slot_array(self, slot: SlotId) -> np.ndarray:
+        start = slot * self.slot_bytes
+        return self.buffer[start:start + self.slot_bytes]
+
+    def slot_view(self, slot: SlotId, num_bytes: int | None = None) -> memoryview:
+        """A zero-copy writable view of the slot's first `num_bytes` (default: all of it)."""
+        start = slot * self.slot_bytes
+        end = start + (self.slot_bytes if num_bytes is None else num_bytes)
+        return memoryview(self.buffer)[start:end]

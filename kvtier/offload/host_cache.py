@@ -1,0 +1,105 @@
+"""The host tier: which chunk lives in which host slot, with two-phase moves in and out.
+
+A chunk being written into its slot (from the device or a secondary tier) is not yet readable
+and is unknown to the eviction policy, so it cannot be evicted. A chunk being read out of its
+slot (to the device, or by a tier's store) holds a reader count and cannot be evicted either.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Hashable
+
+from kvtier.offload.host_area import HostArea, SlotId
+from kvtier.offload.policies.base import EvictionPolicy
+
+
+class ChunkState(enum.Enum):
+    WRITING = "writing"
+    READY = "ready"
+
+
+@dataclass
+class HostEntry:
+    slot: SlotId
+    state: ChunkState
+    # The chunk's size; slots fit the largest group's chunk, a smaller group's uses a prefix.
+    num_bytes: int
+    num_readers: int = 0
+
+
+class HostCache:
+    def __init__(self, area: HostArea, policy: EvictionPolicy) -> None:
+        self.area = area
+        self.policy = policy
+        self.entries: dict[Hashable, HostEntry] = {}
+        # Reversed so that slots are handed out 0, 1, 2, ... (stable ids for tests and logs).
+        self._free_slots: list[SlotId] = [SlotId(s) for s in reversed(range(area.num_slots))]
+        self._evicted: list[Hashable] = []
+
+    def is_ready(self, key: Hashable) -> bool:
+        entry = self.entries.get(key)
+        return entry is not None and entry.state is ChunkState.READY
+
+    def prepare_store(self, key: Hashable, num_bytes: int) -> SlotId | None:
+        """Reserve a slot for `key`, evicting if needed. None if `key` is already here (or on
+        its way) or every resident chunk is busy."""
+        if key in self.entries:
+            return None
+        slot = self._take_slot(key)
+        if slot is not None:
+            self.entries[key] = HostEntry(slot=slot, state=ChunkState.WRITING,
+                                          num_bytes=num_bytes)
+        return slot
+
+    def complete_store(self, key: Hashable, ok: bool) -> None:
+        entry = self.entries[key]
+        assert entry.state is ChunkState.WRITING, f"complete_store of a {entry.state} chunk"
+        if ok:
+            entry.state = ChunkState.READY
+            self.policy.insert(key)
+        else:
+            del self.entries[key]
+            self._free_slots.append(entry.slot)
+
+    def prepare_load(self, key: Hashable) -> SlotId:
+        """Pin a ready chunk for reading and count it as used."""
+        entry = self.entries[key]
+        assert entry.state is ChunkState.READY, f"prepare_load of a {entry.state} chunk"
+        entry.num_readers += 1
+        self.policy.touch(key)
+        return entry.slot
+
+    def complete_load(self, key: Hashable) -> None:
+        entry = self.entries[key]
+        assert entry.num_readers > 0, "complete_load without prepare_load"
+        entry.num_readers -= 1
+
+    def view(self, key: Hashable) -> memoryview:
+        entry = self.entries[key]
+        return self.area.slot_view(entry.slot, entry.num_bytes)
+
+    def take_evicted(self) -> list[Hashable]:
+        evicted, self._evicted = self._evicted, []
+        return evicted
+
+    @property
+    def num_used_slots(self) -> int:
+        return len(self.entries)
+
+    @property
+    def fill_ratio(self) -> float:
+        return len(self.entries) / self.area.num_slots
+
+    def _take_slot(self, incoming: Hashable) -> SlotId | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        victim = self.policy.pop_victim(incoming, self._may_evict)
+        if victim is None:
+            return None
+        self._evicted.append(victim)
+        return self.entries.pop(victim).slot
+
+    def _may_evict(self, key: Hashable) -> bool:
+        return self.entries[key].num_readers == 0

@@ -1,0 +1,247 @@
+"""The tiering manager: the host tier in front of the secondary tiers.
+
+Host-centric: every chunk enters through the host area and leaves through it. After a
+device->host store completes, the chunk is pushed to every secondary tier at once (the cascade).
+A lookup that misses the host asks the secondary tiers in order; the first that has the chunk
+promotes it into the host asynchronously and the answer is RETRY, so the scheduler asks again
+next step instead of waiting. Everything here runs on the engine thread; tiers do their I/O on
+their own threads and report through `get_finished_jobs`, drained by `poll`.
+
+Failures never propagate: a tier that raises, reports a failed job or misses its deadline costs a
+counted error, and a chunk that failed to come back from a tier is not asked of that tier again
+(until a later store to it succeeds), so the request recomputes instead.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Sequence
+
+from kvtier.offload.config import OffloadConfig
+from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
+from kvtier.offload.host_area import HostArea, SlotId
+from kvtier.offload.host_cache import HostCache
+from kvtier.offload.keys import ChunkKey
+from kvtier.offload.metrics import OffloadMetrics
+from kvtier.offload.policies import make_policy
+from kvtier.offload.tiers.base import LookupResult, SecondaryTier, TierContext, TransferJob
+from kvtier.offload.tiers.registry import create_tier
+
+
+class Lookup(enum.Enum):
+    HIT = "hit"  # in host memory now
+    MISS = "miss"
+    RETRY = "retry"  # on its way into host memory; ask again next step
+
+
+@dataclass
+class _TierJob:
+    kind: Literal["promote", "cascade"]
+    tier: int
+    key: ChunkKey
+    num_bytes: int
+    started: float
+    deadline: float
+    expired: bool = False
+
+
+class TieringManager:
+    def __init__(self, config: OffloadConfig, namespace: bytes, chunk_sizes: Sequence[int],
+                 metrics_registry: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`chunk_sizes`: bytes of one chunk per KV cache group; host slots fit the largest."""
+        self.config = config
+        self.area = HostArea(config.cpu_bytes_to_use, max(chunk_sizes))
+        self.host = HostCache(self.area, make_policy(config.eviction_policy, self.area.num_slots))
+        self.metrics = OffloadMetrics(metrics_registry)
+        self.tiers: list[SecondaryTier] = [
+            create_tier(spec.type, spec.module_path, spec.options,
+                        TierContext(spec.name, namespace, metrics_registry))
+            for spec in config.secondary_tiers]
+        self.tier_names = [tier.context.name for tier in self.tiers]
+        self._clock = clock
+        self._job_ids = itertools.count()
+        self._jobs: dict[int, _TierJob] = {}
+        self._promoting: dict[ChunkKey, int] = {}
+        # (tier index, key) pairs whose load failed; bounded, oldest forgotten first.
+        self._failed: OrderedDict[tuple[int, ChunkKey], None] = OrderedDict()
+        self._max_remembered = 16 * self.area.num_slots
+        # Requests seen per chunk, for store_threshold; bounded like _failed.
+        self._uses: OrderedDict[ChunkKey, int] = OrderedDict()
+        self._events: list[TierMoveEvent] = []
+
+    # ---- lookup and promotion -------------------------------------------------------------
+
+    def lookup(self, key: ChunkKey, num_bytes: int, req_context: Any = None) -> Lookup:
+        if self.host.is_ready(key):
+            self.metrics.lookup(HOST, True, 0.0)
+            return Lookup.HIT
+        self.metrics.lookup(HOST, False, 0.0)
+        if key in self._promoting:
+            return Lookup.RETRY
+        if key in self.host.entries:
+            return Lookup.MISS  # arriving from the device; its blocks are still there
+        for index, tier in enumerate(self.tiers):
+            answer = self._ask_tier(index, tier, key, req_context)
+            if answer is LookupResult.UNKNOWN:
+                return Lookup.RETRY
+            if answer is LookupResult.FOUND and self._promote(index, key, num_bytes):
+                return Lookup.RETRY
+        return Lookup.MISS
+
+    def _ask_tier(self, index: int, tier: SecondaryTier, key: ChunkKey,
+                  req_context: Any) -> LookupResult:
+        if (index, key) in self._failed:
+            return LookupResult.NOT_FOUND
+        start = self._clock()
+        try:
+            answer = tier.lookup(key, req_context)
+        except Exception:  # a broken tier is a miss, never a crash
+            self.metrics.error(self.tier_names[index])
+            return LookupResult.NOT_FOUND
+        self.metrics.lookup(self.tier_names[index], answer is LookupResult.FOUND,
+                            self._clock() - start)
+        return answer
+
+    def _promote(self, index: int, key: ChunkKey, num_bytes: int) -> bool:
+        slot = self.host.prepare_store(key, num_bytes)
+        if slot is None:
+            return False
+        job_id = self._submit(index, "promote", key, num_bytes, slot)
+        if job_id is None:
+            self.host.complete_store(key, ok=False)
+            self._mark_failed(index, key)
+            return False
+        self._promoting[key] = job_id
+        return True
+
+    # ---- device <-> host (two-phase; the connector moves the bytes) ------------------------
+
+    def record_use(self, key: ChunkKey) -> None:
+        """A request contains `key` (counts towards store_threshold)."""
+        self._uses[key] = self._uses.get(key, 0) + 1
+        self._uses.move_to_end(key)
+        if len(self._uses) > self._max_remembered:
+            self._uses.popitem(last=False)
+
+    def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
+        """A host slot to copy `key` into from the device, or None: already in host, not used
+        often enough yet, or no slot free of transfers."""
+        if self._uses.get(key, 0) < self.config.store_threshold:
+            return None
+        return self.host.prepare_store(key, num_bytes)
+
+    def complete_store(self, key: ChunkKey, ok: bool) -> None:
+        """The device->host copy of `key` ended; on success, cascade to every secondary tier."""
+        self.host.complete_store(key, ok)
+        if not ok:
+            return
+        self._events.append(TierMoveEvent(key, DEVICE, HOST))
+        for index in range(len(self.tiers)):
+            self.host.prepare_load(key)  # the tier reads the slot: pin it
+            slot = self.host.entries[key].slot
+            if self._submit(index, "cascade", key, self.host.entries[key].num_bytes, slot) is None:
+                self.host.complete_load(key)
+
+    def prepare_load(self, key: ChunkKey) -> SlotId:
+        """Pin `key` (a HIT) for a host->device copy."""
+        return self.host.prepare_load(key)
+
+    def complete_load(self, key: ChunkKey, ok: bool) -> None:
+        self.host.complete_load(key)
+        if ok:
+            self._events.append(TierMoveEvent(key, HOST, DEVICE))
+
+    # ---- tier jobs --------------------------------------------------------------------------
+
+    def _submit(self, index: int, kind: Literal["promote", "cascade"], key: ChunkKey,
+                num_bytes: int, slot: SlotId) -> int | None:
+        now = self._clock()
+        job_id = next(self._job_ids)
+        job = TransferJob(job_id, key, self.area.slot_view(slot, num_bytes),
+                          now + self.config.tier_job_timeout_s)
+        self._jobs[job_id] = _TierJob(kind, index, key, num_bytes, now, job.deadline)
+        try:
+            if kind == "promote":
+                self.tiers[index].submit_load(job)
+            else:
+                self.tiers[index].submit_store(job)
+        except Exception:  # a broken tier is a failed job, never a crash
+            del self._jobs[job_id]
+            self.metrics.error(self.tier_names[index])
+            return None
+        return job_id
+
+    def poll(self) -> None:
+        """Collect finished tier jobs and expire late ones. Call once per engine step."""
+        for index, tier in enumerate(self.tiers):
+            try:
+                results = list(tier.get_finished_jobs())
+            except Exception:
+                self.metrics.error(self.tier_names[index])
+                continue
+            for result in results:
+                job = self._jobs.pop(result.job_id, None)
+                if job is None:
+                    self.metrics.error(self.tier_names[index])  # a job we never gave it
+                else:
+                    self._finish(job, result.ok, result.seconds)
+        self._expire_late_jobs()
+        self.metrics.set_fill_ratio(self.host.fill_ratio)
+
+    def _finish(self, job: _TierJob, ok: bool, seconds: float | None) -> None:
+        name = self.tier_names[job.tier]
+        if not ok and not job.expired:
+            self.metrics.error(name)
+        ok = ok and not job.expired
+        if job.kind == "promote":
+            self._promoting.pop(job.key, None)
+            self.host.complete_store(job.key, ok)
+            if not ok:
+                self._mark_failed(job.tier, job.key)
+        else:
+            self.host.complete_load(job.key)
+            if ok:
+                self._failed.pop((job.tier, job.key), None)
+        if ok:
+            source, destination = (name, HOST) if job.kind == "promote" else (HOST, name)
+            self._events.append(TierMoveEvent(job.key, source, destination,
+                                              self.tiers[job.tier].locality))
+            if seconds is None:
+                seconds = self._clock() - job.started
+            self.metrics.transfer(f"{source}_to_{destination}", job.num_bytes, seconds)
+
+    def _expire_late_jobs(self) -> None:
+        # A late job keeps its slot pinned until the tier reports it: the tier may still be
+        # using the buffer, so the slot cannot be handed to another chunk.
+        now = self._clock()
+        for job in self._jobs.values():
+            if not job.expired and now > job.deadline:
+                job.expired = True
+                self.metrics.error(self.tier_names[job.tier])
+                if job.kind == "promote":
+                    self._promoting.pop(job.key, None)
+                    self._mark_failed(job.tier, job.key)
+
+    def _mark_failed(self, index: int, key: ChunkKey) -> None:
+        self._failed[(index, key)] = None
+        if len(self._failed) > self._max_remembered:
+            self._failed.popitem(last=False)
+
+    # ---- events, stats, shutdown ----------------------------------------------------------
+
+    def take_events(self) -> list[TierMoveEvent]:
+        evicted = [TierMoveEvent(key, HOST, None) for key in self.host.take_evicted()]
+        events, self._events = self._events + evicted, []
+        return events
+
+    def num_jobs_in_flight(self) -> int:
+        return len(self._jobs)
+
+    def shutdown(self) -> None:
+        for tier in self.tiers:
+            tier.shutdown()

@@ -1,0 +1,77 @@
+"""Offloading metrics, kept as plain counters and mirrored into the engine's registry.
+
+The plain counters make `snapshot()` work with no registry (unit tests, connector stats); the
+registry (kvtier.engine.metrics.MetricsRegistry) puts the same numbers on /metrics.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+# Latency buckets for a chunk move: sub-millisecond memcpy up to a slow network disk.
+_LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
+
+
+class OffloadMetrics:
+    def __init__(self, registry: Any = None) -> None:
+        self.values: dict[str, float] = defaultdict(float)
+        self._registry = registry
+        if registry is None:
+            return
+        self._fill = registry.gauge("kvtier:offload_host_fill_ratio",
+                                    "Share of host-tier chunk slots in use")
+        self._bytes = registry.counter("kvtier:offload_bytes",
+                                       "Bytes moved between tiers", ["direction"])
+        self._throughput = registry.gauge("kvtier:offload_throughput_bytes_per_second",
+                                          "Throughput of the last batch of transfers",
+                                          ["direction"])
+        self._transfer = registry.histogram("kvtier:offload_transfer_seconds",
+                                            "Time of one batch of chunk transfers",
+                                            ["direction"], _LATENCY_BUCKETS)
+        self._lookup = registry.histogram("kvtier:offload_tier_lookup_seconds",
+                                          "Time of one tier lookup", ["tier"], _LATENCY_BUCKETS)
+        self._hits = registry.counter("kvtier:offload_tier_hits", "Chunk lookups that hit",
+                                      ["tier"])
+        self._queries = registry.counter("kvtier:offload_tier_queries", "Chunk lookups",
+                                         ["tier"])
+        self._errors = registry.counter("kvtier:offload_tier_errors",
+                                        "Failed tier operations (I/O errors, corrupt data, "
+                                        "deadlines, exceptions)", ["tier"])
+
+    def set_fill_ratio(self, ratio: float) -> None:
+        self.values["kvtier:offload_host_fill_ratio"] = ratio
+        if self._registry is not None:
+            self._fill.set(ratio)
+
+    def lookup(self, tier: str, hit: bool, seconds: float) -> None:
+        self._inc("kvtier:offload_tier_queries", tier, 1)
+        if hit:
+            self._inc("kvtier:offload_tier_hits", tier, 1)
+        if self._registry is not None:
+            self._queries.labels(tier=tier).inc()
+            if hit:
+                self._hits.labels(tier=tier).inc()
+            self._lookup.labels(tier=tier).observe(seconds)
+
+    def error(self, tier: str) -> None:
+        self._inc("kvtier:offload_tier_errors", tier, 1)
+        if self._registry is not None:
+            self._errors.labels(tier=tier).inc()
+
+    def transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
+        """One batch moved `num_bytes` in `direction` (e.g. "device_to_host", "fs_to_host")."""
+        key = f'kvtier:offload_bytes_total{{direction="{direction}"}}'
+        self.values[key] += num_bytes
+        if self._registry is None:
+            return
+        self._bytes.labels(direction=direction).inc(num_bytes)
+        self._transfer.labels(direction=direction).observe(seconds)
+        if seconds > 0:
+            self._throughput.labels(direction=direction).set(num_bytes / seconds)
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.values)
+
+    def _inc(self, name: str, tier: str, amount: float) -> None:
+        self.values[f'{name}_total{{tier="{tier}"}}'] += amount

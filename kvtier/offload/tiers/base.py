@@ -1,0 +1,92 @@
+"""The secondary-tier API: four methods between the tiering manager and a storage back end.
+
+A tier never sees device memory. Every job hands it a `memoryview` of one host slot: a store job
+reads the chunk from it, a load job writes the chunk into it. Calls come from the engine thread
+and must return at once; the I/O runs on the tier's own threads and its outcome is reported by
+`get_finished_jobs`. A tier manages its own capacity and eviction.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Iterable, Literal
+
+from kvtier.offload.keys import ChunkKey
+
+Locality = Literal["local", "remote"]
+
+
+class LookupResult(enum.Enum):
+    FOUND = "found"
+    NOT_FOUND = "not_found"
+    # The tier cannot tell yet (e.g. a remote query in flight); ask again next step.
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class TransferJob:
+    job_id: int
+    key: ChunkKey
+    # The host slot: read by a store, written by a load. Exactly the chunk's bytes.
+    buffer: memoryview
+    # time.monotonic() value after which the manager counts the job as failed.
+    deadline: float
+
+
+@dataclass(frozen=True)
+class JobResult:
+    job_id: int
+    ok: bool
+    # Why it failed, for logs and error counters; None when ok.
+    error: str | None = None
+    # Seconds the I/O itself took, if the tier measured it (throughput metrics); None: the
+    # manager uses submit-to-report time, which includes queueing.
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier is told at construction."""
+
+    # Label of this tier in metrics and events (unique among the configured tiers).
+    name: str
+    # Namespace digest of the KV geometry; keys already start with it, tiers may group by it.
+    namespace: bytes
+    # The engine's MetricsRegistry (counter/gauge/histogram) or None; tiers may register theirs.
+    metrics: Any = None
+
+
+class SecondaryTier(ABC):
+    """A storage tier behind the host tier. Contract:
+
+    * `lookup` answers from memory or one cheap syscall; it never waits on I/O.
+    * `submit_store` / `submit_load` queue the job and return; they may raise only for a
+      programming error (the manager turns any exception into a failed job).
+    * every submitted job is reported exactly once by `get_finished_jobs`, `ok=False` for a
+      failure of any kind (missing, corrupt, full, read-only, I/O error). A load that reports
+      ok=True must have written exactly the bytes that a store of the same key read.
+    * the tier must not touch a job's buffer after reporting the job.
+    """
+
+    locality: Locality = "local"
+
+    def __init__(self, options: Any, context: TierContext) -> None:
+        self.options = options
+        self.context = context
+
+    @abstractmethod
+    def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult: ...
+
+    @abstractmethod
+    def submit_store(self, job: TransferJob) -> None: ...
+
+    @abstractmethod
+    def submit_load(self, job: TransferJob) -> None: ...
+
+    @abstractmethod
+    def get_finished_jobs(self) -> Iterable[JobResult]: ...
+
+    def shutdown(self) -> None:
+        """Stop the tier's threads; called once."""

@@ -1,0 +1,50 @@
+"""Out-of-tree tiers for the tests, loaded through `module_path` like a user's own tier."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from kvtier.offload.tiers.base import (JobResult, LookupResult, SecondaryTier, TierContext,
+                                       TransferJob)
+
+
+class RaisingTier(SecondaryTier):
+    """Every call raises: a tier whose back end is gone."""
+
+    def lookup(self, key, req_context: Any = None) -> LookupResult:
+        raise ConnectionError("back end unreachable")
+
+    def submit_store(self, job: TransferJob) -> None:
+        raise ConnectionError("back end unreachable")
+
+    def submit_load(self, job: TransferJob) -> None:
+        raise ConnectionError("back end unreachable")
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        raise ConnectionError("back end unreachable")
+
+
+class StuckTier(SecondaryTier):
+    """Has every chunk, takes jobs and reports them only when `release()` is called."""
+
+    def __init__(self, options: Any, context: TierContext) -> None:
+        super().__init__(options, context)
+        self.held: list[TransferJob] = []
+        self._released: list[JobResult] = []
+
+    def lookup(self, key, req_context: Any = None) -> LookupResult:
+        return LookupResult.FOUND
+
+    def submit_store(self, job: TransferJob) -> None:
+        self.held.append(job)
+
+    def submit_load(self, job: TransferJob) -> None:
+        self.held.append(job)
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        released, self._released = self._released, []
+        return released
+
+    def release(self, ok: bool) -> None:
+        self._released += [JobResult(job.job_id, ok=ok) for job in self.held]
+        self.held = []

@@ -1,0 +1,80 @@
+import pytest
+
+from kvtier.offload.config import OffloadConfig, parse_kv_offload
+from kvtier.offload.sizes import parse_size
+from kvtier.offload.tiers.fs import FsTierOptions
+from kvtier.offload.tiers.memory import MemoryTierOptions
+
+
+def test_parse_size_units():
+    assert parse_size("4GiB", "x") == 4 * 2**30
+    assert parse_size("512MiB", "x") == 512 * 2**20
+    assert parse_size("1.5GB", "x") == 1_500_000_000
+    assert parse_size(1024, "x") == 1024
+    with pytest.raises(ValueError, match="x must be a byte size"):
+        parse_size("four gigs", "x")
+
+
+def test_seed_json_form_parses_into_typed_config(tmp_path):
+    config = OffloadConfig.from_extra_config({
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
+        "blocks_per_chunk": 2, "eviction_policy": "arc", "offload_prompt_only": True,
+        "store_threshold": 2,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path), "max_bytes": "1MiB"},
+                            {"type": "memory"}, {"type": "memory", "max_bytes": 4096}]})
+    assert config.cpu_bytes_to_use == 1 << 20
+    assert config.blocks_per_chunk == 2
+    assert config.eviction_policy == "arc"
+    assert [t.name for t in config.secondary_tiers] == ["fs", "memory", "memory1"]
+    assert config.secondary_tiers[0].options == FsTierOptions(root_dir=str(tmp_path),
+                                                              max_bytes=1 << 20)
+    assert config.secondary_tiers[2].options == MemoryTierOptions(max_bytes=4096)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"cpu_bytes_to_use": 1, "cpu_bytes": 2}, "unknown key 'cpu_bytes'"),
+    ({}, "missing required key 'cpu_bytes_to_use'"),
+    ({"cpu_bytes_to_use": 1, "eviction_policy": "fifo"}, "eviction_policy must be one of"),
+    ({"cpu_bytes_to_use": 1, "blocks_per_chunk": 0}, "blocks_per_chunk must be an integer"),
+    ({"cpu_bytes_to_use": 1, "spec_name": "Other"}, "spec_name must be 'TieringOffloadingSpec'"),
+    ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs"}]}, "missing required key "
+                                                                    "'root_dir'"),
+    ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs", "root_dir": "/x", "size": 1}]},
+     r"secondary_tiers\[0\]: unknown key 'size'"),
+    ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "tape"}]}, "unknown secondary tier "
+                                                                      "type 'tape'"),
+    ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "X", "module_path": "no.such"}]},
+     "cannot import tier module 'no.such'"),
+])
+def test_bad_extra_config_names_the_problem(extra, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig.from_extra_config(extra)
+
+
+def test_one_flag_form_expands_to_the_json_form():
+    assert parse_kv_offload("host=4GiB,disk=/var/cache/kvtier:50GiB") == {
+        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 * 2**30,
+            "secondary_tiers": [{"type": "fs", "root_dir": "/var/cache/kvtier",
+                                 "max_bytes": 50 * 2**30}]}}
+
+
+def test_one_flag_form_options():
+    extra = parse_kv_offload("host=1MiB,disk=/a:b/c,policy=arc,blocks_per_chunk=4")[
+        "kv_connector_extra_config"]
+    assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/a:b/c"}]
+    assert extra["eviction_policy"] == "arc"
+    assert extra["blocks_per_chunk"] == 4
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("disk=/x", "'host=SIZE' is required"),
+    ("host=4GiB,ssd=/x", "unknown key 'ssd'"),
+    ("host", "expected comma-separated key=value"),
+    ("host=lots", "--kv-offload host must be a byte size"),
+    ("host=1MiB,policy=mru", "eviction_policy must be one of"),
+])
+def test_bad_flag_names_the_problem(flag, message):
+    with pytest.raises(ValueError, match=message):
+        parse_kv_offload(flag)

@@ -1,0 +1,218 @@
+"""OffloadingConnector end to end: a tiny random Llama whose device KV cache is too small for
+the working set, checked token for token against HF transformers (fp32, greedy)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from kvtier import LLM, SamplingParams
+from tiny_model import hf_greedy, make_tiny_llama, random_prompts
+
+PROMPT_LEN = 30  # 7 loadable blocks of 4 (the last token is always recomputed)
+LOADABLE = 28
+CHUNK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head dim * fp32
+MAX_TOKENS = 5
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    hf = make_tiny_llama(directory)
+    prompts = random_prompts(8, PROMPT_LEN)
+    return str(directory), prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+
+
+def _llm(model_dir, **kwargs):
+    # 24 device blocks hold 3 of the 8-block prompts: earlier ones get evicted from the device.
+    return LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=24, max_num_seqs=2,
+               **kwargs)
+
+
+def _generate(llm, prompts):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    return [o.outputs[0].token_ids for o in outputs], [o.num_cached_tokens for o in outputs]
+
+
+def _tier(metrics, name, tier):
+    return metrics.get(f'kvtier:offload_tier_{name}_total{{tier="{tier}"}}', 0.0)
+
+
+def _bytes(metrics, direction):
+    return metrics.get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
+
+
+def test_evicted_from_device_reloads_from_host(model):
+    model_dir, prompts, expected = model
+    llm = _llm(model_dir, kv_offload="host=1MiB")
+    try:
+        assert _generate(llm, prompts[:4]) == (expected[:4], [0, 0, 0, 0])
+        tokens, cached = _generate(llm, prompts[:1])
+        metrics = llm.get_metrics()
+        assert tokens == expected[:1] and cached == [LOADABLE]
+        assert _bytes(metrics, "host_to_device") == 7 * CHUNK_BYTES
+        assert _bytes(metrics, "device_to_host") == 4 * 7 * CHUNK_BYTES
+        assert _tier(metrics, "hits", "host") >= 7
+        llm.engine.check_invariants()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_multi_block_chunks_reload_whole_chunks_only(model):
+    model_dir, prompts, expected = model
+    llm = _llm(model_dir, kv_offload="host=1MiB,blocks_per_chunk=2,policy=arc")
+    try:
+        assert _generate(llm, prompts[:4])[0] == expected[:4]
+        tokens, cached = _generate(llm, prompts[:1])
+        # 7 loadable blocks make 3 whole 2-block chunks: 24 tokens load, the rest recompute.
+        assert tokens == expected[:1] and cached == [24]
+        assert _bytes(llm.get_metrics(), "host_to_device") == 6 * CHUNK_BYTES
+    finally:
+        llm.engine.shutdown()
+
+
+def test_evicted_from_host_reloads_from_disk(model, tmp_path):
+    model_dir, prompts, expected = model
+    # 16 host chunks: two prompts' worth, so the first prompts leave host memory too.
+    llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},disk={tmp_path}")
+    try:
+        assert _generate(llm, prompts)[0] == expected
+        tokens, cached = _generate(llm, prompts[:2])
+        metrics = llm.get_metrics()
+        assert tokens == expected[:2] and cached == [LOADABLE, LOADABLE]
+        assert _tier(metrics, "hits", "fs") == 14
+        assert _bytes(metrics, "fs_to_host") == 14 * CHUNK_BYTES
+        assert _tier(metrics, "errors", "fs") == 0
+    finally:
+        llm.engine.shutdown()
+
+
+_SECOND_INSTANCE = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {here!r})
+    from kvtier import LLM, SamplingParams
+    llm = LLM({model!r}, dtype="float32", block_size=4, num_device_blocks=24, max_num_seqs=2,
+              kv_offload="host=1MiB,disk={disk}")
+    params = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
+    outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params)
+    m = llm.get_metrics()
+    print(json.dumps([[o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs],
+                      m.get('kvtier:offload_tier_hits_total{{tier="fs"}}', 0)]))
+    llm.engine.shutdown()
+""")
+
+
+def test_second_process_on_the_same_disk_gets_disk_hits(model, tmp_path):
+    model_dir, prompts, expected = model
+    llm = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path}")
+    try:
+        assert _generate(llm, prompts[:3])[0] == expected[:3]
+    finally:
+        llm.engine.shutdown()  # waits for the cascade to disk
+    script = _SECOND_INSTANCE.format(here=HERE, model=model_dir, disk=tmp_path,
+                                     max_tokens=MAX_TOKENS, prompts=prompts[:3])
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": _pythonpath()})
+    assert out.returncode == 0, out.stderr[-3000:]
+    tokens, cached, fs_hits = eval(out.stdout.strip().splitlines()[-1])
+    assert tokens == expected[:3]
+    assert cached == [LOADABLE] * 3
+    assert fs_hits == 21
+
+
+def _pythonpath():
+    root = os.path.dirname(os.path.dirname(HERE))
+    return os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
+
+
+def _damage_files(directory, how):
+    paths = [os.path.join(root, name) for root, _, names in os.walk(directory)
+             for name in names if name.endswith(".kvc")]
+    assert paths, "nothing reached the disk tier"
+    for path in paths:
+        if how == "delete":
+            os.unlink(path)
+        elif how == "truncate":
+            os.truncate(path, os.path.getsize(path) // 2)
+        else:
+            with open(path, "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)[0]
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last ^ 0x5A]))
+
+
+@pytest.mark.parametrize("how, num_errors", [("corrupt", 14), ("truncate", 14), ("delete", 0)])
+def test_damaged_disk_files_fall_back_to_recompute(model, tmp_path, how, num_errors):
+    model_dir, prompts, expected = model
+    llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},disk={tmp_path}")
+    try:
+        assert _generate(llm, prompts)[0] == expected
+        _wait_for_cascade(llm)
+        _damage_files(tmp_path, how)
+        assert _generate(llm, prompts[:2]) == (expected[:2], [0, 0])
+        metrics = llm.get_metrics()
+        # All 7 chunks of both prompts are found and promoted at once, every load fails its
+        # check, and the requests recompute.
+        assert _tier(metrics, "errors", "fs") == num_errors
+        assert _tier(metrics, "hits", "fs") == num_errors
+        llm.engine.check_invariants()
+    finally:
+        llm.engine.shutdown()
+
+
+def _wait_for_cascade(llm):
+    assert llm.engine.scheduler.connector.flush(timeout_s=30), "cascade to the tiers hangs"
+
+
+@pytest.mark.parametrize("tier", [
+    {"type": "fs", "root_dir": "/sys/kvtier-read-only"},
+    {"type": "RaisingTier", "module_path": "faulty_tiers"},
+])
+def test_broken_tier_costs_errors_not_output(model, tier):
+    model_dir, prompts, expected = model
+    if tier["type"] == "fs" and os.access("/sys", os.W_OK) and _sys_is_writable():
+        pytest.skip("/sys is writable here; no read-only file system to test against")
+    config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 16 * CHUNK_BYTES,
+        "secondary_tiers": [tier]}}
+    llm = _llm(model_dir, kv_transfer_config=config)
+    try:
+        assert _generate(llm, prompts)[0] == expected
+        _wait_for_cascade(llm)
+        assert _generate(llm, prompts[:2]) == (expected[:2], [0, 0])
+        metrics = llm.get_metrics()
+        assert _tier(metrics, "errors", tier["type"]) >= 8 * 7  # every store failed
+        assert _tier(metrics, "hits", tier["type"]) == 0
+    finally:
+        llm.engine.shutdown()
+
+
+def _sys_is_writable():
+    try:
+        os.makedirs("/sys/kvtier-read-only")
+    except OSError:
+        return False
+    os.rmdir("/sys/kvtier-read-only")
+    return True
+
+
+def test_sliding_window_group_reloads_only_its_window(tmp_path):
+    from tiny_model import make_tiny_mistral
+    hf = make_tiny_mistral(tmp_path, sliding_window=6)
+    prompts = random_prompts(4, PROMPT_LEN, seed=1)
+    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    llm = _llm(str(tmp_path), kv_offload="host=1MiB")
+    try:
+        assert _generate(llm, prompts)[0] == expected
+        tokens, cached = _generate(llm, prompts[:2])
+        assert tokens == expected[:2] and cached == [LOADABLE, LOADABLE]
+        # The window (6 tokens) ending at token 28 reaches back into 2 blocks; the other 5
+        # positions hold the null block on the device and are not loaded.
+        assert _bytes(llm.get_metrics(), "host_to_device") == 2 * 2 * CHUNK_BYTES
+    finally:
+        llm.engine.shutdown()

@@ -1,0 +1,141 @@
+"""The offloading scheduler half against the real KV cache manager: exact plans and RETRY."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.connector.base import ConnectorContext, KVConnectorOutput
+from kvtier.connector.config import KVTransferConfig
+from kvtier.connector.offloading import OffloadingConnectorScheduler
+from kvtier.connector.offloading.metadata import ChunkTransfer
+from kvtier.connector.offloading.session import BatchDone
+from kvtier.kv import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
+                       Request, make_block_hasher)
+from kvtier.offload.tiers.base import JobResult
+from kvtier.sampling_params import SamplingParams
+from kvtier.sched.output import NewRequestData, SchedulerOutput
+
+sys.path.insert(0, str(Path(__file__).parent))
+NAMESPACE = b"connector-test".ljust(32, b"\0")
+BLOCK = 4
+SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype_size=4)
+KV_CONFIG = KVCacheConfig(num_blocks=32, kv_cache_groups=[
+    KVCacheGroupSpec(["model.layers.0.self_attn", "model.layers.1.self_attn"], SPEC)])
+CHUNK_BYTES = 2 * SPEC.page_size_bytes
+
+
+@pytest.fixture
+def make_connector():
+    made = []
+
+    def make(**extra):
+        options = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 16 * CHUNK_BYTES,
+                   **extra}
+        config = KVTransferConfig.from_dict({"kv_connector": "OffloadingConnector",
+                                             "kv_connector_extra_config": options})
+        context = ConnectorContext(block_size=BLOCK, num_layers=2, namespace=NAMESPACE,
+                                   kv_cache_config=KV_CONFIG)
+        connector = OffloadingConnectorScheduler(config, context)
+        made.append(connector)
+        return connector
+
+    yield make
+    for connector in made:
+        connector.manager.shutdown()
+
+
+def _request(req_id="r1", num_tokens=30):
+    return Request(req_id, list(range(3, 3 + num_tokens)), SamplingParams(max_tokens=4),
+                   block_hasher=make_block_hasher(BLOCK))
+
+
+def _schedule_prefill(connector, kv, request):
+    """Admit `request` with no cache hit and build the step's metadata, as the scheduler does."""
+    kv.allocate_slots(request, request.num_tokens)
+    connector.update_state_after_alloc(request, kv.get_blocks(request.request_id), 0)
+    block_ids = kv.get_block_ids(request.request_id)
+    output = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData(request.request_id, request.all_token_ids,
+                                           request.num_prompt_tokens, SamplingParams(),
+                                           block_ids, 0)],
+        scheduled_cached_reqs=[], num_scheduled_tokens={request.request_id: request.num_tokens},
+        total_num_scheduled_tokens=request.num_tokens)
+    return connector.build_connector_meta(output), block_ids[0]
+
+
+def _empty_step(connector):
+    return connector.build_connector_meta(SchedulerOutput([], [], {}, 0))
+
+
+def test_prefill_plans_one_store_per_full_block(make_connector):
+    connector = make_connector()
+    kv = KVCacheManager(KV_CONFIG, max_model_len=64)
+    request = _request()
+    metadata, block_ids = _schedule_prefill(connector, kv, request)
+    # 30 tokens: 7 full blocks, each a chunk, into host slots 0..6.
+    assert metadata.stores == [ChunkTransfer(i, "r1", 0, i, (0,), (block_ids[i],))
+                               for i in range(7)]
+    assert metadata.loads == []
+    assert metadata.session_id == connector.session.session_id
+
+
+def test_prompt_only_and_threshold_limit_stores(make_connector):
+    kv = KVCacheManager(KV_CONFIG, max_model_len=64)
+    connector = make_connector(store_threshold=2)
+    assert _schedule_prefill(connector, kv, _request())[0].stores == []  # seen once so far
+    connector = make_connector(blocks_per_chunk=2)
+    stores = _schedule_prefill(connector, kv, _request("r2"))[0].stores
+    assert [(t.slot, t.block_offsets) for t in stores] == [(0, (0, 1)), (1, (0, 1)), (2, (0, 1))]
+
+
+def test_host_hit_loads_by_block_id(make_connector):
+    connector = make_connector()
+    kv = KVCacheManager(KV_CONFIG, max_model_len=64)
+    first = _request("r1")
+    metadata, _ = _schedule_prefill(connector, kv, first)
+    # The worker's part: report the copies done.
+    connector.session.completions.put(BatchDone("device_to_host",
+                                                tuple(t.job_id for t in metadata.stores),
+                                                True, 7 * CHUNK_BYTES, 0.001))
+    _empty_step(connector)
+    second = _request("r2")
+    # 30 tokens: 7 blocks can be loaded, the last token is recomputed.
+    assert connector.get_num_new_matched_tokens(second, 0) == (28, True)
+    kv.allocate_slots(second, 0, num_external_computed_tokens=28, delay_cache_blocks=True)
+    connector.update_state_after_alloc(second, kv.get_blocks("r2"), 28)
+    loads = _empty_step(connector).loads
+    block_ids = kv.get_block_ids("r2")[0]
+    assert [(t.slot, t.block_ids) for t in loads] == [(i, (block_ids[i],)) for i in range(7)]
+    entries = connector.manager.host.entries
+    assert [entry.num_readers for entry in entries.values()] == [1] * 7
+    connector.update_connector_output(KVConnectorOutput(finished_recving={"r2"}))
+    assert [entry.num_readers for entry in entries.values()] == [0] * 7
+    moves = [(e.source, e.destination) for e in connector.take_events()]
+    assert moves == [("device", "host")] * 7 + [("host", "device")] * 7
+
+
+def test_secondary_hit_answers_retry_until_promoted(make_connector):
+    connector = make_connector(secondary_tiers=[{"type": "StuckTier",
+                                                  "module_path": "faulty_tiers"}])
+    stuck = connector.manager.tiers[0]
+    request = _request()
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(stuck.held) == 7  # every chunk's promotion started in the first lookup
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(stuck.held) == 7  # none started twice
+    stuck.release(ok=True)
+    _empty_step(connector)
+    assert connector.get_num_new_matched_tokens(request, 0) == (28, True)
+
+
+def test_failed_promotion_ends_the_hit_there(make_connector):
+    connector = make_connector(secondary_tiers=[{"type": "StuckTier",
+                                                  "module_path": "faulty_tiers"}])
+    stuck = connector.manager.tiers[0]
+    assert connector.get_num_new_matched_tokens(_request(), 0) == (None, False)
+    stuck._released = [JobResult(job.job_id, ok=chunk != 2)  # jobs in chunk order
+                       for chunk, job in enumerate(stuck.held)]
+    _empty_step(connector)
+    # Chunk 2's promotion failed: the first two chunks are a hit, the rest recompute.
+    assert connector.get_num_new_matched_tokens(_request(), 0) == (8, True)

@@ -1,0 +1,92 @@
+"""The worker's chunk copies on real tensors: the standard page layout, byte for byte."""
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.connector.offloading.metadata import ChunkTransfer
+from kvtier.connector.offloading.transfer import ChunkCopier
+from kvtier.offload.host_area import HostArea
+from kvtier.offload.layout import ChunkLayout
+
+NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM, LAYERS, PER_CHUNK = 6, 4, 2, 3, 2, 2
+
+
+def _transfer(slot, offsets, block_ids):
+    return ChunkTransfer(0, "req", 0, slot, tuple(offsets), tuple(block_ids))
+
+
+def _setup(dtype=torch.float32, use_numpy=None):
+    caches = [torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM).to(dtype) for _ in range(LAYERS)]
+    layout = ChunkLayout.for_attention(BLOCK, HEADS, HEAD_DIM, caches[0].element_size(), LAYERS,
+                                       PER_CHUNK)
+    area = HostArea(3 * layout.chunk_bytes, layout.chunk_bytes)
+    copier = ChunkCopier(area.buffer, area.slot_bytes, [caches], [layout], use_numpy=use_numpy)
+    return caches, layout, area, copier
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_device_to_host_writes_the_standard_layout(use_numpy):
+    caches, layout, area, copier = _setup(use_numpy=use_numpy)
+    assert copier.device_to_host([_transfer(1, [0, 1], [4, 2])]) == 2 * layout.block_bytes
+    slot = area.slot_array(1)
+    for offset, block_id in enumerate([4, 2]):
+        for layer in range(LAYERS):
+            start = layout.page_offset(offset, layer)
+            page = slot[start:start + layout.page_bytes].view(np.float32)
+            # one page: K then V, each (block_size, kv_heads, head_dim) contiguous
+            expected = caches[layer][:, block_id].numpy().reshape(-1)
+            assert np.array_equal(page, expected)
+    assert not area.buffer[:layout.chunk_bytes].any()  # other slots untouched
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_round_trip_into_other_block_ids_is_byte_exact(use_numpy):
+    for dtype in (torch.float32, torch.bfloat16):
+        caches, layout, area, copier = _setup(dtype, use_numpy)
+        before = [cache.clone() for cache in caches]
+        copier.device_to_host([_transfer(2, [0, 1], [1, 3])])
+        assert copier.host_to_device([_transfer(2, [1], [5])]) == layout.block_bytes
+        for layer in range(LAYERS):
+            assert torch.equal(caches[layer][:, 5], before[layer][:, 3])
+            assert torch.equal(caches[layer][:, :5], before[layer][:, :5])
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_one_batch_copies_blocks_of_several_chunks(use_numpy):
+    caches, layout, area, copier = _setup(use_numpy=use_numpy)
+    before = [cache.clone() for cache in caches]
+    copier.device_to_host([_transfer(0, [0, 1], [1, 2]), _transfer(2, [1], [3])])
+    copier.host_to_device([_transfer(2, [1], [4]), _transfer(0, [0, 1], [5, 1])])
+    for layer in range(LAYERS):
+        assert torch.equal(caches[layer][:, 4], before[layer][:, 3])
+        assert torch.equal(caches[layer][:, 5], before[layer][:, 1])
+        assert torch.equal(caches[layer][:, 1], before[layer][:, 2])
+
+
+def test_numpy_and_torch_paths_write_the_same_bytes():
+    torch.manual_seed(3)
+    caches, layout, area, fast = _setup(torch.bfloat16, use_numpy=True)
+    reference_area = HostArea(3 * layout.chunk_bytes, layout.chunk_bytes)
+    reference = ChunkCopier(reference_area.buffer, reference_area.slot_bytes, [caches],
+                            [layout], use_numpy=False)
+    transfers = [_transfer(2, [1, 0], [5, 3]), _transfer(0, [1], [2])]
+    fast.device_to_host(transfers)
+    reference.device_to_host(transfers)
+    assert np.array_equal(area.buffer, reference_area.buffer)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_copies_match_the_cpu_layout():
+    torch.manual_seed(4)
+    cpu_caches, layout, cpu_area, cpu_copier = _setup(torch.bfloat16)
+    gpu_caches = [cache.cuda() for cache in cpu_caches]
+    gpu_area = HostArea(3 * layout.chunk_bytes, layout.chunk_bytes)
+    gpu_copier = ChunkCopier(gpu_area.buffer, gpu_area.slot_bytes, [gpu_caches], [layout])
+    transfers = [_transfer(1, [0, 1], [4, 2])]
+    cpu_copier.device_to_host(transfers)
+    gpu_copier.device_to_host(transfers, gpu_copier.record_compute())
+    assert np.array_equal(cpu_area.buffer, gpu_area.buffer)
+    gpu_copier.host_to_device([_transfer(1, [1], [5])])
+    assert torch.equal(gpu_caches[0][:, 5].cpu(), cpu_caches[0][:, 2])

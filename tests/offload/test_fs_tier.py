@@ -1,0 +1,249 @@
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from conftest import (CHUNK, NAMESPACE, chunk_bytes, key, offload_config, read_host,
+                      store_from_device)
+from kvtier.offload.manager import Lookup
+from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
+from kvtier.offload.tiers.fs import FsTier, FsTierOptions
+
+
+@pytest.fixture
+def make_tier():
+    tiers = []
+
+    def make(root, **options):
+        tier = FsTier(FsTierOptions(root_dir=str(root), **options),
+                      TierContext("fs", NAMESPACE))
+        tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in tiers:
+        tier.shutdown()
+
+
+_ids = iter(range(10**9))
+
+
+def _job(n: int, buffer=None) -> TransferJob:
+    buffer = memoryview(bytearray(chunk_bytes(n))) if buffer is None else buffer
+    return TransferJob(next(_ids), key(n), buffer, time.monotonic() + 10)
+
+
+def _wait(tier, job_ids, timeout=10.0):
+    """{job_id: ok} once every job in `job_ids` is reported."""
+    deadline, results = time.monotonic() + timeout, {}
+    while set(results) != set(job_ids):
+        assert time.monotonic() < deadline, f"tier jobs {set(job_ids) - set(results)} hang"
+        results.update((r.job_id, r.ok) for r in tier.get_finished_jobs())
+        time.sleep(0.002)
+    return results
+
+
+def _store(tier, n):
+    job = _job(n)
+    tier.submit_store(job)
+    return _wait(tier, [job.job_id])[job.job_id]
+
+
+def _load(tier, n):
+    out = memoryview(bytearray(CHUNK))
+    job = _job(n, out)
+    tier.submit_load(job)
+    return _wait(tier, [job.job_id])[job.job_id], bytes(out)
+
+
+def test_store_then_load_round_trip(make_tier, tmp_path):
+    tier = make_tier(tmp_path)
+    assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
+    assert _store(tier, 1)
+    assert tier.lookup(key(1)) is LookupResult.FOUND
+    assert _load(tier, 1) == (True, chunk_bytes(1))
+    path = tier.path_for(key(1))
+    assert path.startswith(os.path.join(str(tmp_path), NAMESPACE.hex()))
+    assert [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")] == []
+
+
+def test_other_namespace_never_sees_the_files(make_tier, tmp_path):
+    assert _store(make_tier(tmp_path), 1)
+    other = FsTier(FsTierOptions(root_dir=str(tmp_path)),
+                   TierContext("fs", b"other-model" * 3))
+    assert other.lookup(key(1)) is LookupResult.NOT_FOUND
+    other.shutdown()
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "swap_key"])
+def test_damaged_file_is_a_miss_never_data(make_tier, tmp_path, damage):
+    tier = make_tier(tmp_path)
+    assert _store(tier, 1) and _store(tier, 2)
+    path = tier.path_for(key(1))
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(-5, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-5, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 10)
+    elif damage == "delete":
+        os.unlink(path)
+    else:  # a whole, valid file of another chunk under this chunk's name
+        os.replace(tier.path_for(key(2)), path)
+    ok, data = _load(tier, 1)
+    assert not ok
+    if damage in ("flip", "swap_key"):
+        assert not os.path.exists(path)  # dropped, so a later store writes a good one
+    assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
+    assert _store(tier, 1) and _load(tier, 1) == (True, chunk_bytes(1))
+
+
+def test_concurrent_writers_of_one_chunk_threads(make_tier, tmp_path):
+    tiers = [make_tier(tmp_path, num_write_threads=4) for _ in range(2)]
+    jobs = [(tier, _job(5)) for tier in tiers for _ in range(16)]
+    barrier = threading.Barrier(len(tiers))
+
+    def submit_all(tier):
+        barrier.wait(timeout=10)
+        for owner, job in jobs:
+            if owner is tier:
+                tier.submit_store(job)
+
+    threads = [threading.Thread(target=submit_all, args=(t,)) for t in tiers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=10)
+    for tier in tiers:
+        assert all(_wait(tier, [j.job_id for o, j in jobs if o is tier]).values())
+    assert _load(tiers[0], 5) == (True, chunk_bytes(5))
+
+
+_WRITER = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {tests!r})
+    from conftest import CHUNK, NAMESPACE, chunk_bytes, key
+    from kvtier.offload.tiers.base import TierContext, TransferJob
+    from kvtier.offload.tiers.fs import FsTier, FsTierOptions
+    tier = FsTier(FsTierOptions(root_dir={root!r}), TierContext("fs", NAMESPACE))
+    jobs = [TransferJob(i, key(n), memoryview(chunk_bytes(n)), time.monotonic() + 30)
+            for i, n in enumerate([9] * 20 + list(range(20, 30)))]
+    for job in jobs:
+        tier.submit_store(job)
+    done, deadline = [], time.monotonic() + 30
+    while len(done) < len(jobs) and time.monotonic() < deadline:
+        done += [r.ok for r in tier.get_finished_jobs()]
+        time.sleep(0.002)
+    tier.shutdown()
+    print(sum(done), len(jobs))
+""")
+
+
+def test_concurrent_writers_of_one_chunk_two_processes(tmp_path):
+    script = _WRITER.format(tests=os.path.dirname(__file__), root=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outputs = [proc.communicate(timeout=60)[0].split() for proc in procs]
+    assert outputs == [["30", "30"], ["30", "30"]]
+    tier = FsTier(FsTierOptions(root_dir=str(tmp_path)), TierContext("fs", NAMESPACE))
+    try:
+        for n in [9] + list(range(20, 30)):
+            assert _load(tier, n) == (True, chunk_bytes(n))
+    finally:
+        tier.shutdown()
+
+
+def test_byte_budget_evicts_least_recently_used_files(make_tier, tmp_path):
+    file_bytes = os.path.getsize(_stored_path(make_tier(tmp_path / "probe"), 0))
+    tier = make_tier(tmp_path / "cache", max_bytes=4 * file_bytes)
+    for n in range(4):
+        assert _store(tier, n)
+        os.utime(tier.path_for(key(n)), (1000 + n, 1000 + n))  # distinct access times
+    assert _load(tier, 0)[0]  # loading bumps 0 to most recent
+    assert _store(tier, 4)  # 5 files > budget: evict down to 90% = 3 files
+    present = [n for n in range(5) if tier.lookup(key(n)) is LookupResult.FOUND]
+    assert present == [0, 3, 4]
+
+
+def _stored_path(tier, n):
+    assert _store(tier, n)
+    return tier.path_for(key(n))
+
+
+def test_unwritable_directory_fails_jobs_without_raising(make_tier, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_bytes(b"not a directory")
+    tier = make_tier(blocker / "cache")
+    assert _store(tier, 1) is False
+    assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
+    assert _load(tier, 1)[0] is False
+
+
+def test_read_only_filesystem_fails_jobs_without_raising(make_tier):
+    try:
+        os.makedirs("/sys/kvtier-offload-test")
+    except OSError:
+        pass
+    else:
+        os.rmdir("/sys/kvtier-offload-test")
+        pytest.skip("/sys is writable here; no read-only file system to test against")
+    tier = make_tier("/sys/kvtier-offload-test")
+    assert _store(tier, 1) is False
+
+
+_FULL_DISK = textwrap.dedent("""
+    import resource, signal, sys, time
+    sys.path.insert(0, {tests!r})
+    from conftest import CHUNK, NAMESPACE, chunk_bytes, key
+    from kvtier.offload.tiers.base import TierContext, TransferJob
+    from kvtier.offload.tiers.fs import FsTier, FsTierOptions
+    # A file-size limit below one chunk file: every write fails like on a full disk.
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (CHUNK // 2, resource.RLIM_INFINITY))
+    tier = FsTier(FsTierOptions(root_dir={root!r}), TierContext("fs", NAMESPACE))
+    tier.submit_store(TransferJob(0, key(1), memoryview(chunk_bytes(1)), time.monotonic() + 30))
+    results, deadline = [], time.monotonic() + 30
+    while not results and time.monotonic() < deadline:
+        results = list(tier.get_finished_jobs())
+        time.sleep(0.002)
+    tier.shutdown()
+    print(results[0].ok, results[0].error.split(":")[0], tier.lookup(key(1)).name)
+""")
+
+
+def test_full_disk_fails_the_store_and_leaves_no_file(tmp_path):
+    script = _FULL_DISK.format(tests=os.path.dirname(__file__), root=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["False", "OSError", "NOT_FOUND"], out.stderr
+    leftovers = [f for _, _, files in os.walk(tmp_path) for f in files]
+    assert leftovers == []
+
+
+def _drain(manager, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while manager.num_jobs_in_flight():
+        assert time.monotonic() < deadline, "tier jobs hang"
+        manager.poll()
+        time.sleep(0.002)
+
+
+def test_manager_promotes_from_disk_after_host_eviction(make_manager, tmp_path):
+    manager = make_manager(offload_config(2, [{"type": "fs", "root_dir": str(tmp_path)}]))
+    for n in (1, 2, 3):  # 3 evicts 1 from the two host slots; 1 lives on on disk
+        store_from_device(manager, n)
+        _drain(manager)
+    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY
+    _drain(manager)
+    assert manager.lookup(key(1), CHUNK) is Lookup.HIT
+    assert read_host(manager, 1) == chunk_bytes(1)
+    stats = manager.metrics.snapshot()
+    assert stats['kvtier:offload_tier_hits_total{tier="fs"}'] == 1
+    assert stats['kvtier:offload_bytes_total{direction="host_to_fs"}'] == 3 * CHUNK
+    assert stats['kvtier:offload_bytes_total{direction="fs_to_host"}'] == CHUNK

@@ -1,0 +1,68 @@
+from kvtier.offload.host_area import HostArea
+from kvtier.offload.host_cache import ChunkState, HostCache
+from kvtier.offload.policies import LRUPolicy
+
+import pytest
+
+
+def _cache(num_slots=2, slot_bytes=8):
+    area = HostArea(num_slots * slot_bytes, slot_bytes)
+    return HostCache(area, LRUPolicy(area.num_slots))
+
+
+def _store(cache, key):
+    slot = cache.prepare_store(key, 8)
+    cache.complete_store(key, ok=True)
+    return slot
+
+
+def test_host_area_slots_are_zero_copy_views():
+    area = HostArea(100, 16)
+    assert area.num_slots == 6 and area.capacity_bytes == 96
+    area.slot_view(2)[:4] = b"abcd"
+    assert bytes(area.buffer[32:36]) == b"abcd"
+    with pytest.raises(ValueError, match="cpu_bytes_to_use=8 holds no chunk"):
+        HostArea(8, 16)
+
+
+def test_slots_handed_out_in_order_and_victims_in_lru_order():
+    cache = _cache(num_slots=2)
+    assert [_store(cache, "a"), _store(cache, "b")] == [0, 1]
+    cache.prepare_load("a")  # a used after b
+    cache.complete_load("a")
+    assert _store(cache, "c") == 1  # b's slot
+    assert cache.take_evicted() == ["b"]
+    assert sorted(cache.entries) == ["a", "c"]
+
+
+def test_chunk_being_written_is_neither_readable_nor_evictable():
+    cache = _cache(num_slots=1)
+    assert cache.prepare_store("a", 8) == 0
+    assert not cache.is_ready("a")
+    assert cache.entries["a"].state is ChunkState.WRITING
+    assert cache.prepare_store("b", 8) is None  # the only slot is under transfer
+    assert cache.prepare_store("a", 8) is None  # already on its way
+    cache.complete_store("a", ok=True)
+    assert cache.is_ready("a")
+
+
+def test_chunk_being_read_is_not_evicted_until_complete_load():
+    cache = _cache(num_slots=2)
+    _store(cache, "a")
+    _store(cache, "b")
+    cache.prepare_load("a")
+    cache.prepare_load("b")
+    assert cache.prepare_store("c", 8) is None
+    cache.complete_load("b")
+    assert cache.prepare_store("c", 8) == 1
+    assert cache.take_evicted() == ["b"]
+    cache.complete_load("a")
+    assert cache.entries["a"].num_readers == 0
+
+
+def test_failed_store_frees_the_slot():
+    cache = _cache(num_slots=1)
+    cache.prepare_store("a", 8)
+    cache.complete_store("a", ok=False)
+    assert cache.entries == {} and cache.fill_ratio == 0.0
+    assert cache.prepare_store("b", 8) == 0

@@ -1,0 +1,137 @@
+import sys
+from pathlib import Path
+
+from conftest import (CHUNK, chunk_bytes, key, offload_config, poll_until, read_host,
+                      store_from_device)
+from kvtier.offload.events import TierMoveEvent
+from kvtier.offload.manager import Lookup
+
+sys.path.insert(0, str(Path(__file__).parent))
+MEMORY = {"type": "memory"}
+RAISING = {"type": "RaisingTier", "module_path": "faulty_tiers"}
+STUCK = {"type": "StuckTier", "module_path": "faulty_tiers"}
+
+
+def test_host_hit_and_miss_without_tiers(make_manager):
+    manager = make_manager(offload_config(2))
+    store_from_device(manager, 1)
+    assert manager.lookup(key(1), CHUNK) is Lookup.HIT
+    assert manager.lookup(key(2), CHUNK) is Lookup.MISS
+    assert read_host(manager, 1) == chunk_bytes(1)
+    stats = manager.metrics.snapshot()
+    assert stats['kvtier:offload_tier_queries_total{tier="host"}'] == 2
+    assert stats['kvtier:offload_tier_hits_total{tier="host"}'] == 1
+
+
+def test_store_cascades_to_every_tier_and_host_miss_promotes_with_retry(make_manager):
+    manager = make_manager(offload_config(2, [MEMORY, MEMORY]))
+    for n in (1, 2, 3):  # 3 evicts 1 from the two-slot host tier
+        store_from_device(manager, n)
+        manager.poll()
+    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY  # promotion from the first tier
+    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY  # still on its way: no 2nd promotion
+    manager.poll()
+    assert manager.lookup(key(1), CHUNK) is Lookup.HIT
+    assert read_host(manager, 1) == chunk_bytes(1)
+    events = manager.take_events()
+    assert events[:3] == [TierMoveEvent(key(1), "device", "host"),
+                          TierMoveEvent(key(1), "host", "memory", "local"),
+                          TierMoveEvent(key(1), "host", "memory1", "local")]
+    assert TierMoveEvent(key(1), "memory", "host", "local") in events
+    assert TierMoveEvent(key(1), "host", None) in events  # the eviction
+    assert TierMoveEvent(key(1), "host", "device") in events
+    stats = manager.metrics.snapshot()
+    assert stats['kvtier:offload_tier_hits_total{tier="memory"}'] == 1
+    assert 'kvtier:offload_tier_queries_total{tier="memory1"}' not in stats
+
+
+def test_chunks_under_cascade_are_not_evicted(make_manager):
+    manager = make_manager(offload_config(1, [STUCK]))
+    store_from_device(manager, 1)  # the stuck tier holds its store job: slot pinned
+    manager.record_use(key(2))
+    assert manager.prepare_store(key(2), CHUNK) is None
+    manager.tiers[0].release(ok=True)
+    manager.poll()
+    assert manager.prepare_store(key(2), CHUNK) == 0
+
+
+def test_store_threshold_waits_for_repeated_use(make_manager):
+    manager = make_manager(offload_config(2, store_threshold=2))
+    manager.record_use(key(1))
+    assert manager.prepare_store(key(1), CHUNK) is None
+    manager.record_use(key(1))
+    assert manager.prepare_store(key(1), CHUNK) == 0
+
+
+def test_raising_tier_is_a_counted_miss(make_manager):
+    manager = make_manager(offload_config(1, [RAISING, MEMORY]))
+    store_from_device(manager, 1)
+    manager.poll()  # the memory tier's store is reported: 1's slot is unpinned
+    store_from_device(manager, 2)  # evicts 1; the memory tier still has it
+    manager.poll()
+    assert poll_until(manager, 1) is Lookup.HIT  # served by the second tier
+    assert read_host(manager, 1) == chunk_bytes(1)
+    stats = manager.metrics.snapshot()
+    # 2 failed stores + 1 failed lookup + 1 failed get_finished_jobs per poll (4 polls)
+    assert stats['kvtier:offload_tier_errors_total{tier="RaisingTier"}'] == 7
+    assert manager.num_jobs_in_flight() == 0
+
+
+def test_late_promotion_is_a_miss_and_its_slot_stays_pinned(make_manager):
+    now = [0.0]
+    manager = make_manager(offload_config(2, [STUCK], tier_job_timeout_s=5.0),
+                           clock=lambda: now[0])
+    stuck = manager.tiers[0]
+    assert manager.lookup(key(7), CHUNK) is Lookup.RETRY
+    now[0] = 6.0
+    manager.poll()
+    assert manager.lookup(key(7), CHUNK) is Lookup.MISS
+    assert manager.metrics.snapshot()['kvtier:offload_tier_errors_total{tier="StuckTier"}'] == 1
+    assert key(7) in manager.host.entries  # the tier may still write into the slot
+    manager.record_use(key(8))
+    manager.record_use(key(9))
+    assert manager.prepare_store(key(8), CHUNK) == 1
+    assert manager.prepare_store(key(9), CHUNK) is None
+    stuck.release(ok=True)  # reported late: discarded, the slot comes back
+    manager.poll()
+    assert key(7) not in manager.host.entries
+    assert manager.lookup(key(7), CHUNK) is Lookup.MISS  # that tier failed it: not asked again
+
+
+def test_failed_promotion_falls_back_to_miss(make_manager):
+    manager = make_manager(offload_config(2, [STUCK]))
+    assert manager.lookup(key(3), CHUNK) is Lookup.RETRY
+    manager.tiers[0].release(ok=False)
+    manager.poll()
+    assert manager.lookup(key(3), CHUNK) is Lookup.MISS
+    assert manager.host.entries == {}
+
+
+def test_groups_of_different_page_sizes_share_the_host_area(make_manager):
+    # A hybrid model: an attention group (CHUNK bytes per chunk) and a Mamba group whose
+    # per-block state is smaller. Both go through the same slots, tiers and promotion.
+    from conftest import NAMESPACE
+    from kvtier.offload.keys import make_chunk_key
+    from kvtier.offload.manager import TieringManager
+    state_bytes = CHUNK // 4
+    manager = TieringManager(offload_config(2, [MEMORY]), NAMESPACE, [CHUNK, state_bytes])
+    try:
+        assert manager.area.slot_bytes == CHUNK
+        state_key = make_chunk_key(NAMESPACE, 1, (5).to_bytes(32, "big"))
+        manager.record_use(state_key)
+        slot = manager.prepare_store(state_key, state_bytes)
+        manager.area.slot_view(slot, state_bytes)[:] = chunk_bytes(5)[:state_bytes]
+        manager.complete_store(state_key, ok=True)
+        manager.poll()
+        for n in (1, 2):  # push the state out of host memory
+            store_from_device(manager, n)
+            manager.poll()
+        assert state_key not in manager.host.entries
+        assert manager.lookup(state_key, state_bytes) is Lookup.RETRY
+        manager.poll()
+        assert manager.lookup(state_key, state_bytes) is Lookup.HIT
+        slot = manager.prepare_load(state_key)
+        assert bytes(manager.area.slot_view(slot, state_bytes)) == chunk_bytes(5)[:state_bytes]
+        assert len(manager.host.view(state_key)) == state_bytes
+    finally:
+        manager.shutdown()
