@@ -1,0 +1,69 @@
+"""Engine options shared by every CLI subcommand that runs an engine (generate, serve, bench)."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.config import DTYPES, EngineConfig
+from kvtier.offload.sizes import parse_size
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
+    """`positional_model`: also accept the model as the first positional argument (serve);
+    generate takes prompts there instead."""
+    group = parser.add_argument_group("engine")
+    if positional_model:
+        group.add_argument("model_positional", nargs="?", metavar="MODEL", default=None,
+                           help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    group.add_argument("--model", default=None,
+                       help="HF model directory or .gguf file (default: SmolLM2-135M)")
+    group.add_argument("--dtype", default="auto", choices=DTYPES + ("bf16", "fp32", "fp16"),
+                       help="weights and KV cache dtype (auto: bfloat16)")
+    group.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if any)")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length cap (default: the model's)")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false", help="turn the prefix cache off")
+    group.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="token budget of one step")
+    group.add_argument("--max-num-seqs", type=int, default=128,
+                       help="most requests in one step")
+    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
+                       action="store_false", help="schedule each prompt in one piece")
+    group.add_argument("--scheduling-policy", dest="policy", default="fcfs",
+                       choices=("fcfs", "priority"))
+    group.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="queue limit; past it new requests are refused")
+    size = group.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory-bytes", default=None,
+                      help="device KV cache budget, e.g. 512MiB or 2GiB")
+    size.add_argument("--num-device-blocks", type=int, default=None,
+                      help="device KV cache size in blocks")
+    group.add_argument("--kv-transfer-config", default=None,
+                       help="KV connector config as JSON (vLLM's shape)")
+    group.add_argument("--kv-offload", default=None,
+                       help="tiered offloading in one flag, e.g. host=4GiB,disk=/path:50GiB")
+    group.add_argument("--enable-kv-cache-events", action="store_true",
+                       help="record KV cache block events")
+    group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError naming the bad option."""
+    positional = getattr(args, "model_positional", None)
+    if positional is not None and args.model is not None and positional != args.model:
+        raise ValueError(f"model given twice: {positional!r} and --model {args.model!r}")
+    memory = None
+    if args.kv_cache_memory_bytes is not None:
+        memory = parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+    return EngineConfig.create(
+        model=positional or args.model, dtype=args.dtype, device=args.device,
+        max_model_len=args.max_model_len, seed=args.seed, block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=memory,
+        num_device_blocks=args.num_device_blocks,
+        enable_kv_cache_events=args.enable_kv_cache_events,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
+        max_waiting_requests=args.max_waiting_requests,
+        kv_transfer_config=args.kv_transfer_config, kv_offload=args.kv_offload)

@@ -1,0 +1,213 @@
+"""Engine: the step loop. schedule -> execute -> update_from_output -> outputs -> metrics.
+
+Runs in the caller's thread (LLM) or in one engine thread (AsyncLLM); not thread-safe itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Iterable
+
+from kvtier.config import EngineConfig
+from kvtier.connector.base import ConnectorContext
+from kvtier.engine.errors import EngineQueueFullError
+from kvtier.engine.metrics import MetricsRegistry
+from kvtier.engine.output_processor import ChildState, OutputProcessor, ParentState
+from kvtier.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvtier.engine.runtime import (build_connectors, derive_runtime, resolve_device,
+                                   resolve_dtype, transfer_config)
+from kvtier.engine.stats import EngineStats
+from kvtier.kv import KVCacheManager, Request, RequestStatus, make_block_hasher
+from kvtier.models.detokenizer import IncrementalDetokenizer
+from kvtier.models.loader import load_model
+from kvtier.sampling_params import SamplingParams
+from kvtier.sched.config import SchedulerConfig
+from kvtier.sched.errors import SchedulerQueueFullError
+from kvtier.sched.scheduler import Scheduler
+from kvtier.worker.model_runner import ModelRunner
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        device = resolve_device(config.model.device)
+        loaded = load_model(config.model.model, dtype=resolve_dtype(config.model.dtype),
+                            device=device)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.runtime = derive_runtime(config, loaded.config, device,
+                                      resolve_dtype(config.model.dtype))
+        self.metrics = MetricsRegistry()
+        self.stats = EngineStats(self.metrics)
+        self._eos_token_ids = self._find_eos_token_ids()
+        self._build_core(loaded.model)
+        self._outputs = OutputProcessor()
+        self._block_hasher = make_block_hasher(config.cache.block_size, config.cache.hash_algo)
+
+    def _build_core(self, model: Any) -> None:
+        config, runtime = self.config, self.runtime
+        context = ConnectorContext(block_size=config.cache.block_size,
+                                   num_layers=self.model_config.num_layers,
+                                   namespace=runtime.namespace, metrics=self.metrics,
+                                   kv_cache_config=runtime.kv_cache_config)
+        transfer = transfer_config(config)
+        scheduler_connector, worker_connector = build_connectors(transfer, context)
+        self.kv_cache_manager = KVCacheManager(
+            runtime.kv_cache_config, runtime.max_model_len,
+            enable_caching=config.cache.enable_prefix_caching,
+            hash_algo=config.cache.hash_algo,
+            enable_kv_cache_events=config.cache.enable_kv_cache_events,
+            watermark=config.cache.watermark)
+        sched = config.scheduler
+        load_options = {} if transfer is None else {
+            "kv_load_timeout_s": transfer.kv_load_timeout_s,
+            "kv_load_failure_policy": transfer.kv_load_failure_policy}
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
+            max_model_len=runtime.max_model_len,
+            enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy,
+            max_waiting_requests=sched.max_waiting_requests, **load_options)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, scheduler_connector)
+        self.runner = ModelRunner(
+            model, runtime.kv_cache_config, num_layers=self.model_config.num_layers,
+            dtype=runtime.dtype, device=runtime.device, max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_model_len=runtime.max_model_len, seed=config.model.seed,
+            eos_token_ids=self._eos_token_ids, connector=worker_connector)
+
+    def _find_eos_token_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is not None and self.tokenizer.eos_token_ids:
+            return tuple(self.tokenizer.eos_token_ids)
+        return tuple(self.model_config.eos_token_ids)
+
+    @property
+    def model_name(self) -> str:
+        return self.model_config.name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runtime.max_model_len
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None,
+                    kv_transfer_params: dict[str, Any] | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request. ValueError for a bad prompt or a duplicate id; EngineQueueFullError
+        when the waiting queue is full."""
+        if self._outputs.has(request_id):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet; leave it unset")
+        prompt_text, token_ids = self._tokenize(prompt)
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = self._make_children(request_id, params, token_ids, priority=priority,
+                                       cache_salt=cache_salt, arrival_time=arrival,
+                                       kv_transfer_params=kv_transfer_params)
+        added: list[str] = []
+        try:
+            for request in children:
+                self.scheduler.add_request(request)
+                added.append(request.request_id)
+        except SchedulerQueueFullError as exc:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise EngineQueueFullError(str(exc)) from exc
+        self._outputs.add(self._make_parent(request_id, prompt_text, token_ids, params,
+                                            children, arrival))
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: give the prompt as token ids")
+            token_ids = self.tokenizer.encode(prompt)
+            text: str | None = prompt
+        else:
+            token_ids, text = list(prompt), None
+        if not token_ids:
+            raise ValueError("the prompt is empty; give at least one token")
+        if len(token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(token_ids)} tokens, longer than the model's "
+                             f"context length max_model_len={self.max_model_len}")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
+        return text, token_ids
+
+    def _make_children(self, request_id: str, params: SamplingParams, token_ids: list[int],
+                       **options: Any) -> list[Request]:
+        """n > 1: n scheduler requests on one prompt (prefix caching shares its blocks)."""
+        eos = self._eos_token_ids
+        # The scheduler knows one EOS id per request; a model's other EOS ids stop it too.
+        extra_eos = [] if params.ignore_eos else list(eos[1:])
+        children = []
+        for index in range(params.n):
+            child_params = dataclasses.replace(
+                params, n=1, seed=None if params.seed is None else params.seed + index,
+                stop_token_ids=list(params.stop_token_ids) + extra_eos)
+            child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            children.append(Request(child_id, list(token_ids), child_params,
+                                    eos_token_id=eos[0] if eos else None,
+                                    block_hasher=self._block_hasher, **options))
+        return children
+
+    def _make_parent(self, request_id: str, prompt: str | None, token_ids: list[int],
+                     params: SamplingParams, children: list[Request],
+                     arrival: float) -> ParentState:
+        states = []
+        for index, child in enumerate(children):
+            detokenizer = None
+            if self.tokenizer is not None:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+            completion = CompletionOutput(index, "", [], logprobs=(
+                [] if params.logprobs is not None else None))
+            states.append(ChildState(child.request_id, index, child.sampling_params,
+                                     detokenizer, completion))
+        return ParentState(request_id, prompt, token_ids, states, RequestMetrics(arrival))
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Stop requests and free their blocks; unknown or finished ids are ignored."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        child_ids = [child for rid in ids for child in self._outputs.child_ids(rid)]
+        if child_ids:
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            # No step may follow (nothing left to run): refresh the gauges now.
+            self.stats.record_scheduler(self.scheduler.make_stats())
+        for rid in ids:
+            self._outputs.remove(rid)
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns the requests with new tokens or finished in it."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.runner.execute_model(scheduler_output)
+        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        processed = self._outputs.process(core_outputs)
+        if processed.stopped_req_ids:
+            self.scheduler.finish_requests(processed.stopped_req_ids,
+                                           RequestStatus.FINISHED_STOPPED)
+        self.stats.record_scheduler(self.scheduler.make_stats())
+        self.stats.record_step(processed, sum(len(c.new_token_ids) for c in core_outputs))
+        return processed.outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """Also True while finished requests' blocks wait on a connector transfer: stepping
+        lets the worker report it."""
+        return (self.scheduler.has_unfinished_requests()
+                or self.scheduler.has_pending_kv_transfers())
+
+    def get_metrics(self) -> dict[str, float]:
+        return self.metrics.snapshot()
+
+    def take_kv_events(self) -> list[Any]:
+        return list(self.scheduler.take_kv_events())
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def check_invariants(self) -> None:
+        """AssertionError if the KV cache bookkeeping is inconsistent (tests call it)."""
+        self.kv_cache_manager.check_invariants()
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+        self.runner.shutdown()

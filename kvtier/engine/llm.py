@@ -1,0 +1,128 @@
+"""LLM: the offline API in vLLM's shape, running the engine loop in the caller's thread."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence, Union
+
+from kvtier.config import EngineConfig
+from kvtier.engine.engine import Engine
+from kvtier.engine.outputs import RequestOutput
+from kvtier.offload.sizes import parse_size
+from kvtier.sampling_params import SamplingParams
+
+# A text prompt, or {"prompt_token_ids": [...]} (optionally with "prompt" for display).
+PromptType = Union[str, dict[str, Any]]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", block_size: int = 16,
+                 enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
+                 max_num_seqs: int = 128, kv_cache_memory_bytes: int | str | None = None,
+                 num_device_blocks: int | None = None,
+                 kv_transfer_config: dict[str, Any] | str | None = None,
+                 kv_offload: str | None = None, seed: int = 0, device: str | None = None,
+                 **engine_options: Any) -> None:
+        """`engine_options`: any other EngineConfig field by name (max_model_len,
+        enable_chunked_prefill, policy, hash_algo, watermark, ...)."""
+        if kv_cache_memory_bytes is not None:
+            kv_cache_memory_bytes = parse_size(kv_cache_memory_bytes, "kv_cache_memory_bytes")
+        config = EngineConfig.create(
+            model=model, dtype=dtype, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, num_device_blocks=num_device_blocks,
+            kv_transfer_config=kv_transfer_config, kv_offload=kv_offload, seed=seed,
+            device=device, **engine_options)
+        self._start(config)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = Engine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`, each finished."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        request_ids = []
+        for prompt, prompt_params in zip(prompts, params):
+            request_id = str(next(self._ids))
+            self.engine.add_request(request_id, _prompt_input(prompt), prompt_params)
+            request_ids.append(request_id)
+        return self._run(request_ids, use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+        if self.engine.tokenizer is None:
+            raise ValueError("chat needs a tokenizer with a chat template; this model has none")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.engine.tokenizer.apply_chat_template(
+            conversation, add_generation_prompt=add_generation_prompt)
+            for conversation in conversations]
+        # The template already wrote the special tokens (BOS) it wants.
+        token_prompts = [{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(
+            p, add_special_tokens=False)} for p in prompts]
+        return self.generate(token_prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+            progress = tqdm(total=len(request_ids), desc="Processed prompts")
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+        finally:
+            if progress is not None:
+                progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    def get_metrics(self) -> dict[str, float]:
+        return self.engine.get_metrics()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block; False while requests still hold blocks."""
+        return self.engine.reset_prefix_cache()
+
+
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(count)]
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling_params for {count} prompts; give one, "
+                         "or one per prompt")
+    return list(params)
+
+
+def _prompt_input(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if isinstance(prompt, dict) and "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', "
+                     f"got {prompt!r}")

@@ -1,0 +1,100 @@
+"""Values derived at start-up from the config and the loaded model (never written back into
+the config), and the connector halves built from the transfer config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
+from kvtier.connector.base import (ConnectorContext, KVConnectorRole, KVConnectorScheduler,
+                                   KVConnectorWorker)
+from kvtier.connector.config import KVTransferConfig
+from kvtier.kv import KVCacheConfig, SlidingWindowSpec, namespace_digest
+from kvtier.models.config import ModelConfig
+from kvtier.worker.kv_cache import build_kv_cache_groups, plan_num_blocks
+
+_TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32,
+                 "float16": torch.float16}
+# Names the device KV layout; part of the namespace digest of every key written outside.
+KV_LAYOUT = "paged:(2,num_blocks,block_size,num_kv_heads,head_dim)"
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    device: torch.device
+    dtype: torch.dtype
+    max_model_len: int
+    kv_cache_config: KVCacheConfig
+    # Prefixes keys written outside the process (model, dtype, block size, layout, specs).
+    namespace: bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache_config.num_blocks
+
+
+def resolve_device(name: str | None) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    # bf16 by default: half the memory of fp32 and fast on current CPUs and GPUs.
+    return torch.bfloat16 if name == "auto" else _TORCH_DTYPES[name]
+
+
+def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torch.device,
+                   dtype: torch.dtype) -> RuntimeInfo:
+    limit = model_config.max_position_embeddings
+    asked = config.model.max_model_len
+    if asked is not None and asked > limit:
+        raise ValueError(f"max_model_len={asked} is longer than the model's "
+                         f"max_position_embeddings ({limit}); use at most {limit}")
+    max_model_len = asked or limit
+    cache = config.cache
+    dtype_size = torch.empty((), dtype=dtype).element_size()
+    groups = build_kv_cache_groups(model_config, block_size=cache.block_size,
+                                   dtype_size=dtype_size)
+    num_blocks = plan_num_blocks(
+        num_layers=model_config.num_layers, block_size=cache.block_size,
+        num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        dtype_size=dtype_size, memory_bytes=_memory_budget(config),
+        num_blocks=cache.num_device_blocks, max_num_seqs=config.scheduler.max_num_seqs,
+        max_model_len=max_model_len)
+    kinds = tuple(_spec_kind(group.kv_cache_spec) for group in groups)
+    namespace = namespace_digest(model_config.name, str(dtype).removeprefix("torch."),
+                                 cache.block_size, KV_LAYOUT, kinds)
+    return RuntimeInfo(device, dtype, max_model_len, KVCacheConfig(num_blocks, groups),
+                       namespace)
+
+
+def _memory_budget(config: EngineConfig) -> int | None:
+    if config.cache.num_device_blocks is not None:
+        return None
+    return config.cache.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+
+
+def _spec_kind(spec: object) -> str:
+    if isinstance(spec, SlidingWindowSpec):
+        return f"sliding_window:{spec.sliding_window}"
+    return type(spec).__name__
+
+
+def transfer_config(config: EngineConfig) -> KVTransferConfig | None:
+    """The connector to run: the explicit transfer config, or the one-flag offload form."""
+    if config.kv_offload is None:
+        return config.kv_transfer_config
+    from kvtier.offload.config import parse_kv_offload
+    return KVTransferConfig.from_dict(parse_kv_offload(config.kv_offload))
+
+
+def build_connectors(transfer: KVTransferConfig | None, context: ConnectorContext
+                     ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+    if transfer is None:
+        return None, None
+    from kvtier.connector.registry import create_connector
+    return (create_connector(transfer, KVConnectorRole.SCHEDULER, context),
+            create_connector(transfer, KVConnectorRole.WORKER, context))

@@ -1,0 +1,60 @@
+"""The engine's own Prometheus series, with vLLM's names, fed once per step."""
+
+from __future__ import annotations
+
+from kvtier.engine.metrics import MetricsRegistry
+from kvtier.engine.output_processor import ProcessedStep
+from kvtier.sched.stats import SchedulerStats
+
+# Seconds; vLLM's TTFT and latency bucket edges.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class EngineStats:
+    def __init__(self, metrics: MetricsRegistry) -> None:
+        self.running = metrics.gauge("vllm:num_requests_running",
+                                     "Requests in model execution batches.")
+        self.waiting = metrics.gauge("vllm:num_requests_waiting", "Requests waiting to run.")
+        self.kv_usage = metrics.gauge("vllm:kv_cache_usage_perc",
+                                      "Fraction of device KV cache blocks in use (0-1).")
+        self.prefix_queries = metrics.counter("vllm:prefix_cache_queries",
+                                              "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = metrics.counter("vllm:prefix_cache_hits",
+                                           "Prompt tokens found in the prefix cache.")
+        self.preemptions = metrics.counter("vllm:num_preemptions",
+                                           "Requests preempted to free KV cache blocks.")
+        self.prompt_tokens = metrics.counter("vllm:prompt_tokens",
+                                             "Prompt tokens of requests that produced output.")
+        self.generation_tokens = metrics.counter("vllm:generation_tokens", "Generated tokens.")
+        self.ttft = metrics.histogram("vllm:time_to_first_token_seconds",
+                                      "Time from arrival to the first generated token.",
+                                      buckets=TTFT_BUCKETS)
+        self.e2e = metrics.histogram("vllm:e2e_request_latency_seconds",
+                                     "Time from arrival to the end of the request.",
+                                     buckets=LATENCY_BUCKETS)
+        self.success = metrics.counter("vllm:request_success", "Finished requests by reason.",
+                                       labelnames=("finished_reason",))
+        self.kv_load_failures = metrics.counter(
+            "kvtier:kv_load_failures", "Connector KV loads that failed or missed their deadline.")
+
+    def record_scheduler(self, stats: SchedulerStats) -> None:
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_cache_usage)
+        self.prefix_queries.inc(stats.prefix_cache_queries)
+        self.prefix_hits.inc(stats.prefix_cache_hits)
+        self.preemptions.inc(stats.num_preemptions)
+        self.kv_load_failures.inc(stats.num_kv_load_failures + stats.num_kv_load_timeouts)
+
+    def record_step(self, step: ProcessedStep, num_new_tokens: int) -> None:
+        self.generation_tokens.inc(num_new_tokens)
+        for parent in step.first_tokens:
+            self.prompt_tokens.inc(len(parent.prompt_token_ids))
+            self.ttft.observe(parent.metrics.first_token_time - parent.metrics.arrival_time)
+        for parent in step.finished:
+            self.e2e.observe(parent.metrics.finished_time - parent.metrics.arrival_time)
+            for child in parent.children:
+                self.success.labels(finished_reason=child.completion.finish_reason).inc()

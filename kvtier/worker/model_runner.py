@@ -1,0 +1,108 @@
+"""ModelRunner: runs one scheduled step on the model over the paged KV cache and samples."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from kvtier.connector.base import KVConnectorOutput, KVConnectorWorker
+from kvtier.kv import KVCacheConfig
+from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvtier.worker.input_batch import BatchInputs, InputBatchBuilder
+from kvtier.worker.kv_cache import allocate_kv_caches, layer_name
+from kvtier.worker.request_state import RequestState, RequestStates
+from kvtier.worker.sampler import Sampler, SamplingRow
+
+
+class ModelRunner:
+    """Holds the model, the KV cache tensors (allocated once) and per-request state.
+
+    `execute_model` is the whole worker side of one engine step, connector hooks included.
+    """
+
+    def __init__(self, model: nn.Module, kv_cache_config: KVCacheConfig, *, num_layers: int,
+                 dtype: torch.dtype, device: torch.device, max_num_seqs: int,
+                 max_num_batched_tokens: int, max_model_len: int, seed: int,
+                 eos_token_ids: Sequence[int],
+                 connector: KVConnectorWorker | None = None) -> None:
+        self.model = model
+        self.device = device
+        self.connector = connector
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.kv_caches = allocate_kv_caches(kv_cache_config, num_layers=num_layers, dtype=dtype,
+                                            device=device)
+        if connector is not None:
+            connector.register_kv_caches(
+                {layer_name(i): cache for i, cache in enumerate(self.kv_caches)})
+        block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        self.states = RequestStates(device)
+        self.inputs = InputBatchBuilder(
+            num_groups=len(kv_cache_config.kv_cache_groups), block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_tokens=max_num_batched_tokens,
+            max_blocks_per_seq=-(-max_model_len // block_size), device=device)
+        self.sampler = Sampler(device, seed)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.states.apply(scheduler_output)
+        if self.connector is None:
+            return self._forward_and_sample(scheduler_output, self._prepare(scheduler_output))
+        return self._execute_with_connector(scheduler_output)
+
+    def _prepare(self, scheduler_output: SchedulerOutput) -> BatchInputs | None:
+        if scheduler_output.is_empty:
+            return None
+        scheduled = [(self.states[req_id], n)
+                     for req_id, n in scheduler_output.num_scheduled_tokens.items()]
+        return self.inputs.build(scheduled, self.connector)
+
+    def _execute_with_connector(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """The worker half's hook sequence (SPEC 6) around the forward pass."""
+        connector = self.connector
+        if scheduler_output.kv_connector_metadata is not None:
+            connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)
+        try:
+            batch = self._prepare(scheduler_output)
+            connector.start_load_kv(batch.metadata if batch is not None else None)
+            output = self._forward_and_sample(scheduler_output, batch)
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(set(scheduler_output.finished_req_ids))
+            output.kv_connector_output = KVConnectorOutput(
+                finished_sending=set(sending), finished_recving=set(recving),
+                invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
+                stats=dict(connector.get_stats()), events=list(connector.take_events()))
+        finally:
+            connector.clear_connector_metadata()
+        return output
+
+    def _forward_and_sample(self, scheduler_output: SchedulerOutput,
+                            batch: BatchInputs | None) -> ModelRunnerOutput:
+        req_ids = list(scheduler_output.num_scheduled_tokens)
+        if batch is None:
+            return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={})
+        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches,
+                                    batch.metadata)  # (T, hidden)
+        sampled: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
+        logprobs: dict[str, list[dict[int, float]]] = {}
+        if batch.sampling:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) fp32
+            result = self.sampler.sample(logits, [self._sampling_row(s) for s in batch.sampling])
+            for state, token, token_logprobs in zip(batch.sampling, result.token_ids,
+                                                    result.logprobs):
+                state.token_ids.append(token)
+                sampled[state.req_id] = [token]
+                if token_logprobs is not None:
+                    logprobs[state.req_id] = [token_logprobs]
+        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+
+    def _sampling_row(self, state: RequestState) -> SamplingRow:
+        params = state.params
+        eos = () if params.ignore_eos else self.eos_token_ids
+        return SamplingRow(params, self.states.generators.get(state.req_id),
+                           state.num_output_tokens, eos + tuple(params.stop_token_ids))
+
+    def shutdown(self) -> None:
+        if self.connector is not None:
+            self.connector.shutdown()

@@ -1,0 +1,64 @@
+"""What the model runner remembers about each request between steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.sampling_params import SamplingParams
+from kvtier.sched.output import SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    # Prompt plus every token sampled so far; the runner appends what it samples.
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    # Block ids per KV cache group, append-only while the request runs.
+    block_ids: list[list[int]]
+    num_computed_tokens: int
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+class RequestStates:
+    """Per-request state kept in step with the scheduler's view (SchedulerOutput)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.states: dict[str, RequestState] = {}
+        # Kept across preemption (only dropped at finish), so a seeded request draws the same
+        # sequence whether or not it was preempted on the way.
+        self.generators: dict[str, torch.Generator] = {}
+
+    def apply(self, out: SchedulerOutput) -> None:
+        for req_id in out.finished_req_ids:
+            self.states.pop(req_id, None)
+            self.generators.pop(req_id, None)
+        for req_id in out.preempted_req_ids:
+            self.states.pop(req_id, None)
+        for new in out.scheduled_new_reqs:
+            self.states[new.req_id] = RequestState(
+                new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                [list(ids) for ids in new.block_ids], new.num_computed_tokens)
+            seed = new.sampling_params.seed
+            if seed is not None and new.req_id not in self.generators:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(seed)
+                self.generators[new.req_id] = generator
+        for cached in out.scheduled_cached_reqs:
+            state = self.states[cached.req_id]
+            for group_ids, new_ids in zip(state.block_ids, cached.new_block_ids):
+                group_ids.extend(new_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def __getitem__(self, req_id: str) -> RequestState:
+        return self.states[req_id]
+
+    def __len__(self) -> int:
+        return len(self.states)

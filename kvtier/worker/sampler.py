@@ -1,0 +1,116 @@
+"""Token sampling from one step's logits: greedy, temperature, top-k, top-p, min-p, seeds,
+min_tokens and logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingRow:
+    """What the sampler needs to know about one request in this step's batch."""
+
+    params: SamplingParams
+    # The request's own generator when it has a seed; else the sampler's shared one is used.
+    generator: torch.Generator | None
+    num_output_tokens: int
+    # Token ids that end the request (EOS and stop_token_ids): masked until min_tokens is reached.
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    # Per row: {token_id: logprob} of the top-k plus the sampled token, or None if not asked for.
+    logprobs: list[dict[int, float] | None]
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        # Shared stream for unseeded requests, seeded so an engine run is reproducible.
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: fp32 (N, V), one row per entry of `rows`."""
+        wants_logprobs = any(r.params.logprobs is not None for r in rows)
+        # vLLM reports the model's own distribution, before any sampling processing.
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
+        logits = _mask_early_stops(logits, rows)
+        greedy = logits.argmax(dim=-1)
+        if all(r.params.is_greedy for r in rows):
+            token_ids = greedy
+        else:
+            token_ids = self._sample_random(logits, rows, greedy)
+        ids = token_ids.tolist()
+        logprobs = [None] * len(rows)
+        if raw_logprobs is not None:
+            logprobs = [_top_logprobs(raw_logprobs[i], r.params.logprobs, ids[i])
+                        if r.params.logprobs is not None else None
+                        for i, r in enumerate(rows)]
+        return SamplerOutput(ids, logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
+                       greedy: torch.Tensor) -> torch.Tensor:
+        device = logits.device
+        temperature = torch.tensor([r.params.temperature or 1.0 for r in rows],
+                                   dtype=logits.dtype, device=device)
+        logits = logits / temperature[:, None]
+        logits = _apply_top_k_top_p(logits, rows)
+        probs = torch.softmax(logits, dim=-1)
+        min_p = [r.params.min_p for r in rows]
+        if any(min_p):
+            floor = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None]
+            probs = probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
+        # Exponential-race sampling: argmax(p / q) with q ~ Exp(1) draws from p, and each row can
+        # use its own generator, so a seeded request gets the same tokens in any batch.
+        noise = torch.empty_like(probs)
+        for i, row in enumerate(rows):
+            noise[i].exponential_(generator=row.generator or self.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=device)
+        return torch.where(is_greedy, greedy, sampled)
+
+
+def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Forbid EOS and stop tokens for requests that have not reached min_tokens yet."""
+    early = [(i, r.stop_token_ids) for i, r in enumerate(rows)
+             if r.num_output_tokens < r.params.min_tokens and r.stop_token_ids]
+    if not early:
+        return logits
+    logits = logits.clone()
+    for i, stop_ids in early:
+        logits[i, list(stop_ids)] = float("-inf")
+    return logits
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    top_k = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
+    top_p = [r.params.top_p for r in rows]
+    if all(k == vocab for k in top_k) and all(p >= 1.0 for p in top_p):
+        return logits
+    device = logits.device
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # (N, V) each
+    rank = torch.arange(vocab, device=device)[None, :]
+    drop = rank >= torch.tensor(top_k, device=device)[:, None]
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    # Drop a token when the tokens ranked above it already cover top_p; the first always stays.
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    # top_p == 1 keeps everything, even where rounding pushes the running sum past 1.
+    cutoff = [p if p < 1.0 else float("inf") for p in top_p]
+    drop |= mass_before >= torch.tensor(cutoff, dtype=logits.dtype, device=device)[:, None]
+    masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
+
+
+def _top_logprobs(row_logprobs: torch.Tensor, k: int, sampled: int) -> dict[int, float]:
+    chosen = {sampled: float(row_logprobs[sampled])}
+    if k > 0:
+        values, ids = row_logprobs.topk(k)
+        chosen.update(zip(ids.tolist(), values.tolist()))
+    return chosen
