@@ -1,14 +1,14 @@
-"""The whole tool against the in-test OpenAI-compatible server (conftest.FakeOpenAIServer)."""
+"""The whole tool against the in-test OpenAI-compatible server (fake_server.py)."""
 
 import argparse
 import asyncio
 import json
 import socket
 
-from conftest import FIRST_TOKEN_DELAY_S, MODEL_NAME, PER_REQUEST, TOKEN_INTERVAL_S
-
 from kvtier.bench import REPORT_FIELDS, MultiTurnConfig, ServerTarget, run_multi_turn
 from kvtier.entrypoints import bench
+
+from .fake_server import FIRST_TOKEN_DELAY_S, MODEL_NAME, PER_REQUEST, TOKEN_INTERVAL_S
 
 CONFIG = MultiTurnConfig(num_conversations=3, num_turns=3, system_prompt_tokens=20,
                          context_tokens=5, user_tokens=4, output_tokens=6)

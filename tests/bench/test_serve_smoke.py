@@ -18,37 +18,13 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-import transformers
-from tokenizers import Tokenizer, decoders, models
-from tokenizers.pre_tokenizers import ByteLevel
 
 from kvtier.bench import REPORT_FIELDS
 
+from ..tiny_models import make_hf_model
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 START_DEADLINE_S = 180.0  # torch import and model load on a shared, busy CPU
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                 "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-                 "{% endif %}")
-
-
-def _save_tiny_model(directory: Path) -> None:
-    """2-layer Llama, byte-level tokenizer (one token per byte), chat template."""
-    vocab = {symbol: i for i, symbol in enumerate(sorted(ByteLevel.alphabet()))}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(list(SPECIALS))
-    tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": None, "eos_token": SPECIALS[2], "chat_template": CHAT_TEMPLATE}))
-    config = transformers.LlamaConfig(
-        vocab_size=256 + len(SPECIALS), hidden_size=64, intermediate_size=96,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, bos_token_id=256, eos_token_id=258)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(directory)
 
 
 def _free_port() -> int:
@@ -75,7 +51,8 @@ def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path) -> None:
 def kvtier_server(tmp_path):
     model_dir = tmp_path / "model"
     model_dir.mkdir()
-    _save_tiny_model(model_dir)
+    # A byte-level tokenizer: the benchmark sends text.
+    make_hf_model("llama", model_dir, tokenizer="bytes")
     port = _free_port()
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:

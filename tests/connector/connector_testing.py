@@ -14,10 +14,13 @@ from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 BLOCK_SIZE = 4
+MAX_TOKENS = 6  # generated per prompt by the end-to-end tests
 NUM_LAYERS = 2
 NUM_BLOCKS = 8
 LAYER_NAMES = [f"model.layers.{i}.self_attn" for i in range(NUM_LAYERS)]
 CONTEXT = ConnectorContext(block_size=BLOCK_SIZE, num_layers=NUM_LAYERS, namespace=b"test-ns")
+# The out-of-tree test connectors, as kv_connector_module_path names them.
+PLUGINS = "tests.connector.kvtier_test_connectors"
 
 
 @dataclass

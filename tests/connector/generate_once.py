@@ -1,7 +1,9 @@
 """Generate greedily in a fresh process, once per transfer config, one engine after the other;
 print what the connector tests check, as one JSON list (one entry per config).
 
-Usage: python generate_once.py MODEL_DIR TRANSFER_CONFIGS_JSON PROMPTS_JSON MAX_TOKENS BLOCK_SIZE
+Usage, from the repository root:
+    python -m tests.connector.generate_once MODEL_DIR TRANSFER_CONFIGS_JSON PROMPTS_JSON \
+        MAX_TOKENS BLOCK_SIZE
 """
 
 import json

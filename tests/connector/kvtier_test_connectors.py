@@ -1,7 +1,7 @@
 """Out-of-tree connectors for the tests, loaded through `kv_connector_module_path`.
 
-The module name is unique so that it imports the same way in pytest and in the subprocesses the
-end-to-end tests start (with this directory on PYTHONPATH).
+The tests name it by its full module path, PLUGINS (connector_testing.py): it imports the same
+way in pytest and in the subprocesses the end-to-end tests start from the repository root.
 """
 
 from __future__ import annotations

@@ -11,7 +11,8 @@ pytest.importorskip("kvtier.engine.llm",
 
 from kvtier import LLM, SamplingParams  # noqa: E402
 
-from tiny_llama import BLOCK_SIZE, MAX_TOKENS, make_prompts, make_tiny_llama  # noqa: E402
+from ..tiny_models import make_block_prompts, make_hf_model  # noqa: E402
+from .connector_testing import BLOCK_SIZE, MAX_TOKENS  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "connectors.md"
 
@@ -32,8 +33,8 @@ def my_connectors(tmp_path, monkeypatch):
 
 def test_the_memory_connector_reuses_another_engines_prefill(my_connectors, tmp_path):
     model_dir = str(tmp_path / "model")
-    make_tiny_llama(model_dir)
-    prompts = [{"prompt_token_ids": p} for p in make_prompts()]
+    make_hf_model("llama", model_dir)
+    prompts = [{"prompt_token_ids": p} for p in make_block_prompts()]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
     config = {"kv_connector": "MemoryConnector", "kv_connector_module_path": "my_connectors"}
 

@@ -18,15 +18,16 @@ import pytest
 pytest.importorskip("kvtier.engine.llm",
                     reason="the engine (kvtier/engine/llm.py) is not built yet")
 
-import kvtier_test_connectors as plugins  # noqa: E402
 from kvtier import LLM, SamplingParams  # noqa: E402
 from kvtier.connector.example import BlockFiles  # noqa: E402
-from kvtier.kv.hashing import make_block_hasher, namespace_digest  # noqa: E402
+from kvtier.kv.hashing import make_block_hasher  # noqa: E402
 from kvtier.kv.request import Request  # noqa: E402
 
-from tiny_llama import BLOCK_SIZE, MAX_TOKENS, hf_greedy, make_prompts, make_tiny_llama  # noqa
+from ..tiny_models import hf_greedy, make_block_prompts, make_hf_model  # noqa: E402
+from . import kvtier_test_connectors as plugins  # noqa: E402
+from .connector_testing import BLOCK_SIZE, MAX_TOKENS, PLUGINS  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
@@ -43,11 +44,11 @@ def generate(llm, prompts):
 
 def generate_in_fresh_process(model_dir, transfer_configs, prompts):
     """One result dict per transfer config, from one new Python process."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parents[1]), str(HERE)])}
+    # -m from the repository root: kvtier and the tests package import as they do here.
     result = subprocess.run(
-        [sys.executable, str(HERE / "generate_once.py"), model_dir, json.dumps(transfer_configs),
-         json.dumps(prompts), str(MAX_TOKENS), str(BLOCK_SIZE)],
-        env=env, capture_output=True, text=True, timeout=300)
+        [sys.executable, "-m", "tests.connector.generate_once", model_dir,
+         json.dumps(transfer_configs), json.dumps(prompts), str(MAX_TOKENS), str(BLOCK_SIZE)],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.splitlines()[-1])
 
@@ -56,8 +57,8 @@ def generate_in_fresh_process(model_dir, transfer_configs, prompts):
 def saved(tmp_path_factory):
     """Process A's run: (model dir, prompts, A's tokens, store directory)."""
     model_dir = str(tmp_path_factory.mktemp("model"))
-    prompts = make_prompts()
-    expected = hf_greedy(make_tiny_llama(model_dir), prompts)
+    prompts = make_block_prompts()
+    expected = hf_greedy(make_hf_model("llama", model_dir), prompts, MAX_TOKENS)
     store = tmp_path_factory.mktemp("store")
     llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
               kv_transfer_config=example_config(store))
@@ -82,7 +83,7 @@ def test_process_a_writes_one_file_per_computed_full_block(saved):
 
 def faulty_config(store, policy):
     return {"kv_connector": "FaultyLoadConnector",
-            "kv_connector_module_path": "kvtier_test_connectors", "kv_role": "kv_consumer",
+            "kv_connector_module_path": PLUGINS, "kv_role": "kv_consumer",
             "kv_load_failure_policy": policy,
             "kv_connector_extra_config": {"shared_storage_path": str(store)}}
 
@@ -136,7 +137,7 @@ def test_layer_hooks_see_every_layer_in_order_every_step(saved):
     llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
               max_num_batched_tokens=32, kv_transfer_config={
                   "kv_connector": "RecordingConnector",
-                  "kv_connector_module_path": "kvtier_test_connectors"})
+                  "kv_connector_module_path": PLUGINS})
     assert generate(llm, prompts) == tokens
     llm.engine.shutdown()
     steps = plugins.RECORDED_STEPS

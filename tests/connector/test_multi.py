@@ -9,8 +9,9 @@ from kvtier.connector import KVConnectorRole, KVTransferConfig, create_connector
 from kvtier.connector.example import BlockFiles, BlockTransfer, ExampleConnectorScheduler
 from kvtier.connector.multi import MultiConnectorMetadata, child_configs
 
-from connector_testing import (CONTEXT, AllocatedBlocks, empty_output, make_kv_caches,
-                               make_request, prefill_output, wait_finished_recving)
+from .connector_testing import (CONTEXT, PLUGINS, AllocatedBlocks, empty_output,
+                                make_kv_caches, make_request, prefill_output,
+                                wait_finished_recving)
 
 
 def example_child(path):
@@ -19,7 +20,7 @@ def example_child(path):
 
 
 def plugin_child(name, **extra):
-    return {"kv_connector": name, "kv_connector_module_path": "kvtier_test_connectors",
+    return {"kv_connector": name, "kv_connector_module_path": PLUGINS,
             "kv_connector_extra_config": extra}
 
 

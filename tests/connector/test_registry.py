@@ -6,7 +6,6 @@ from pathlib import Path
 
 import pytest
 
-import kvtier_test_connectors as plugins
 from kvtier.connector import (ConnectorLookupError, KVConnectorRole, KVTransferConfig,
                               create_connector, get_connector_class)
 from kvtier.connector import registry
@@ -14,7 +13,8 @@ from kvtier.connector.example import (ExampleConnector, ExampleConnectorSchedule
                                       ExampleConnectorWorker)
 from kvtier.connector.multi import MultiConnector
 
-from connector_testing import CONTEXT
+from . import kvtier_test_connectors as plugins
+from .connector_testing import CONTEXT, PLUGINS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,8 +61,7 @@ def test_unknown_name_lists_the_registered_ones():
 
 
 def test_module_path_loads_an_out_of_tree_connector():
-    config = KVTransferConfig("RecordingConnector",
-                              kv_connector_module_path="kvtier_test_connectors")
+    config = KVTransferConfig("RecordingConnector", kv_connector_module_path=PLUGINS)
     assert get_connector_class(config) is plugins.RecordingConnector
     worker = create_connector(config, KVConnectorRole.WORKER, CONTEXT)
     assert type(worker) is plugins.RecordingWorker
@@ -75,27 +74,26 @@ def test_module_path_errors():
         get_connector_class(KVTransferConfig("X",
                                              kv_connector_module_path="no_such_pkg.connectors"))
     with pytest.raises(ConnectorLookupError) as err:
-        get_connector_class(KVTransferConfig("Recorder",
-                                             kv_connector_module_path="kvtier_test_connectors"))
+        get_connector_class(KVTransferConfig("Recorder", kv_connector_module_path=PLUGINS))
     assert str(err.value) == (
-        "module 'kvtier_test_connectors' has no class 'Recorder'; connector classes in it: "
-        "['FaultyLoadConnector', 'HalfMissingConnector', 'RecordingConnector', "
+        "module 'tests.connector.kvtier_test_connectors' has no class 'Recorder'; connector "
+        "classes in it: ['FaultyLoadConnector', 'HalfMissingConnector', 'RecordingConnector', "
         "'SendingConnector', 'UndecidedConnector']")
-    with pytest.raises(ConnectorLookupError, match=r"^kvtier_test_connectors\.NotAConnector is "
-                                                   r"not a subclass of .*KVConnectorBase$"):
-        get_connector_class(KVTransferConfig("NotAConnector",
-                                             kv_connector_module_path="kvtier_test_connectors"))
+    with pytest.raises(ConnectorLookupError,
+                       match=r"^tests\.connector\.kvtier_test_connectors\.NotAConnector is not a "
+                             r"subclass of .*KVConnectorBase$"):
+        get_connector_class(KVTransferConfig("NotAConnector", kv_connector_module_path=PLUGINS))
     with pytest.raises(ConnectorLookupError, match=r"^HalfMissingConnector\.worker_cls must be "
                                                    r"a subclass of KVConnectorWorker"):
         get_connector_class(KVTransferConfig("HalfMissingConnector",
-                                             kv_connector_module_path="kvtier_test_connectors"))
+                                             kv_connector_module_path=PLUGINS))
 
 
 def test_register_connector_is_lazy_and_refuses_duplicates(monkeypatch):
     monkeypatch.setattr(registry, "_BUILTIN_CONNECTORS", dict(registry._BUILTIN_CONNECTORS))
-    registry.register_connector("Recording", "kvtier_test_connectors:RecordingConnector")
+    registry.register_connector("Recording", f"{PLUGINS}:RecordingConnector")
     assert get_connector_class(KVTransferConfig("Recording")) is plugins.RecordingConnector
     with pytest.raises(ValueError, match="connector 'Recording' is already registered"):
-        registry.register_connector("Recording", "kvtier_test_connectors:RecordingConnector")
+        registry.register_connector("Recording", f"{PLUGINS}:RecordingConnector")
     with pytest.raises(ValueError, match="must look like 'package.module:ClassName'"):
-        registry.register_connector("Other", "kvtier_test_connectors.RecordingConnector")
+        registry.register_connector("Other", f"{PLUGINS}.RecordingConnector")

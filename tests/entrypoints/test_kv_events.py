@@ -12,7 +12,8 @@ from kvtier.engine.kv_events import (END_SEQ, KVEventsConfig, KVEventsConfigErro
                                      ZmqEventPublisher, encode_batch, encode_event,
                                      make_event_publisher)
 from kvtier.kv import AllBlocksCleared, BlockRemoved, BlockStored
-from server_process import free_port
+
+from .server_process import free_port
 
 HASH_A = bytes(range(32))
 HASH_B = bytes([0xFF] * 32)

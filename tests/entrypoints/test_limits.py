@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from server_process import ServerProcess
+from .server_process import ServerProcess
 
 # Long enough that the first request is still running while the test fills the queue.
 LONG = 1500

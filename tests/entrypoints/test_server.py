@@ -14,8 +14,9 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.models.tokenizer import Tokenizer
-from server_process import ServerProcess, free_port
-from tiny_model import hf_greedy
+
+from ..tiny_models import hf_greedy
+from .server_process import ServerProcess, free_port
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -76,7 +77,7 @@ def wait_idle(server) -> dict[str, float]:
 
 def test_completion_matches_hf_greedy(client, tiny_model, tokenizer):
     prompt_ids = tokenizer.encode("The kv cache")
-    expected = hf_greedy(tiny_model[1], prompt_ids, 8)
+    expected = hf_greedy(tiny_model[1], [prompt_ids], 8)[0]
     result = client.completions.create(model=MODEL, prompt="The kv cache", max_tokens=8,
                                        **GREEDY)
     choice = result.choices[0]
@@ -89,7 +90,7 @@ def test_completion_matches_hf_greedy(client, tiny_model, tokenizer):
 
 def test_completion_stream_equals_non_stream(client, tiny_model):
     prompt = [5, 6, 7, 8, 9, 10]
-    expected = hf_greedy(tiny_model[1], prompt, 10)
+    expected = hf_greedy(tiny_model[1], [prompt], 10)[0]
     stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=10, stream=True,
                                        stream_options={"include_usage": True}, **GREEDY)
     chunks = list(stream)
@@ -207,7 +208,7 @@ def test_client_disconnect_aborts_request(server):
 
 
 def test_32_concurrent_clients_no_leaked_blocks(server, tiny_model):
-    expected = hf_greedy(tiny_model[1], [11, 12, 13], 5)
+    expected = hf_greedy(tiny_model[1], [[11, 12, 13]], 5)[0]
 
     async def run_all() -> list:
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,

@@ -1,47 +1,28 @@
-"""Tiny random-weight HF models and a minimal paged-cache driver for the model tests."""
+"""The model tests' variant of the shared tiny models, and a minimal paged-cache driver."""
 
 from __future__ import annotations
 
 import random
 
 import torch
-import transformers
 
 from kvtier.models import build_attention_metadata
 from kvtier.models.llama import LlamaForCausalLM
 
-VOCAB = 128
+from ..tiny_models import make_hf_model
+
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
 
-_BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-             rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-
-# architecture -> (HF config class, HF model class, extra config keys).
-ARCHS = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {"attention_bias": True}),
-    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
-              {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-              {"head_dim": 32, "tie_word_embeddings": True}),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                {"sliding_window": 6}),
-}
+# The model tests stretch the shared architectures to cover more of the loader and decoder:
+# biased attention projections (llama), a window of 5 (qwen2), tied embeddings (qwen3).
+ARCH_OVERRIDES = {"llama": {"attention_bias": True}, "qwen2": {"sliding_window": 5},
+                  "qwen3": {"tie_word_embeddings": True}, "mistral": {}}
 
 
-def make_hf_model(arch: str, directory, seed: int = 0, **overrides):
-    """Save a tiny random fp32 HF model of `arch` into `directory`; return it (eval mode)."""
-    config_cls, model_cls, extra = ARCHS[arch]
-    config = config_cls(**{**_BASE, **extra, **overrides})
-    torch.manual_seed(seed)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        # Larger-than-default weights so logits differ clearly between tokens and positions.
-        for param in model.parameters():
-            param.normal_(0.0, 0.2) if param.dim() > 1 else param.uniform_(0.5, 1.5)
-    model.save_pretrained(directory)
-    return model
+def make_covering_hf_model(arch: str, directory, seed: int = 0, **overrides):
+    """tiny_models.make_hf_model with ARCH_OVERRIDES[arch], then `overrides`, applied."""
+    return make_hf_model(arch, directory, seed, **{**ARCH_OVERRIDES[arch], **overrides})
 
 
 def hf_logits(model, token_ids: list[int]) -> torch.Tensor:

@@ -3,10 +3,11 @@ the connector layer hooks run in order around each layer."""
 
 import pytest
 import torch
-from helpers import PagedDriver
 
 from kvtier.models import (build_attention_metadata, paged_attention, reference_paged_attention,
                            write_kv)
+
+from .helpers import PagedDriver
 
 BLOCK = 4
 NUM_BLOCKS = 40

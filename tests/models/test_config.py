@@ -4,10 +4,11 @@ import json
 
 import pytest
 import torch
-from helpers import hf_logits, make_hf_model, PagedDriver
 
 from kvtier.models import ModelConfig, ModelLoadError, load_model
 from kvtier.models.hf_config import parse_hf_config
+
+from .helpers import PagedDriver, hf_logits, make_covering_hf_model
 
 _QWEN2_OLD_STYLE = {
     "architectures": ["Qwen2ForCausalLM"], "vocab_size": 100, "hidden_size": 64,
@@ -67,7 +68,7 @@ def test_old_style_llama3_rope_scaling_is_parsed(tmp_path):
 def test_llama3_rope_scaling_matches_hf(tmp_path):
     rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 4.0, "low_freq_factor": 1.0,
             "high_freq_factor": 2.0, "original_max_position_embeddings": 16}
-    hf_model = make_hf_model("llama", tmp_path, rope_parameters=rope)
+    hf_model = make_covering_hf_model("llama", tmp_path, rope_parameters=rope)
     loaded = load_model(str(tmp_path), dtype=torch.float32)
     assert loaded.config.rope_scaling["rope_type"] == "llama3"
     prompt = [(7 * i) % 120 + 3 for i in range(24)]
@@ -94,7 +95,7 @@ def test_config_missing_a_key_names_it(tmp_path):
 
 
 def test_truncated_safetensors_names_the_file(tmp_path):
-    make_hf_model("llama", tmp_path)
+    make_covering_hf_model("llama", tmp_path)
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-1000])
     with pytest.raises(ModelLoadError, match=r"model\.safetensors: corrupt or truncated"):

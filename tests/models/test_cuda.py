@@ -4,9 +4,11 @@ import random
 
 import pytest
 import torch
-from helpers import ARCHS, VOCAB, PagedDriver, hf_logits, make_hf_model
 
 from kvtier.models import load_model
+
+from ..tiny_models import ARCHS, VOCAB
+from .helpers import PagedDriver, hf_logits, make_covering_hf_model
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -14,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_prefill_chunks_and_decode_match_hf_on_cuda(arch, tmp_path):
-    hf_model = make_hf_model(arch, tmp_path)
+    hf_model = make_covering_hf_model(arch, tmp_path)
     loaded = load_model(str(tmp_path), dtype=torch.float32, device="cuda")
     rng = random.Random(0)
     prompt = [rng.randrange(3, VOCAB) for _ in range(14)]

@@ -2,9 +2,10 @@
 
 import pytest
 import torch
-from helpers import PagedDriver
 
 from kvtier.models import load_model
+
+from .helpers import PagedDriver
 
 
 @pytest.mark.slow  # ~15 s to dequantize 135M weights on a shared CPU, plus the decode steps

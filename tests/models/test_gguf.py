@@ -4,16 +4,18 @@ import os
 
 import pytest
 import torch
-from gguf_writer import CHAT_TEMPLATE, EOT_TOKEN_ID, tokens, write_gguf
-from helpers import PagedDriver, hf_logits, make_hf_model
 
 from kvtier.models import IncrementalDetokenizer, ModelLoadError, load_model
+
+from .gguf_writer import CHAT_TEMPLATE, EOT_TOKEN_ID, tokens, write_gguf
+from .helpers import PagedDriver, hf_logits, make_covering_hf_model
 
 
 @pytest.fixture(scope="module")
 def gguf_pair(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gguf")
-    hf_model = make_hf_model("llama", directory, vocab_size=len(tokens()), attention_bias=False)
+    hf_model = make_covering_hf_model("llama", directory, vocab_size=len(tokens()),
+                                      attention_bias=False)
     path = str(directory / "tiny.gguf")
     write_gguf(hf_model, path)
     return hf_model, path

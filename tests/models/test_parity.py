@@ -4,9 +4,11 @@ import copy
 import random
 
 import torch
-from helpers import VOCAB, PagedDriver, hf_logits
 
 from kvtier.models import load_model
+
+from ..tiny_models import VOCAB
+from .helpers import PagedDriver, hf_logits
 
 ATOL = 1e-4
 

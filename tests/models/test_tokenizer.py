@@ -5,10 +5,11 @@ import json
 import os
 
 import pytest
-from gguf_writer import MERGES, tokens
 
 from kvtier.models import ChatTemplateError, ModelLoadError, Tokenizer, default_model_path
 from kvtier.models.gguf_tokenizer import tokenizer_from_gguf
+
+from .gguf_writer import MERGES, tokens
 
 TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 

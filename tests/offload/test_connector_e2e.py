@@ -9,22 +9,25 @@ import textwrap
 import pytest
 
 from kvtier import LLM, SamplingParams
-from tiny_model import hf_greedy, make_tiny_llama, random_prompts
+
+from ..tiny_models import hf_greedy, make_hf_model, random_prompts
+from .offload_helpers import FAULTY_TIERS
 
 PROMPT_LEN = 30  # 7 loadable blocks of 4 (the last token is always recomputed)
 LOADABLE = 28
 CHUNK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head dim * fp32
 MAX_TOKENS = 5
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-HERE = os.path.dirname(__file__)
+MAX_POSITIONS = 512
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     directory = tmp_path_factory.mktemp("tiny-llama")
-    hf = make_tiny_llama(directory)
+    hf = make_hf_model("llama", directory, max_position_embeddings=MAX_POSITIONS)
     prompts = random_prompts(8, PROMPT_LEN)
-    return str(directory), prompts, [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    return str(directory), prompts, hf_greedy(hf, prompts, MAX_TOKENS)
 
 
 def _llm(model_dir, **kwargs):
@@ -92,8 +95,7 @@ def test_evicted_from_host_reloads_from_disk(model, tmp_path):
 
 
 _SECOND_INSTANCE = textwrap.dedent("""
-    import json, sys
-    sys.path.insert(0, {here!r})
+    import json
     from kvtier import LLM, SamplingParams
     llm = LLM({model!r}, dtype="float32", block_size=4, num_device_blocks=24, max_num_seqs=2,
               kv_offload="host=1MiB,disk={disk}")
@@ -113,20 +115,16 @@ def test_second_process_on_the_same_disk_gets_disk_hits(model, tmp_path):
         assert _generate(llm, prompts[:3])[0] == expected[:3]
     finally:
         llm.engine.shutdown()  # waits for the cascade to disk
-    script = _SECOND_INSTANCE.format(here=HERE, model=model_dir, disk=tmp_path,
-                                     max_tokens=MAX_TOKENS, prompts=prompts[:3])
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": _pythonpath()})
+    script = _SECOND_INSTANCE.format(model=model_dir, disk=tmp_path, max_tokens=MAX_TOKENS,
+                                     prompts=prompts[:3])
+    # In the repository root, `python -c` imports kvtier as this process does.
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     tokens, cached, fs_hits = eval(out.stdout.strip().splitlines()[-1])
     assert tokens == expected[:3]
     assert cached == [LOADABLE] * 3
     assert fs_hits == 21
-
-
-def _pythonpath():
-    root = os.path.dirname(os.path.dirname(HERE))
-    return os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])
 
 
 def _damage_files(directory, how):
@@ -171,7 +169,7 @@ def _wait_for_cascade(llm):
 
 @pytest.mark.parametrize("tier", [
     {"type": "fs", "root_dir": "/sys/kvtier-read-only"},
-    {"type": "RaisingTier", "module_path": "faulty_tiers"},
+    {"type": "RaisingTier", "module_path": FAULTY_TIERS},
 ])
 def test_broken_tier_costs_errors_not_output(model, tier):
     model_dir, prompts, expected = model
@@ -202,10 +200,10 @@ def _sys_is_writable():
 
 
 def test_sliding_window_group_reloads_only_its_window(tmp_path):
-    from tiny_model import make_tiny_mistral
-    hf = make_tiny_mistral(tmp_path, sliding_window=6)
+    hf = make_hf_model("mistral", tmp_path, sliding_window=6,
+                       max_position_embeddings=MAX_POSITIONS)
     prompts = random_prompts(4, PROMPT_LEN, seed=1)
-    expected = [hf_greedy(hf, p, MAX_TOKENS) for p in prompts]
+    expected = hf_greedy(hf, prompts, MAX_TOKENS)
     llm = _llm(str(tmp_path), kv_offload="host=1MiB")
     try:
         assert _generate(llm, prompts)[0] == expected

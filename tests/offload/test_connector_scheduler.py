@@ -1,8 +1,5 @@
 """The offloading scheduler half against the real KV cache manager: exact plans and RETRY."""
 
-import sys
-from pathlib import Path
-
 import pytest
 
 from kvtier.connector.base import ConnectorContext, KVConnectorOutput
@@ -16,7 +13,8 @@ from kvtier.offload.tiers.base import JobResult
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import NewRequestData, SchedulerOutput
 
-sys.path.insert(0, str(Path(__file__).parent))
+from .offload_helpers import FAULTY_TIERS
+
 NAMESPACE = b"connector-test".ljust(32, b"\0")
 BLOCK = 4
 SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype_size=4)
@@ -117,7 +115,7 @@ def test_host_hit_loads_by_block_id(make_connector):
 
 def test_secondary_hit_answers_retry_until_promoted(make_connector):
     connector = make_connector(secondary_tiers=[{"type": "StuckTier",
-                                                  "module_path": "faulty_tiers"}])
+                                                  "module_path": FAULTY_TIERS}])
     stuck = connector.manager.tiers[0]
     request = _request()
     assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
@@ -131,7 +129,7 @@ def test_secondary_hit_answers_retry_until_promoted(make_connector):
 
 def test_failed_promotion_ends_the_hit_there(make_connector):
     connector = make_connector(secondary_tiers=[{"type": "StuckTier",
-                                                  "module_path": "faulty_tiers"}])
+                                                  "module_path": FAULTY_TIERS}])
     stuck = connector.manager.tiers[0]
     assert connector.get_num_new_matched_tokens(_request(), 0) == (None, False)
     stuck._released = [JobResult(job.job_id, ok=chunk != 2)  # jobs in chunk order

@@ -7,11 +7,16 @@ import time
 
 import pytest
 
-from conftest import (CHUNK, NAMESPACE, chunk_bytes, key, offload_config, read_host,
-                      store_from_device)
 from kvtier.offload.manager import Lookup
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.fs import FsTier, FsTierOptions
+
+from .offload_helpers import (CHUNK, NAMESPACE, chunk_bytes, key, offload_config, read_host,
+                              store_from_device)
+
+# The scripts below run with `python -c` in the repository root, so they import kvtier and the
+# helpers as this module does.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture
@@ -126,9 +131,8 @@ def test_concurrent_writers_of_one_chunk_threads(make_tier, tmp_path):
 
 
 _WRITER = textwrap.dedent("""
-    import sys, time
-    sys.path.insert(0, {tests!r})
-    from conftest import CHUNK, NAMESPACE, chunk_bytes, key
+    import time
+    from tests.offload.offload_helpers import CHUNK, NAMESPACE, chunk_bytes, key
     from kvtier.offload.tiers.base import TierContext, TransferJob
     from kvtier.offload.tiers.fs import FsTier, FsTierOptions
     tier = FsTier(FsTierOptions(root_dir={root!r}), TierContext("fs", NAMESPACE))
@@ -146,8 +150,9 @@ _WRITER = textwrap.dedent("""
 
 
 def test_concurrent_writers_of_one_chunk_two_processes(tmp_path):
-    script = _WRITER.format(tests=os.path.dirname(__file__), root=str(tmp_path))
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    script = _WRITER.format(root=str(tmp_path))
+    procs = [subprocess.Popen([sys.executable, "-c", script], cwd=REPO_ROOT,
+                              stdout=subprocess.PIPE, text=True)
              for _ in range(2)]
     outputs = [proc.communicate(timeout=60)[0].split() for proc in procs]
     assert outputs == [["30", "30"], ["30", "30"]]
@@ -198,9 +203,8 @@ def test_read_only_filesystem_fails_jobs_without_raising(make_tier):
 
 
 _FULL_DISK = textwrap.dedent("""
-    import resource, signal, sys, time
-    sys.path.insert(0, {tests!r})
-    from conftest import CHUNK, NAMESPACE, chunk_bytes, key
+    import resource, signal, time
+    from tests.offload.offload_helpers import CHUNK, NAMESPACE, chunk_bytes, key
     from kvtier.offload.tiers.base import TierContext, TransferJob
     from kvtier.offload.tiers.fs import FsTier, FsTierOptions
     # A file-size limit below one chunk file: every write fails like on a full disk.
@@ -218,9 +222,9 @@ _FULL_DISK = textwrap.dedent("""
 
 
 def test_full_disk_fails_the_store_and_leaves_no_file(tmp_path):
-    script = _FULL_DISK.format(tests=os.path.dirname(__file__), root=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=60)
+    script = _FULL_DISK.format(root=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=60)
     assert out.stdout.split() == ["False", "OSError", "NOT_FOUND"], out.stderr
     leftovers = [f for _, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []

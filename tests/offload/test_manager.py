@@ -1,15 +1,12 @@
-import sys
-from pathlib import Path
-
-from conftest import (CHUNK, chunk_bytes, key, offload_config, poll_until, read_host,
-                      store_from_device)
 from kvtier.offload.events import TierMoveEvent
 from kvtier.offload.manager import Lookup
 
-sys.path.insert(0, str(Path(__file__).parent))
+from .offload_helpers import (CHUNK, FAULTY_TIERS, NAMESPACE, chunk_bytes, key, offload_config,
+                              poll_until, read_host, store_from_device)
+
 MEMORY = {"type": "memory"}
-RAISING = {"type": "RaisingTier", "module_path": "faulty_tiers"}
-STUCK = {"type": "StuckTier", "module_path": "faulty_tiers"}
+RAISING = {"type": "RaisingTier", "module_path": FAULTY_TIERS}
+STUCK = {"type": "StuckTier", "module_path": FAULTY_TIERS}
 
 
 def test_host_hit_and_miss_without_tiers(make_manager):
@@ -110,7 +107,6 @@ def test_failed_promotion_falls_back_to_miss(make_manager):
 def test_groups_of_different_page_sizes_share_the_host_area(make_manager):
     # A hybrid model: an attention group (CHUNK bytes per chunk) and a Mamba group whose
     # per-block state is smaller. Both go through the same slots, tiers and promotion.
-    from conftest import NAMESPACE
     from kvtier.offload.keys import make_chunk_key
     from kvtier.offload.manager import TieringManager
     state_bytes = CHUNK // 4

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Callable, Iterator
 
 import pytest
-from sched_fakes import make_manager
 
 from kvtier.kv import KVCacheManager
+
+from .sched_fakes import make_manager
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 import pytest
-from sched_fakes import make_request
 
 from kvtier.sched import FCFSRequestQueue, PriorityRequestQueue, create_request_queue
+
+from .sched_fakes import make_request
 
 
 def ids(queue):

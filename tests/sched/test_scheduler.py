@@ -1,11 +1,12 @@
 """Continuous batching without a connector: order, budgets, preemption, abort, stops."""
 
 import pytest
-from sched_fakes import (EOS, FakeRunner, assert_all_free, make_request, make_scheduler, prompt,
-                         run_to_completion, step)
 
 from kvtier.kv import Request, RequestStatus, make_block_hasher
 from kvtier.sched import SchedulerQueueFullError
+
+from .sched_fakes import (EOS, FakeRunner, assert_all_free, make_request, make_scheduler, prompt,
+                          run_to_completion, step)
 
 
 def new_ids(out):

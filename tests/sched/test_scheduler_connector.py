@@ -1,10 +1,10 @@
 """The asynchronous remote-KV lifecycle (SPEC 6) with a scripted connector."""
 
-from sched_fakes import (Clock, FakeRunner, ScriptedConnector, StepMeta,
-                         assert_all_free, make_request, make_scheduler, prompt, step)
-
 from kvtier.connector.base import KVConnectorOutput
 from kvtier.kv import RequestStatus
+
+from .sched_fakes import (Clock, FakeRunner, ScriptedConnector, StepMeta,
+                          assert_all_free, make_request, make_scheduler, prompt, step)
 
 
 def probe_hit(manager, tokens):

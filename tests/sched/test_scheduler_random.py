@@ -4,11 +4,12 @@ block comes back at the end."""
 import random
 from dataclasses import dataclass, field
 import pytest
-from sched_fakes import (BLOCK_SIZE, Clock, FakeRunner, ScriptedConnector, assert_all_free,
-                         make_manager, make_request, make_scheduler, step)
 
 from kvtier.connector.base import KVConnectorOutput
 from kvtier.kv import RequestStatus
+
+from .sched_fakes import (BLOCK_SIZE, Clock, FakeRunner, ScriptedConnector, assert_all_free,
+                          make_manager, make_request, make_scheduler, step)
 
 WAITING_STATES = {RequestStatus.WAITING, RequestStatus.PREEMPTED,
                   RequestStatus.WAITING_FOR_REMOTE_KVS}
