@@ -20,6 +20,7 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 import time
 
 PEER_MODEL = "/opt/kvtier-peer/smollm2-hf"
@@ -97,15 +98,22 @@ def run_vllm(args: argparse.Namespace) -> dict[str, float]:
 
 
 def run_peer(args: argparse.Namespace) -> dict[str, float]:
-    command = [args.peer_python, os.path.abspath(__file__), "--engine", "vllm", "--json"]
-    for name in ("num_prompts", "prompt_len", "output_len", "ttft_prompt_len", "seed",
-                 "peer_block_size", "kv_cache_memory_bytes", "max_num_batched_tokens",
-                 "max_model_len", "peer_model"):
-        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=args.peer_timeout)
-    if result.returncode != 0:
-        raise RuntimeError(f"peer run failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    # The result travels through a file: vLLM writes its own lines to stdout at shutdown.
+    with tempfile.TemporaryDirectory() as tmp:
+        result_path = os.path.join(tmp, "peer.json")
+        command = [args.peer_python, os.path.abspath(__file__), "--engine", "vllm",
+                   "--result-file", result_path]
+        for name in ("num_prompts", "prompt_len", "output_len", "ttft_prompt_len", "seed",
+                     "peer_block_size", "kv_cache_memory_bytes", "max_num_batched_tokens",
+                     "max_model_len", "peer_model"):
+            command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+        result = subprocess.run(command, capture_output=True, text=True,
+                                timeout=args.peer_timeout)
+        if result.returncode != 0:
+            raise RuntimeError(f"peer run failed (exit {result.returncode}):\n"
+                               f"{result.stderr[-3000:]}")
+        with open(result_path) as f:
+            return json.load(f)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -130,13 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--json", action="store_true", help="print one JSON line only")
+    parser.add_argument("--result-file", default=None, help="also write the result JSON here")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.engine == "vllm":
-        result = {"vllm": run_vllm(args)}
+        result = run_vllm(args)
     else:
         result = {"kvtier": run_kvtier(args)}
         # Shown before the (long) peer run, so a failing peer does not lose it.
@@ -145,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
             result["vllm"] = run_peer(args)
             result["ratio_kvtier_over_vllm"] = {
                 key: result["kvtier"][key] / result["vllm"][key] for key in result["kvtier"]}
-    if args.json:
-        print(json.dumps(result["vllm"] if args.engine == "vllm" else result))
-    else:
-        print(json.dumps(result, indent=2))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump(result, f)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
     return 0
 
 

@@ -1,0 +1,178 @@
+"""The Engine / LLM public API on a tiny random Llama with a word-level tokenizer."""
+
+import pytest
+import torch
+
+from kvtier import LLM, SamplingParams
+from kvtier.engine.errors import EngineQueueFullError
+
+from ..tiny_models import hf_greedy, make_hf_model, save_word_tokenizer
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama_tok")
+    hf_model = make_hf_model("llama", directory)
+    save_word_tokenizer(directory)
+    return directory, hf_model
+
+
+@pytest.fixture
+def llm(model_dir):
+    llm = LLM(str(model_dir[0]), dtype="float32", block_size=4, num_device_blocks=64)
+    yield llm
+    llm.engine.check_invariants()
+    llm.engine.shutdown()
+
+
+def drain(engine) -> dict[str, object]:
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    return finished
+
+
+@pytest.mark.parametrize("prompt, problem", [
+    ([], "empty"),
+    (list(range(3, 120)) * 3, "max_model_len=256"),
+    ([5, 500], r"\[0, 128\)"),
+])
+def test_bad_prompts_are_refused_by_name(llm, prompt, problem):
+    with pytest.raises(ValueError, match=problem):
+        llm.engine.add_request("r", prompt, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_duplicate_ids_are_refused_and_a_full_queue_raises(model_dir):
+    llm = LLM(str(model_dir[0]), dtype="float32", block_size=4, num_device_blocks=64,
+              max_waiting_requests=1)
+    llm.engine.add_request("a", PROMPT, GREEDY)
+    with pytest.raises(ValueError, match="'a' is already in use"):
+        llm.engine.add_request("a", PROMPT, GREEDY)
+    with pytest.raises(EngineQueueFullError):
+        llm.engine.add_request("b", PROMPT, GREEDY)
+    assert sorted(drain(llm.engine)) == ["a"]
+
+
+def test_text_prompt_without_a_tokenizer_is_refused(tmp_path):
+    make_hf_model("llama", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", num_device_blocks=16)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("w5 w6")
+
+
+def test_text_prompts_decode_and_match_hf(llm, model_dir):
+    hf_model = model_dir[1]
+    out = llm.generate("w5 w6 w7 w8 w9", GREEDY)[0]
+    assert out.prompt == "w5 w6 w7 w8 w9"
+    assert out.prompt_token_ids == [5, 6, 7, 8, 9]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model, [[5, 6, 7, 8, 9]], 6)[0]
+    expected_text = llm.get_tokenizer().decode(out.outputs[0].token_ids)
+    assert out.outputs[0].text == expected_text
+    assert out.outputs[0].finish_reason == "length"
+    metrics = out.metrics
+    assert metrics.arrival_time <= metrics.first_token_time <= metrics.finished_time
+
+
+def test_stop_strings_cut_the_text_and_finish_the_request(llm):
+    tokens = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+    words = llm.get_tokenizer().decode(tokens).split(" ")  # one word per token
+    stop = words[3]
+    first = words.index(stop)
+    before = " ".join(words[:first]) + " " if first else ""
+    for include, text in ((False, before), (True, before + stop)):
+        params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=[stop],
+                                include_stop_str_in_output=include)
+        out = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
+        assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+        assert out.token_ids == tokens[:first + 1]
+        assert out.text == text
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    tokens = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+    stop_id = tokens[1]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                            stop_token_ids=[stop_id])
+    out = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
+    assert out.token_ids == tokens[:tokens.index(stop_id) + 1]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    # min_tokens forbids the stop id until 4 tokens exist: the greedy path changes.
+    held = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                          stop_token_ids=[stop_id], min_tokens=4)
+    out = llm.generate({"prompt_token_ids": PROMPT}, held)[0].outputs[0]
+    assert stop_id not in out.token_ids[:4]
+    assert len(out.token_ids) >= 4
+
+
+def test_n_children_share_the_prompt_blocks(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, n=3)
+    out = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
+    single = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(c.token_ids == single for c in out.outputs)
+    # Children 1 and 2 find the first 8 prompt tokens (two full blocks) cached.
+    assert llm.get_metrics()["vllm:prefix_cache_hits"] >= 16
+
+
+def test_seeded_sampling_is_reproducible_in_any_batch(llm):
+    seeded = SamplingParams(temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, n=2)
+    alone = llm.generate({"prompt_token_ids": PROMPT}, seeded)[0]
+    crowd = llm.generate([{"prompt_token_ids": [20, 21, 22]}, {"prompt_token_ids": PROMPT}],
+                         [SamplingParams(temperature=1.0, max_tokens=6), seeded])[1]
+    assert [c.token_ids for c in alone.outputs] == [c.token_ids for c in crowd.outputs]
+    # Child i draws with seed + i, so the two children differ.
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
+
+
+def test_logprobs_match_hf(llm, model_dir):
+    hf_model = model_dir[1]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)
+    out = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([PROMPT + out.token_ids])).logits[0]
+    expected = torch.log_softmax(logits.float(), dim=-1)[len(PROMPT) - 1:-1]
+    assert len(out.logprobs) == 4
+    for position, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        top2 = expected[position].topk(2).indices.tolist()
+        assert set(entry) == {token, *top2}
+        for token_id, value in entry.items():
+            assert value == pytest.approx(float(expected[position, token_id]), abs=1e-4)
+
+
+def test_chat_renders_the_template(llm):
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "w7 w8"}]
+    out = llm.chat(messages, GREEDY)[0]
+    rendered = tokenizer.apply_chat_template(messages)
+    assert out.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.prompt_token_ids == [1, 3, 7, 8, 2, 1, 4]
+
+
+def test_abort_frees_the_request(llm):
+    engine = llm.engine
+    engine.add_request("keep", PROMPT, GREEDY)
+    engine.add_request("drop", [30, 31, 32, 33, 34], GREEDY)
+    engine.step()
+    engine.abort_request(["drop", "unknown"])
+    finished = drain(engine)
+    assert sorted(finished) == ["keep"]
+    metrics = llm.get_metrics()
+    assert metrics["vllm:num_requests_running"] == 0
+    assert metrics['vllm:request_success{finished_reason="length"}'] == 1
+
+
+def test_repeated_prompt_reports_cached_tokens_and_reset_clears(llm):
+    first = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+    second = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+    assert first.num_cached_tokens == 0
+    assert second.num_cached_tokens == 8
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert llm.reset_prefix_cache() is True
+    third = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
+    assert third.num_cached_tokens == 0

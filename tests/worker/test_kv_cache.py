@@ -1,0 +1,44 @@
+import pytest
+import torch
+
+from kvtier.kv import FullAttentionSpec, KVCacheConfig, SlidingWindowSpec
+from kvtier.models.config import ModelConfig
+from kvtier.worker.kv_cache import allocate_kv_caches, build_kv_cache_groups, plan_num_blocks
+
+
+def model_config(windows):
+    return ModelConfig(architecture="qwen2", vocab_size=32, hidden_size=32, intermediate_size=64,
+                       num_layers=len(windows), num_heads=4, num_kv_heads=2, head_dim=8,
+                       rope_theta=10000.0, rope_scaling=None, rms_norm_eps=1e-6,
+                       max_position_embeddings=64, sliding_window=8,
+                       layer_sliding_windows=tuple(windows), tie_word_embeddings=False,
+                       attention_bias=True, o_proj_bias=False, qk_norm=False, bos_token_id=None,
+                       eos_token_ids=(), name="tiny")
+
+
+def test_one_group_per_window_full_attention_first():
+    groups = build_kv_cache_groups(model_config([8, None, 8, None]), block_size=4, dtype_size=2)
+    assert [g.layer_names for g in groups] == [
+        ["model.layers.1.self_attn", "model.layers.3.self_attn"],
+        ["model.layers.0.self_attn", "model.layers.2.self_attn"]]
+    assert groups[0].kv_cache_spec == FullAttentionSpec(4, 2, 8, 2)
+    assert groups[1].kv_cache_spec == SlidingWindowSpec(4, 2, 8, 2, sliding_window=8)
+
+
+def test_block_count_from_bytes_is_capped_by_what_sequences_can_use():
+    common = dict(num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, dtype_size=2,
+                  num_blocks=None, max_model_len=64)
+    page = 2 * 4 * 2 * 8 * 2  # K+V of one block of one layer = 256 bytes
+    assert plan_num_blocks(memory_bytes=2 * page * 40, max_num_seqs=8, **common) == 40
+    # 2 sequences x 16 blocks + the null block
+    assert plan_num_blocks(memory_bytes=2 * page * 1000, max_num_seqs=2, **common) == 33
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes=512"):
+        plan_num_blocks(memory_bytes=2 * page, max_num_seqs=2, **common)
+
+
+def test_caches_are_zeroed_per_layer_in_layer_order():
+    groups = build_kv_cache_groups(model_config([None, 8]), block_size=4, dtype_size=4)
+    caches = allocate_kv_caches(KVCacheConfig(5, groups), num_layers=2, dtype=torch.float32,
+                                device=torch.device("cpu"))
+    assert [tuple(c.shape) for c in caches] == [(2, 5, 4, 2, 8)] * 2
+    assert all(int(c.count_nonzero()) == 0 for c in caches)

@@ -1,0 +1,87 @@
+import math
+
+import pytest
+import torch
+
+from kvtier.sampling_params import SamplingParams
+from kvtier.worker.sampler import Sampler, SamplingRow
+
+CPU = torch.device("cpu")
+
+
+def row(params: SamplingParams, *, generator=None, num_output_tokens=0, stop_ids=()):
+    return SamplingRow(params, generator, num_output_tokens, tuple(stop_ids))
+
+
+def seeded(seed: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+def probs_logits(*probs: float) -> torch.Tensor:
+    return torch.tensor([[math.log(p) for p in probs]])
+
+
+def draw_many(logits: torch.Tensor, params: SamplingParams, times: int = 200) -> set[int]:
+    sampler = Sampler(CPU, seed=0)
+    batch = logits.repeat(times, 1)
+    return set(sampler.sample(batch, [row(params)] * times).token_ids)
+
+
+def test_greedy_is_argmax_per_row():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    out = Sampler(CPU, 0).sample(logits, [row(SamplingParams(temperature=0.0))] * 2)
+    assert out.token_ids == [1, 0]
+    assert out.logprobs == [None, None]
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [0.0, 5.0, 1.0]])
+    params = SamplingParams(temperature=0.0, min_tokens=2)
+    rows = [row(params, num_output_tokens=1, stop_ids=(1,)),
+            row(params, num_output_tokens=2, stop_ids=(1,))]
+    assert Sampler(CPU, 0).sample(logits, rows).token_ids == [2, 1]
+
+
+def test_top_p_keeps_the_smallest_covering_set():
+    logits = probs_logits(0.5, 0.3, 0.2)
+    assert draw_many(logits, SamplingParams(top_p=0.5)) == {0}
+    assert draw_many(logits, SamplingParams(top_p=0.6)) == {0, 1}
+    assert draw_many(logits, SamplingParams()) == {0, 1, 2}
+
+
+def test_top_k_and_min_p_cut_the_tail():
+    logits = probs_logits(0.5, 0.3, 0.2)
+    assert draw_many(logits, SamplingParams(top_k=1)) == {0}
+    assert draw_many(logits, SamplingParams(top_k=2)) == {0, 1}
+    assert draw_many(logits, SamplingParams(min_p=0.5)) == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    logits = probs_logits(0.7, 0.2, 0.1).repeat(4000, 1)
+    params = SamplingParams(seed=None)
+    tokens = torch.tensor(Sampler(CPU, 1).sample(logits, [row(params)] * 4000).token_ids)
+    freq = torch.bincount(tokens, minlength=3).float() / 4000
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_a_seeded_row_draws_the_same_tokens_in_any_batch():
+    logits = torch.randn(3, 50, generator=seeded(7))
+    params = SamplingParams(temperature=1.0, seed=42)
+    alone = [Sampler(CPU, 0).sample(logits[1:2], [row(params, generator=seeded(42))]).token_ids[0]
+             for _ in range(2)]
+    other = SamplingParams(temperature=1.0)
+    batched = Sampler(CPU, 5).sample(
+        logits, [row(other), row(params, generator=seeded(42)), row(other)]).token_ids[1]
+    assert alone[0] == alone[1] == batched
+
+
+def test_logprobs_are_the_raw_model_distribution_with_the_sampled_token():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    expected = torch.log_softmax(logits[0], dim=-1)
+    out = Sampler(CPU, 0).sample(logits, [row(SamplingParams(temperature=0.0, logprobs=2))])
+    assert out.token_ids == [2]
+    assert out.logprobs[0].keys() == {2, 1}
+    assert out.logprobs[0][2] == pytest.approx(float(expected[2]))
+    assert out.logprobs[0][1] == pytest.approx(float(expected[1]))
