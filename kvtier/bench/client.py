@@ -124,6 +124,11 @@ class OpenAIStreamClient:
         if payload == "[DONE]":
             return
         chunk = json.loads(payload)
+        if "error" in chunk:
+            # A failure after the 200 status arrives in-band; the turn did not complete.
+            error = chunk["error"]
+            message = error.get("message") if isinstance(error, dict) else error
+            raise BenchClientError(f"error event in the stream: {message}")
         if chunk.get("usage"):
             stream.usage = chunk["usage"]
         for choice in chunk.get("choices", []):

@@ -5,7 +5,9 @@ The engine is not thread safe, so only the engine thread touches it. Clients han
 all clients are batched together (continuous batching). Each request's outputs travel back to
 the client's event loop through that request's own asyncio queue (`call_soon_threadsafe`).
 
-A failing `step()` fails the requests in flight (each gets the error) and the loop goes on.
+A failing `step()` fails the requests in flight (each gets the error) and the loop goes on; a
+failing abort is logged and the loop goes on. If the loop itself ever ends, every request in
+flight gets an EngineDeadError.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ class _AddCommand:
 @dataclass
 class _AbortCommand:
     request_ids: list[str]
+    # Abort only if the id is still served to this stream: the id may have been refused (a
+    # duplicate of a live request) or already reused by another client.
+    stream: _Stream | None = None
 
 
 class AsyncLLM:
@@ -110,8 +115,14 @@ class AsyncLLM:
         early (client gone, task cancelled) aborts the request and frees its blocks.
         """
         stream = _Stream(asyncio.get_running_loop())
-        await self._submit_add(_AddCommand(request_id, prompt, params, options, stream,
-                                           concurrent.futures.Future()))
+        try:
+            await self._submit_add(_AddCommand(request_id, prompt, params, options, stream,
+                                               concurrent.futures.Future()))
+        except BaseException:
+            # The engine thread may have accepted it just as we stopped waiting; commands run
+            # in order, so this abort comes after that add and drops it.
+            self._commands.put(_AbortCommand([request_id], stream))
+            raise
         finished = False
         try:
             while not finished:
@@ -123,7 +134,7 @@ class AsyncLLM:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                self._commands.put(_AbortCommand([request_id], stream))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); safe from any thread."""
@@ -154,13 +165,18 @@ class AsyncLLM:
     # ---- engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished_requests())
-            if self.engine.has_unfinished_requests():
-                self._step()
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._publish_events()
+        except Exception:
+            logger.exception("the engine loop failed; no more requests are served")
+        finally:
+            self._stop.set()
+            self._fail_all(EngineDeadError("the engine shut down before the request finished"))
             self._publish_events()
-        self._fail_all(EngineDeadError("the engine shut down before the request finished"))
-        self._publish_events()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -177,10 +193,24 @@ class AsyncLLM:
 
     def _apply(self, command: _AddCommand | _AbortCommand) -> None:
         if isinstance(command, _AbortCommand):
-            live = [rid for rid in command.request_ids if self._streams.pop(rid, None)]
-            if live:
-                self.engine.abort_request(live)
+            self._apply_abort(command)
+        else:
+            self._apply_add(command)
+
+    def _apply_abort(self, command: _AbortCommand) -> None:
+        live = [rid for rid in command.request_ids if rid in self._streams
+                and (command.stream is None or self._streams[rid] is command.stream)]
+        for rid in live:
+            del self._streams[rid]
+        if not live:
             return
+        try:
+            self.engine.abort_request(live)
+        except Exception:
+            # Their clients are gone already; the others must keep being served.
+            logger.exception("aborting requests %s failed", live)
+
+    def _apply_add(self, command: _AddCommand) -> None:
         if not command.accepted.set_running_or_notify_cancel():
             return  # the client stopped waiting (deadline or disconnect) before we got here
         try:

@@ -18,7 +18,7 @@ from kvtier.engine.outputs import CompletionOutput, RequestMetrics, RequestOutpu
 from kvtier.engine.runtime import (build_connectors, derive_runtime, resolve_device,
                                    resolve_dtype, transfer_config)
 from kvtier.engine.stats import EngineStats
-from kvtier.kv import KVCacheManager, Request, RequestStatus, make_block_hasher
+from kvtier.kv import KVCacheManager, Request, RequestStatus
 from kvtier.models.detokenizer import IncrementalDetokenizer
 from kvtier.models.loader import load_model
 from kvtier.sampling_params import SamplingParams
@@ -43,7 +43,8 @@ class Engine:
         self._eos_token_ids = self._find_eos_token_ids()
         self._build_core(loaded.model)
         self._outputs = OutputProcessor()
-        self._block_hasher = make_block_hasher(config.cache.block_size, config.cache.hash_algo)
+        # The manager's hash block size and algorithm, so request hashes match its lookups.
+        self._block_hasher = self.kv_cache_manager.make_block_hasher()
 
     def _build_core(self, model: Any) -> None:
         config, runtime = self.config, self.runtime

@@ -173,6 +173,8 @@ class ZmqEventPublisher(EventPublisher):
         self.config = config
         self.data_parallel_rank = data_parallel_rank
         self.num_dropped = 0
+        # Batches with an event that cannot be encoded (written by the publisher thread only).
+        self.num_encode_errors = 0
         self._queue: queue.Queue[tuple[float, list[Any]]] = queue.Queue(config.max_queue_size)
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -182,6 +184,7 @@ class ZmqEventPublisher(EventPublisher):
         self._thread = threading.Thread(target=self._run, name="kvtier-kv-events", daemon=True)
         self._thread.start()
         if not self._ready.wait(_BIND_DEADLINE_S):
+            self._stop.set()  # the thread gives up once it binds, instead of serving nobody
             raise TimeoutError(f"KV event publisher did not bind {config.endpoint} "
                                f"within {_BIND_DEADLINE_S} s")
         if self._bind_error is not None:
@@ -231,7 +234,13 @@ class ZmqEventPublisher(EventPublisher):
                 ts, events = self._queue.get(timeout=_POLL_INTERVAL_S)
             except queue.Empty:
                 continue
-            payload = encode_batch(ts, events, self.data_parallel_rank)
+            try:
+                payload = encode_batch(ts, events, self.data_parallel_rank)
+            except Exception:
+                # One bad event must not end the thread: every later batch would be lost.
+                logger.exception("dropping a KV event batch that cannot be encoded")
+                self.num_encode_errors += 1
+                continue
             seq = self._seq.to_bytes(8, "big")
             pub.send_multipart([topic, seq, payload])
             self._replay_buffer.append((self._seq, payload))

@@ -57,11 +57,17 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        request_ids = []
-        for prompt, prompt_params in zip(prompts, params):
-            request_id = str(next(self._ids))
-            self.engine.add_request(request_id, _prompt_input(prompt), prompt_params)
-            request_ids.append(request_id)
+        request_ids: list[str] = []
+        try:
+            for prompt, prompt_params in zip(prompts, params):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, _prompt_input(prompt), prompt_params)
+                request_ids.append(request_id)
+        except Exception:
+            # All or nothing: the prompts already queued would otherwise run, unseen, in the
+            # next call.
+            self.engine.abort_request(request_ids)
+            raise
         return self._run(request_ids, use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages],

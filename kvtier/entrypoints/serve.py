@@ -59,7 +59,11 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # Bind the event socket before loading the model: a taken port fails fast.
     publisher = make_event_publisher(events_config)
-    engine = Engine(config)
+    try:
+        engine = Engine(config)
+    except BaseException:
+        publisher.shutdown()  # its thread holds the port until stopped
+        raise
     async_llm = AsyncLLM(engine, publisher)
     model_arg = config.model.model
     names = tuple(args.served_model_name or [model_arg or engine.model_name])

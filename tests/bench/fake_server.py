@@ -30,7 +30,8 @@ PER_REQUEST = {"device_hits": 2.0, "device_queries": 10.0, "host_hits": 3.0,
 
 
 class FakeOpenAIServer:
-    """Records every request body; requests whose index is in `fail_on_request_index` get a 500."""
+    """Records every request body; requests whose index is in `fail_on_request_index` get a 500,
+    those in `error_in_stream_on_request_index` a 200 stream that ends in an error event."""
 
     def __init__(self) -> None:
         self.requests: list[dict] = []
@@ -38,6 +39,7 @@ class FakeOpenAIServer:
         self.metrics_enabled = True
         self.counters = dict(INITIAL_COUNTERS)
         self.fail_on_request_index: set[int] = set()
+        self.error_in_stream_on_request_index: set[int] = set()
         self.app = self._build_app()
         self.base_url = ""
         self._server: uvicorn.Server | None = None
@@ -89,7 +91,8 @@ class FakeOpenAIServer:
             return JSONResponse({"error": "injected failure"}, status_code=500)
         for name, step in PER_REQUEST.items():
             self.counters[name] += step
-        chunks = _sse_chunks(body["max_tokens"], num_prompt_tokens, chat)
+        chunks = _sse_chunks(body["max_tokens"], num_prompt_tokens, chat,
+                             fail_mid_stream=index in self.error_in_stream_on_request_index)
         return StreamingResponse(chunks, media_type="text/event-stream")
 
     def start(self) -> None:
@@ -114,7 +117,8 @@ class FakeOpenAIServer:
             raise TimeoutError("fake OpenAI server did not stop within 10 s")
 
 
-async def _sse_chunks(max_tokens: int, num_prompt_tokens: int, chat: bool):
+async def _sse_chunks(max_tokens: int, num_prompt_tokens: int, chat: bool,
+                      fail_mid_stream: bool = False):
     if chat:
         # vLLM opens a chat stream with an empty, role-only delta; TTFT must not count it.
         yield _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
@@ -125,6 +129,12 @@ async def _sse_chunks(max_tokens: int, num_prompt_tokens: int, chat: bool):
         piece = f" w{i}"
         choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
         yield _event({"choices": [choice]})
+        if fail_mid_stream:
+            # How vLLM and kvtier report a failure once the 200 stream has started.
+            yield _event({"error": {"message": "engine step failed", "type": "internal_error",
+                                    "param": None, "code": "engine_step_failed"}})
+            yield "data: [DONE]\n\n"
+            return
     usage = {"prompt_tokens": num_prompt_tokens, "completion_tokens": max_tokens,
              "total_tokens": num_prompt_tokens + max_tokens}
     yield _event({"choices": [], "usage": usage})

@@ -5,6 +5,8 @@ import asyncio
 import json
 import socket
 
+import pytest
+
 from kvtier.bench import REPORT_FIELDS, MultiTurnConfig, ServerTarget, run_multi_turn
 from kvtier.entrypoints import bench
 
@@ -68,15 +70,21 @@ def test_completions_api_sends_rendered_prompts(fake_server):
     assert second == first + " w0 w1\nUser: field problem\nAssistant:"
 
 
-def test_failed_turn_ends_its_conversation(fake_server):
-    fake_server.fail_on_request_index = {0}
+@pytest.mark.parametrize("failure, error_start", [
+    ("fail_on_request_index", "BenchClientError: HTTP 500"),
+    # Bug fixed in review: an in-band error event was skipped and the turn counted as a success.
+    ("error_in_stream_on_request_index",
+     "BenchClientError: error event in the stream: engine step failed"),
+])
+def test_failed_turn_ends_its_conversation(fake_server, failure, error_start):
+    setattr(fake_server, failure, {0})
     config = MultiTurnConfig(num_conversations=1, num_turns=3, system_prompt_tokens=3,
                              context_tokens=0, user_tokens=2, output_tokens=2)
     target = ServerTarget(url=fake_server.base_url, request_timeout_s=30, run_timeout_s=60)
     report = asyncio.run(run_multi_turn(config, target, show_progress=False))
     assert (report["num_requests"], report["num_failed"]) == (1, 1)
     assert len(fake_server.requests) == 1
-    assert report["errors"][0].startswith("BenchClientError: HTTP 500")
+    assert report["errors"][0].startswith(error_start)
     assert report["output_tokens_per_s"] == 0.0
 
 

@@ -176,3 +176,13 @@ def test_repeated_prompt_reports_cached_tokens_and_reset_clears(llm):
     assert llm.reset_prefix_cache() is True
     third = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0]
     assert third.num_cached_tokens == 0
+
+
+def test_a_refused_prompt_in_a_batch_leaves_no_request_behind(llm):
+    # Bug fixed in review: the prompts added before the bad one stayed queued and ran (unseen)
+    # in the next generate() call.
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": []}], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    outputs = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [6]

@@ -89,3 +89,26 @@ def test_taken_port_fails_at_start():
             ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
     finally:
         first.shutdown()
+
+
+def test_an_unencodable_batch_is_dropped_and_later_ones_still_go_out():
+    # Bug fixed in review: the encoding error killed the publisher thread, so every later
+    # batch was silently lost.
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True,
+                                                 endpoint=endpoint))
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, RECV_DEADLINE_MS)
+    sub.connect(endpoint)
+    try:
+        time.sleep(0.5)  # let the subscription reach the PUB socket
+        publisher.publish([object()])
+        publisher.publish([AllBlocksCleared()])
+        _, seq, payload = sub.recv_multipart()
+        assert int.from_bytes(seq, "big") == 0
+        assert msgpack.unpackb(payload)[1] == [["AllBlocksCleared"]]
+        assert publisher.num_encode_errors == 1
+    finally:
+        sub.close(linger=0)
+        publisher.shutdown()

@@ -8,11 +8,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.engine.outputs import RequestOutput
-from kvtier.entrypoints.openai.connection import (REQUEST_ID_HEADER, base_request_id,
-                                                  cancel_on_disconnect)
+from kvtier.entrypoints.openai.connection import REQUEST_ID_HEADER, base_request_id
 from kvtier.entrypoints.openai.context import ServerContext
-from kvtier.entrypoints.openai.generation import (Outputs, final_outputs, open_generations,
-                                                  output_error, to_api_error)
+from kvtier.entrypoints.openai.generation import (Outputs, engine_options, finals_or_none,
+                                                  open_generations, output_error, to_api_error)
 from kvtier.entrypoints.openai.logprobs import chat_logprobs
 from kvtier.entrypoints.openai.prompts import Prompt, chat_prompt, check_context
 from kvtier.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
@@ -21,7 +20,7 @@ from kvtier.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                 DeltaMessage, UsageInfo)
 from kvtier.entrypoints.openai.sampling import chat_sampling_params
 from kvtier.entrypoints.openai.streaming import (DONE, SSE_HEADERS, DeltaTracker, sse,
-                                                 sse_error, usage_dict)
+                                                 sse_error, usage_info)
 
 router = APIRouter()
 
@@ -35,24 +34,18 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
     check_context(ctx, prompt, params.max_tokens, "messages", max_tokens_param)
-    ctx.metrics.params_n.observe(params.n)
-    if params.max_tokens is not None:
-        ctx.metrics.params_max_tokens.observe(params.max_tokens)
+    ctx.metrics.observe_params(params.n, params.max_tokens)
     response_id = f"chatcmpl-{base_request_id(raw)}"
-    generations = await open_generations(ctx, [prompt], params, [response_id], dict(
-        priority=body.priority, cache_salt=body.cache_salt,
-        kv_transfer_params=body.kv_transfer_params))
+    generations = await open_generations(ctx, [prompt], params, [response_id],
+                                         engine_options(body))
     headers = {REQUEST_ID_HEADER: response_id}
     if body.stream:
         return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id),
                                  media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
-    finals = await cancel_on_disconnect(raw, final_outputs(generations))
+    finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)
-    error = output_error(finals[0])
-    if error is not None:
-        raise error
     response = _response(ctx, body, prompt, finals[0], response_id)
     return JSONResponse(response.model_dump(exclude_none=True), headers=headers)
 
@@ -75,8 +68,7 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
             stop_reason=completion.stop_reason,
             token_ids=completion.token_ids if body.return_token_ids else None))
     num_completion = sum(len(c.token_ids) for c in final.outputs)
-    usage = UsageInfo(**usage_dict(len(prompt.token_ids), num_completion,
-                                   final.num_cached_tokens))
+    usage = usage_info(len(prompt.token_ids), num_completion, final.num_cached_tokens)
     return ChatCompletionResponse(
         id=response_id, model=ctx.model_name, choices=choices, usage=usage,
         prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
@@ -88,6 +80,10 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
     tracker = DeltaTracker()
     num_cached = 0
     options = body.stream_options
+
+    def usage() -> UsageInfo:
+        return usage_info(len(prompt.token_ids), tracker.num_completion_tokens, num_cached)
+
     try:
         async for output in outputs:
             error = output_error(output)
@@ -98,18 +94,14 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
             choices = [choice for completion in output.outputs
                        if (choice := _stream_choice(ctx, body, tracker, completion))]
             if choices:
-                usage = None
-                if options and options.continuous_usage_stats:
-                    usage = UsageInfo(**usage_dict(len(prompt.token_ids),
-                                                   tracker.num_completion_tokens, num_cached))
+                continuous = options is not None and options.continuous_usage_stats
                 yield sse(ChatCompletionChunk(id=response_id, model=ctx.model_name,
-                                              choices=choices, usage=usage))
+                                              choices=choices,
+                                              usage=usage() if continuous else None))
         else:
             if options and options.include_usage:
-                usage = UsageInfo(**usage_dict(len(prompt.token_ids),
-                                               tracker.num_completion_tokens, num_cached))
                 yield sse(ChatCompletionChunk(id=response_id, model=ctx.model_name, choices=[],
-                                              usage=usage))
+                                              usage=usage()))
     except Exception as exc:  # the stream has started: report in-band, then end it
         yield sse_error(to_api_error(exc))
     yield DONE

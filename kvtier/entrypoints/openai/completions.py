@@ -8,12 +8,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from kvtier.engine.outputs import CompletionOutput, RequestOutput
-from kvtier.entrypoints.openai.connection import (REQUEST_ID_HEADER, base_request_id,
-                                                  cancel_on_disconnect)
+from kvtier.entrypoints.openai.connection import REQUEST_ID_HEADER, base_request_id
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError
-from kvtier.entrypoints.openai.generation import (Outputs, final_outputs, merged,
-                                                  open_generations, output_error, to_api_error)
+from kvtier.entrypoints.openai.generation import (Outputs, engine_options, finals_or_none,
+                                                  merged, open_generations, output_error,
+                                                  to_api_error)
 from kvtier.entrypoints.openai.logprobs import completion_logprobs
 from kvtier.entrypoints.openai.prompts import Prompt, check_context, completion_prompts
 from kvtier.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
@@ -21,7 +21,7 @@ from kvtier.entrypoints.openai.protocol import (CompletionChoice, CompletionChun
                                                 UsageInfo)
 from kvtier.entrypoints.openai.sampling import completion_sampling_params
 from kvtier.entrypoints.openai.streaming import (DONE, SSE_HEADERS, DeltaTracker, sse,
-                                                 sse_error, usage_dict)
+                                                 sse_error, usage_info)
 
 router = APIRouter()
 
@@ -38,27 +38,20 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     for i, prompt in enumerate(prompts):
         check_context(ctx, prompt, params.max_tokens,
                       "prompt" if len(prompts) == 1 else f"prompt[{i}]", "max_tokens")
-    ctx.metrics.params_n.observe(params.n)
-    if params.max_tokens is not None:
-        ctx.metrics.params_max_tokens.observe(params.max_tokens)
+    ctx.metrics.observe_params(params.n, params.max_tokens)
     response_id = f"cmpl-{base_request_id(raw)}"
     request_ids = [response_id] if len(prompts) == 1 else \
         [f"{response_id}-{i}" for i in range(len(prompts))]
-    generations = await open_generations(ctx, prompts, params, request_ids, dict(
-        priority=body.priority, cache_salt=body.cache_salt,
-        kv_transfer_params=body.kv_transfer_params))
+    generations = await open_generations(ctx, prompts, params, request_ids,
+                                         engine_options(body))
     headers = {REQUEST_ID_HEADER: response_id}
     if body.stream:
         return StreamingResponse(_stream(ctx, body, prompts, generations, response_id),
                                  media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
-    finals = await cancel_on_disconnect(raw, final_outputs(generations))
+    finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)
-    for final in finals:
-        error = output_error(final)
-        if error is not None:
-            raise error
     response = _response(ctx, body, prompts, finals, response_id)
     return JSONResponse(response.model_dump(exclude_none=True), headers=headers)
 
@@ -90,8 +83,8 @@ def _response(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt]
                 prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
                 token_ids=completion.token_ids if body.return_token_ids else None))
     num_completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
-    usage = UsageInfo(**usage_dict(sum(len(p.token_ids) for p in prompts), num_completion,
-                                   sum(f.num_cached_tokens for f in finals)))
+    usage = usage_info(sum(len(p.token_ids) for p in prompts), num_completion,
+                       sum(f.num_cached_tokens for f in finals))
     return CompletionResponse(id=response_id, model=ctx.model_name, choices=choices,
                               usage=usage, kv_transfer_params=finals[0].kv_transfer_params)
 
@@ -101,6 +94,12 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Pro
     trackers = [DeltaTracker() for _ in prompts]
     num_cached = [0] * len(prompts)
     num_prompt = sum(len(p.token_ids) for p in prompts)
+    options = body.stream_options
+
+    def usage() -> UsageInfo:
+        return usage_info(num_prompt, sum(t.num_completion_tokens for t in trackers),
+                          sum(num_cached))
+
     try:
         async for prompt_index, output in merged(generations):
             error = output_error(output)
@@ -111,20 +110,14 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Pro
             choices = _chunk_choices(ctx, body, prompts[prompt_index], prompt_index,
                                      trackers[prompt_index], output)
             if choices:
-                usage = None
-                if body.stream_options and body.stream_options.continuous_usage_stats:
-                    usage = UsageInfo(**usage_dict(
-                        num_prompt, sum(t.num_completion_tokens for t in trackers),
-                        sum(num_cached)))
+                continuous = options is not None and options.continuous_usage_stats
                 yield sse(CompletionChunk(id=response_id, model=ctx.model_name,
-                                          choices=choices, usage=usage))
+                                          choices=choices,
+                                          usage=usage() if continuous else None))
         else:
-            if body.stream_options and body.stream_options.include_usage:
-                usage = UsageInfo(**usage_dict(
-                    num_prompt, sum(t.num_completion_tokens for t in trackers),
-                    sum(num_cached)))
+            if options and options.include_usage:
                 yield sse(CompletionChunk(id=response_id, model=ctx.model_name, choices=[],
-                                          usage=usage))
+                                          usage=usage()))
     except Exception as exc:  # the stream has started: report in-band, then end it
         yield sse_error(to_api_error(exc))
     yield DONE

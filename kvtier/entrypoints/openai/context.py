@@ -27,6 +27,11 @@ class ServerMetrics:
             "vllm:request_params_max_tokens", "The max_tokens request parameter.",
             buckets=_MAX_TOKENS_BUCKETS)
 
+    def observe_params(self, n: int, max_tokens: int | None) -> None:
+        self.params_n.observe(n)
+        if max_tokens is not None:
+            self.params_max_tokens.observe(max_tokens)
+
 
 @dataclass
 class ServerContext:

@@ -10,12 +10,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any, AsyncIterator
 
+from fastapi import Request
+
 from kvtier.engine.async_llm import EngineDeadError, EngineShuttingDownError, EngineStepError
+from kvtier.engine.errors import EngineQueueFullError
 from kvtier.engine.outputs import RequestOutput
+from kvtier.entrypoints.openai.connection import cancel_on_disconnect
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import (APIError, BadRequestError, InternalServerError,
                                               ServiceUnavailableError)
 from kvtier.entrypoints.openai.prompts import Prompt
+from kvtier.entrypoints.openai.protocol import SamplingFields
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.errors import SchedulerQueueFullError
 
@@ -26,7 +31,7 @@ def to_api_error(exc: BaseException) -> APIError:
     """The client-facing form of whatever adding or running a request raised."""
     if isinstance(exc, APIError):
         return exc
-    if isinstance(exc, SchedulerQueueFullError) or type(exc).__name__ == "EngineQueueFullError":
+    if isinstance(exc, (SchedulerQueueFullError, EngineQueueFullError)):
         return ServiceUnavailableError(f"the server is at capacity ({exc}); retry later",
                                        code="queue_full")
     if isinstance(exc, EngineShuttingDownError):
@@ -49,6 +54,12 @@ def output_error(output: RequestOutput) -> APIError | None:
         return None
     return InternalServerError(f"request failed in the engine: {output.error}",
                                code="request_failed")
+
+
+def engine_options(body: SamplingFields) -> dict[str, Any]:
+    """The request fields that go to the engine beside the prompt and SamplingParams."""
+    return {"priority": body.priority, "cache_salt": body.cache_salt,
+            "kv_transfer_params": body.kv_transfer_params}
 
 
 async def open_generations(ctx: ServerContext, prompts: list[Prompt], params: SamplingParams,
@@ -85,6 +96,17 @@ async def _prepend(first: RequestOutput, rest: Outputs) -> Outputs:
                 yield output
     finally:
         await rest.aclose()
+
+
+async def finals_or_none(raw: Request, generations: list[Outputs]) -> list[RequestOutput] | None:
+    """Each generation's finished output; None if the client left first (its requests are
+    aborted). Raises the first error the engine finished a request with."""
+    finals = await cancel_on_disconnect(raw, final_outputs(generations))
+    for final in finals or ():
+        error = output_error(final)
+        if error is not None:
+            raise error
+    return finals
 
 
 async def final_outputs(generations: list[Outputs]) -> list[RequestOutput]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel
 
 from kvtier.engine.outputs import CompletionOutput
 from kvtier.entrypoints.openai.errors import APIError
-from kvtier.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from kvtier.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
+                                                UsageInfo)
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -70,7 +70,7 @@ class DeltaTracker:
         return sum(num_tokens for _, num_tokens, _ in self._sent.values())
 
 
-def usage_dict(num_prompt: int, num_completion: int, num_cached: int) -> dict[str, Any]:
-    return {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": num_cached}}
+def usage_info(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
+                     total_tokens=num_prompt + num_completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))

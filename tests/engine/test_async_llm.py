@@ -1,0 +1,137 @@
+"""AsyncLLM's engine thread against the real engine on a tiny random Llama: the add / abort
+handshake with clients that stop waiting, and a loop that survives a failing abort."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from kvtier import LLM, SamplingParams
+from kvtier.engine.async_llm import AsyncLLM
+
+from ..tiny_models import make_hf_model
+
+PROMPT = [11, 12, 13, 14, 15, 16, 17, 18, 19]
+SHORT = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+# Long enough to be still running while the test does something else (a few ms each).
+MEDIUM = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+DEADLINE_S = 30.0
+
+
+class _SlowAdd:
+    """The real engine, whose add_request first waits for `release` (the client has given up
+    by then)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def add_request(self, *args, **kwargs) -> None:
+        assert self.release.wait(DEADLINE_S)
+        self._engine.add_request(*args, **kwargs)
+
+
+class _AbortFailsOnce:
+    """The real engine, whose first abort_request raises (e.g. a connector hook failing)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.num_failed = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def abort_request(self, request_ids) -> None:
+        if self.num_failed == 0:
+            self.num_failed += 1
+            raise RuntimeError("abort hook failed")
+        self._engine.abort_request(request_ids)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("llama")
+    make_hf_model("llama", directory)
+    return str(directory)
+
+
+@pytest.fixture
+def engine(model_dir):
+    llm = LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=128)
+    yield llm.engine
+    llm.engine.check_invariants()
+
+
+async def _last(async_llm: AsyncLLM, prompt, params, request_id):
+    final = None
+    async for final in async_llm.generate(prompt, params, request_id):
+        pass
+    return final
+
+
+def test_a_request_accepted_after_the_client_gave_up_is_aborted(engine):
+    # Bug fixed in review: the add raced the submit deadline and the request ran to the end
+    # with nobody reading it.
+    slow = _SlowAdd(engine)
+    async_llm = AsyncLLM(slow, submit_timeout_s=0.05)
+
+    async def scenario():
+        with pytest.raises(asyncio.TimeoutError):
+            await async_llm.generate(PROMPT, LONG, "gave-up").__anext__()
+        slow.release.set()
+        return await asyncio.wait_for(_last(async_llm, PROMPT, SHORT, "next"), DEADLINE_S)
+
+    try:
+        final = asyncio.run(scenario())
+        assert len(final.outputs[0].token_ids) == 2
+        assert not engine._outputs.has("gave-up")
+        assert async_llm.num_in_flight == 0
+    finally:
+        async_llm.shutdown(drain_timeout_s=0.0)
+
+
+def test_a_refused_duplicate_id_does_not_abort_the_live_request(engine):
+    async_llm = AsyncLLM(engine)
+
+    async def scenario():
+        live = async_llm.generate(PROMPT, MEDIUM, "same")
+        first = await live.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            await async_llm.generate(PROMPT, SHORT, "same").__anext__()
+        rest = [output async for output in live]
+        return [first, *rest]
+
+    try:
+        outputs = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+        assert outputs[-1].finished
+        assert len(outputs[-1].outputs[0].token_ids) == 60
+    finally:
+        async_llm.shutdown(drain_timeout_s=0.0)
+
+
+def test_a_failing_abort_does_not_stop_the_engine_loop(engine):
+    # Bug fixed in review: the exception killed the engine thread and every other client
+    # waited out output_timeout_s.
+    flaky = _AbortFailsOnce(engine)
+    async_llm = AsyncLLM(flaky, output_timeout_s=DEADLINE_S)
+
+    async def scenario():
+        kept = asyncio.ensure_future(_last(async_llm, PROMPT, MEDIUM, "kept"))
+        dropped = async_llm.generate(PROMPT, LONG, "dropped")
+        await dropped.__anext__()
+        await dropped.aclose()
+        return await kept
+
+    try:
+        final = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+        assert flaky.num_failed == 1
+        assert len(final.outputs[0].token_ids) == 60
+        assert async_llm.is_running
+    finally:
+        async_llm.shutdown(drain_timeout_s=0.0)
