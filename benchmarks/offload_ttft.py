@@ -7,12 +7,17 @@ For each prompt length, one fresh prompt is served four ways:
   disk       in a second engine on the same disk directory (cold device and host): from disk
 TTFT is arrival -> first token of a max_tokens=1 request. Each hit is checked in the metrics.
 
-Throughput of the tiers is printed next to this machine's raw memcpy and raw file write/read
-bandwidth, measured in the same run: "component" is wall-clock throughput of the real copy
-handler and fs tier on this model's chunks with nothing else running; "in-engine" is bytes over
-summed per-batch copy time from the kvtier:offload_* metrics during the TTFT runs.
+Throughput of the tiers is printed next to this machine's raw figures, measured in the same run
+on the same bytes with the same number of threads: "component" is wall-clock throughput of the
+real copy handler and fs tier on this model's chunks with nothing else running (the engine
+idle); "in-engine" is bytes over busy seconds (wall-clock time with at least one transfer
+running) from the kvtier:offload_* metrics during the TTFT runs, where copies share the CPU with
+the forward passes. Raw device<->host is one contiguous torch copy (torch limited to one thread
+on a CPU "device", as the copy thread is one thread) and one-thread memcpy; raw file write/read
+moves the same number of files of the chunk file size with the fs tier's pool sizes (temp file +
+rename, no fsync, like the tier), and one file of all the bytes for reference.
 
-    python benchmarks/offload_ttft.py                     # SmolLM2-135M, 1k / 4k / 8k tokens
+    python benchmarks/offload_ttft.py                     # SmolLM2-135M, 1k / 4k / 8k (8191)
     python benchmarks/offload_ttft.py --lengths 1024 --json
 Targets (issue 5): at 4k tokens disk-hit TTFT <= 1/4 of recompute, host-hit <= 1/8; tier
 throughput >= 70% of the raw figures.
@@ -24,8 +29,11 @@ import argparse
 import json
 import os
 import random
+import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -49,7 +57,7 @@ def main() -> None:
     offload = f"host={args.host},disk={disk_dir}:{args.disk}"
     engine_args = dict(dtype=args.dtype, device=args.device, kv_offload=offload,
                        kv_cache_memory_bytes=args.device_kv, max_num_batched_tokens=args.chunk,
-                       max_model_len=max(args.lengths) + 16)
+                       max_model_len=max(args.lengths) + 1)
     rng = random.Random(args.seed)
     results = {"ttft_s": {}, "checks": {}}
     llm = LLM(args.model, **engine_args)
@@ -58,8 +66,11 @@ def main() -> None:
     _warm_up(llm, rng, vocab)
     for n, prompt in prompts.items():
         results["ttft_s"][n], results["checks"][n] = _first_engine(llm, prompt)
+    _wait_idle(llm)  # the cascade to disk must not share the disk with the measurement
     results["tier_throughput_bytes_per_s"] = _tier_throughput(llm.get_metrics())
-    results["component_bytes_per_s"] = _component_throughput(llm, disk_dir)
+    results["component_bytes_per_s"], shape = _component_throughput(llm, disk_dir)
+    # Right after the components, on the same bytes, so that both see the same machine load.
+    results["raw_bytes_per_s"] = _raw_bandwidth(disk_dir, args.device, shape)
     llm.engine.shutdown()  # drains the cascade to disk
     second = LLM(args.model, **engine_args)
     _warm_up(second, rng, vocab)
@@ -70,7 +81,6 @@ def main() -> None:
     disk_rates = _tier_throughput(second.get_metrics())
     results["tier_throughput_bytes_per_s"]["fs_to_host"] = disk_rates["fs_to_host"]
     second.engine.shutdown()
-    results["raw_bytes_per_s"] = _raw_bandwidth(disk_dir, args.device)
     _report(results, args.json)
 
 
@@ -111,36 +121,49 @@ def _tier_throughput(metrics: dict[str, float]) -> dict[str, float | None]:
     rates: dict[str, float | None] = {}
     for direction in _DIRECTIONS:
         num_bytes = metrics.get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
-        seconds = metrics.get(f'kvtier:offload_transfer_seconds_sum{{direction="{direction}"}}',
+        seconds = metrics.get(f'kvtier:offload_busy_seconds_total{{direction="{direction}"}}',
                               0.0)
         rates[direction] = num_bytes / seconds if seconds > 0 else None
     return rates
 
 
-def _component_throughput(llm: LLM, directory: str) -> dict[str, float]:
-    """Wall-clock throughput of the real copy and fs components on this model's chunks, with
-    nothing else running (the in-engine metrics sum per-job times of concurrent jobs)."""
+@dataclass(frozen=True)
+class _Shape:
+    """What the component measurement moved, for raw figures on the same workload."""
+
+    num_bytes: int
+    file_bytes: int
+    num_read_threads: int
+    num_write_threads: int
+
+
+def _component_throughput(llm: LLM, directory: str) -> tuple[dict[str, float], _Shape]:
+    """Wall-clock throughput of the real copy and fs components on this model's chunks (the
+    engine's chunk layout), with nothing else running."""
     layout = llm.engine.scheduler.connector.layouts[0]
     caches = list(llm.engine.runner.kv_caches)
-    num_chunks = min(256, caches[0].shape[1] - 1, _RAW_BYTES // layout.block_bytes)
-    single = ChunkLayout(layout.page_bytes, layout.num_layers, 1)
-    area = HostArea(num_chunks * single.chunk_bytes, single.chunk_bytes)
-    copier = ChunkCopier(area.buffer, area.slot_bytes, [caches], [single])
-    transfers = [ChunkTransfer(i, "bench", 0, i, (0,), (i + 1,)) for i in range(num_chunks)]
-    num_bytes = num_chunks * single.chunk_bytes
-    # Best of three: the first pass also faults the fresh host pages in.
-    rates = {"device_to_host": num_bytes / min(
-                 _seconds(lambda: copier.device_to_host(transfers)) for _ in range(3)),
-             "host_to_device": num_bytes / min(
-                 _seconds(lambda: copier.host_to_device(transfers)) for _ in range(3))}
-    tier = FsTier(FsTierOptions(root_dir=os.path.join(directory, "component")),
-                  TierContext("fs", b"component-bench"))
+    per_chunk = layout.blocks_per_chunk
+    num_chunks = min(256, (caches[0].shape[1] - 1) // per_chunk, _RAW_BYTES // layout.chunk_bytes)
+    area = HostArea(num_chunks * layout.chunk_bytes, layout.chunk_bytes)
+    copier = ChunkCopier(area.buffer, area.slot_bytes, [caches], [layout])
+    # Blocks in pool order (1, 2, ...), as a fresh engine's block pool hands them out.
+    transfers = [ChunkTransfer(i, "bench", 0, i, tuple(range(per_chunk)),
+                               tuple(range(1 + i * per_chunk, 1 + (i + 1) * per_chunk)))
+                 for i in range(num_chunks)]
+    num_bytes = num_chunks * layout.chunk_bytes
+    # Best of five, like the raw copies: the first pass also faults the fresh host pages in.
+    rates = {"device_to_host": _bytes_per_s(lambda: copier.device_to_host(transfers), num_bytes),
+             "host_to_device": _bytes_per_s(lambda: copier.host_to_device(transfers), num_bytes)}
+    options = FsTierOptions(root_dir=os.path.join(directory, "component"))
+    tier = FsTier(options, TierContext("fs", b"component-bench"))
     keys = [make_chunk_key(b"component-bench", 0, i.to_bytes(32, "big"))
             for i in range(num_chunks)]
     for direction, submit in (("host_to_fs", tier.submit_store), ("fs_to_host", tier.submit_load)):
         rates[direction] = num_bytes / _seconds(lambda: _run_jobs(tier, submit, keys, area))
     tier.shutdown()
-    return rates
+    shutil.rmtree(os.path.join(directory, "component"))
+    return rates, _Shape(num_bytes, layout.chunk_bytes, options.num_read_threads,
+                         options.num_write_threads)
 
 
 def _run_jobs(tier: FsTier, submit, keys: list, area: HostArea) -> None:
@@ -162,20 +185,41 @@ def _seconds(action) -> float:
     return time.perf_counter() - start
 
 
-def _raw_bandwidth(directory: str, device: str | None) -> dict[str, float]:
-    host = np.ones(_RAW_BYTES, dtype=np.uint8)
+def _raw_bandwidth(directory: str, device: str | None, shape: _Shape) -> dict[str, float]:
+    host = np.ones(shape.num_bytes, dtype=np.uint8)
     copy = np.empty_like(host)
-    raw = {"memcpy": _bytes_per_s(lambda: np.copyto(copy, host))}
+    raw = {"memcpy": _bytes_per_s(lambda: np.copyto(copy, host), shape.num_bytes)}
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_device = torch.ones(_RAW_BYTES, dtype=torch.uint8, device=dev)
+    on_device = torch.ones(shape.num_bytes, dtype=torch.uint8, device=dev)
     host_tensor = torch.from_numpy(copy)
-    raw["device_to_host"] = _bytes_per_s(lambda: _sync(host_tensor.copy_(on_device), dev))
-    raw["host_to_device"] = _bytes_per_s(lambda: _sync(on_device.copy_(host_tensor), dev))
+    threads = torch.get_num_threads()
+    if dev.type == "cpu":
+        torch.set_num_threads(1)  # the tier's copies run on one thread
+    raw["device_to_host"] = _bytes_per_s(lambda: _sync(host_tensor.copy_(on_device), dev),
+                                         shape.num_bytes)
+    raw["host_to_device"] = _bytes_per_s(lambda: _sync(on_device.copy_(host_tensor), dev),
+                                         shape.num_bytes)
+    torch.set_num_threads(threads)
+    files = os.path.join(directory, "raw-files")
+    os.makedirs(files)
+    paths = [os.path.join(files, f"{i}.bin") for i in range(shape.num_bytes // shape.file_bytes)]
+    pieces = [memoryview(host)[i * shape.file_bytes:(i + 1) * shape.file_bytes]
+              for i in range(len(paths))]
+    raw["file_write"] = _bytes_per_s(lambda: _on_threads(
+        _write_file, paths, pieces, shape.num_write_threads), shape.num_bytes)
+    raw["file_read"] = _bytes_per_s(lambda: _on_threads(
+        _read_file, paths, pieces, shape.num_read_threads), shape.num_bytes)
+    shutil.rmtree(files)
     path = os.path.join(directory, "raw-bandwidth.bin")
-    raw["file_write"] = _bytes_per_s(lambda: _write_file(path, host))
-    raw["file_read"] = _bytes_per_s(lambda: _read_file(path, copy))
+    raw["one_file_write"] = _bytes_per_s(lambda: _write_file(path, host), shape.num_bytes)
+    raw["one_file_read"] = _bytes_per_s(lambda: _read_file(path, copy), shape.num_bytes)
     os.unlink(path)
     return raw
+
+
+def _on_threads(action, paths: list[str], pieces: list[memoryview], num_threads: int) -> None:
+    with ThreadPoolExecutor(num_threads) as pool:
+        list(pool.map(action, paths, pieces))
 
 
 def _sync(_: object, device: torch.device) -> None:
@@ -183,25 +227,25 @@ def _sync(_: object, device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _write_file(path: str, data: np.ndarray) -> None:
+def _write_file(path: str, data: np.ndarray | memoryview) -> None:
     # Temp file + rename, no fsync: what the fs tier does per chunk.
     with open(path + ".tmp", "wb") as f:
         f.write(memoryview(data))
     os.replace(path + ".tmp", path)
 
 
-def _read_file(path: str, out: np.ndarray) -> None:
+def _read_file(path: str, out: np.ndarray | memoryview) -> None:
     with open(path, "rb") as f:
         f.readinto(memoryview(out))
 
 
-def _bytes_per_s(action, repeats: int = 3) -> float:
+def _bytes_per_s(action, num_bytes: int, repeats: int = 5) -> float:
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         action()
         best = min(best, time.perf_counter() - start)
-    return _RAW_BYTES / best
+    return num_bytes / best
 
 
 def _report(results: dict, as_json: bool) -> None:
@@ -224,16 +268,21 @@ def _report(results: dict, as_json: bool) -> None:
         rate = results["tier_throughput_bytes_per_s"][tier_direction]
         in_engine = "n/a" if rate is None else f"{rate / gib:.2f}"
         component = results["component_bytes_per_s"][tier_direction] / gib
+        memcpy = (f", {100 * component * gib / raw['memcpy']:.0f}% of memcpy"
+                  if raw_name.startswith(("device", "host")) else "")
         print(f"{tier_direction:>15}: {component:>10.2f} {in_engine:>10} "
               f"{raw[raw_name] / gib:>10.2f}  ({raw_name}, "
-              f"{100 * component * gib / raw[raw_name]:.0f}% of raw)")
-    print(f"{'raw memcpy':>15}: {raw['memcpy'] / gib:.2f} GiB/s")
+              f"{100 * component * gib / raw[raw_name]:.0f}% of raw{memcpy})")
+    print(f"{'raw memcpy':>15}: {raw['memcpy'] / gib:.2f} GiB/s (one thread, same bytes); one "
+          f"file of the same bytes: write {raw['one_file_write'] / gib:.2f}, read "
+          f"{raw['one_file_read'] / gib:.2f} GiB/s")
 
 
 def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="model path (default: SmolLM2-135M GGUF)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8192])
+    # 8191: SmolLM2's 8192 positions hold the prompt and the one generated token.
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 8191])
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--device", default=None)
     parser.add_argument("--host", default="2GiB", help="host tier budget")

@@ -28,7 +28,8 @@ from kvtier.offload.host_cache import HostCache
 from kvtier.offload.keys import ChunkKey
 from kvtier.offload.metrics import OffloadMetrics
 from kvtier.offload.policies import make_policy
-from kvtier.offload.tiers.base import LookupResult, SecondaryTier, TierContext, TransferJob
+from kvtier.offload.tiers.base import (JobResult, LookupResult, SecondaryTier, TierContext,
+                                       TransferJob)
 from kvtier.offload.tiers.registry import create_tier
 
 
@@ -189,12 +190,12 @@ class TieringManager:
                 if job is None:
                     self.metrics.error(self.tier_names[index])  # a job we never gave it
                 else:
-                    self._finish(job, result.ok, result.seconds)
+                    self._finish(job, result)
         self._expire_late_jobs()
         self.metrics.set_fill_ratio(self.host.fill_ratio)
 
-    def _finish(self, job: _TierJob, ok: bool, seconds: float | None) -> None:
-        name = self.tier_names[job.tier]
+    def _finish(self, job: _TierJob, result: JobResult) -> None:
+        name, ok = self.tier_names[job.tier], result.ok
         if not ok and not job.expired:
             self.metrics.error(name)
         ok = ok and not job.expired
@@ -211,9 +212,9 @@ class TieringManager:
             source, destination = (name, HOST) if job.kind == "promote" else (HOST, name)
             self._events.append(TierMoveEvent(job.key, source, destination,
                                               self.tiers[job.tier].locality))
-            if seconds is None:
-                seconds = self._clock() - job.started
-            self.metrics.transfer(f"{source}_to_{destination}", job.num_bytes, seconds)
+            ended = self._clock() if result.ended is None else result.ended
+            seconds = ended - job.started if result.seconds is None else result.seconds
+            self.metrics.transfer(f"{source}_to_{destination}", job.num_bytes, seconds, ended)
 
     def _expire_late_jobs(self) -> None:
         # A late job keeps its slot pinned until the tier reports it: the tier may still be

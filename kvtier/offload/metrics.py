@@ -6,8 +6,11 @@ registry (kvtier.engine.metrics.MetricsRegistry) puts the same numbers on /metri
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from typing import Any
+
+from kvtier.offload.busy_time import BusyTime
 
 # Latency buckets for a chunk move: sub-millisecond memcpy up to a slow network disk.
 _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0)
@@ -16,6 +19,7 @@ _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0
 class OffloadMetrics:
     def __init__(self, registry: Any = None) -> None:
         self.values: dict[str, float] = defaultdict(float)
+        self._busy_time: dict[str, BusyTime] = defaultdict(BusyTime)
         self._registry = registry
         if registry is None:
             return
@@ -23,12 +27,17 @@ class OffloadMetrics:
                                     "Share of host-tier chunk slots in use")
         self._bytes = registry.counter("kvtier:offload_bytes",
                                        "Bytes moved between tiers", ["direction"])
-        self._throughput = registry.gauge("kvtier:offload_throughput_bytes_per_second",
-                                          "Throughput of the last batch of transfers",
-                                          ["direction"])
-        self._transfer = registry.histogram("kvtier:offload_transfer_seconds",
-                                            "Time of one batch of chunk transfers",
-                                            ["direction"], _LATENCY_BUCKETS)
+        self._throughput = registry.gauge(
+            "kvtier:offload_throughput_bytes_per_second",
+            "Bytes moved per second of busy time (kvtier:offload_busy_seconds)", ["direction"])
+        self._busy = registry.counter(
+            "kvtier:offload_busy_seconds",
+            "Wall-clock seconds with at least one transfer running (overlapping transfers "
+            "count once; divide bytes by this, not by the transfer_seconds sum)", ["direction"])
+        self._transfer = registry.histogram(
+            "kvtier:offload_transfer_seconds",
+            "Duration of one transfer (a worker copy batch or one tier job); transfers "
+            "overlap, so the sum is not busy time", ["direction"], _LATENCY_BUCKETS)
         self._lookup = registry.histogram("kvtier:offload_tier_lookup_seconds",
                                           "Time of one tier lookup", ["tier"], _LATENCY_BUCKETS)
         self._hits = registry.counter("kvtier:offload_tier_hits", "Chunk lookups that hit",
@@ -59,16 +68,23 @@ class OffloadMetrics:
         if self._registry is not None:
             self._errors.labels(tier=tier).inc()
 
-    def transfer(self, direction: str, num_bytes: int, seconds: float) -> None:
-        """One batch moved `num_bytes` in `direction` (e.g. "device_to_host", "fs_to_host")."""
-        key = f'kvtier:offload_bytes_total{{direction="{direction}"}}'
-        self.values[key] += num_bytes
+    def transfer(self, direction: str, num_bytes: int, seconds: float,
+                 ended: float | None = None) -> None:
+        """A transfer moved `num_bytes` in `direction` (e.g. "device_to_host", "fs_to_host") in
+        `seconds` that ended at `ended` (time.monotonic(); default: now)."""
+        ended = time.monotonic() if ended is None else ended
+        busy = self._busy_time[direction]
+        added = busy.add(ended - seconds, ended)
+        self.values[f'kvtier:offload_bytes_total{{direction="{direction}"}}'] += num_bytes
+        self.values[f'kvtier:offload_busy_seconds_total{{direction="{direction}"}}'] = busy.seconds
         if self._registry is None:
             return
         self._bytes.labels(direction=direction).inc(num_bytes)
+        self._busy.labels(direction=direction).inc(added)
         self._transfer.labels(direction=direction).observe(seconds)
-        if seconds > 0:
-            self._throughput.labels(direction=direction).set(num_bytes / seconds)
+        if busy.seconds > 0:
+            total = self.values[f'kvtier:offload_bytes_total{{direction="{direction}"}}']
+            self._throughput.labels(direction=direction).set(total / busy.seconds)
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.values)

@@ -95,7 +95,7 @@ def test_host_hit_loads_by_block_id(make_connector):
     # The worker's part: report the copies done.
     connector.session.completions.put(BatchDone("device_to_host",
                                                 tuple(t.job_id for t in metadata.stores),
-                                                True, 7 * CHUNK_BYTES, 0.001))
+                                                True, 7 * CHUNK_BYTES, 0.001, 5.0))
     _empty_step(connector)
     second = _request("r2")
     # 30 tokens: 7 blocks can be loaded, the last token is recomputed.

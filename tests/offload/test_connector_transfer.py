@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from kvtier.connector.offloading import transfer as transfer_module
 from kvtier.connector.offloading.metadata import ChunkTransfer
 from kvtier.connector.offloading.transfer import ChunkCopier
 from kvtier.offload.host_area import HostArea
@@ -90,3 +91,41 @@ def test_cuda_copies_match_the_cpu_layout():
     assert np.array_equal(cpu_area.buffer, gpu_area.buffer)
     gpu_copier.host_to_device([_transfer(1, [1], [5])])
     assert torch.equal(gpu_caches[0][:, 5].cpu(), cpu_caches[0][:, 2])
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_runs_across_slots_and_broken_runs_copy_each_block_once(use_numpy):
+    caches, layout, area, copier = _setup(use_numpy=use_numpy)
+    before = [cache.clone() for cache in caches]
+    # Blocks 1..4 on consecutive host pages of slots 0 and 1 (one run), then 5 out of order.
+    transfers = [_transfer(0, [0, 1], [1, 2]), _transfer(1, [0, 1], [3, 4]),
+                 _transfer(2, [1], [5])]
+    assert copier.device_to_host(transfers) == 5 * layout.block_bytes
+    for slot, offset, block_id in [(0, 0, 1), (0, 1, 2), (1, 0, 3), (1, 1, 4), (2, 1, 5)]:
+        for layer in range(LAYERS):
+            start = slot * area.slot_bytes + layout.page_offset(offset, layer)
+            page = area.buffer[start:start + layout.page_bytes].view(np.float32)
+            assert np.array_equal(page, before[layer][:, block_id].numpy().reshape(-1))
+    # Back in reverse: host pages of blocks 1..4 land on device blocks 4, 3, 2, 1.
+    copier.host_to_device([_transfer(0, [0, 1], [4, 3]), _transfer(1, [0, 1], [2, 1])])
+    for layer in range(LAYERS):
+        for source, target in [(1, 4), (2, 3), (3, 2), (4, 1)]:
+            assert torch.equal(caches[layer][:, target], before[layer][:, source])
+
+
+def test_torch_path_splits_large_gathers_into_bounded_batches(monkeypatch):
+    torch.manual_seed(5)
+    caches, layout, area, reference = _setup(torch.bfloat16, use_numpy=True)
+    split_area = HostArea(3 * layout.chunk_bytes, layout.chunk_bytes)
+    split = ChunkCopier(split_area.buffer, split_area.slot_bytes, [caches], [layout],
+                        use_numpy=False)
+    monkeypatch.setattr(transfer_module, "_GATHER_BYTES", layout.block_bytes)  # one block each
+    transfers = [_transfer(0, [0, 1], [1, 2]), _transfer(1, [0, 1], [3, 4])]
+    reference.device_to_host(transfers)
+    split.device_to_host(transfers)
+    assert np.array_equal(area.buffer, split_area.buffer)
+    before = [cache.clone() for cache in caches]
+    split.host_to_device([_transfer(0, [0, 1], [5, 3])])
+    for layer in range(LAYERS):
+        assert torch.equal(caches[layer][:, 5], before[layer][:, 1])
+        assert torch.equal(caches[layer][:, 3], before[layer][:, 2])

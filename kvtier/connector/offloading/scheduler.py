@@ -240,7 +240,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         while not completions.empty():
             done = completions.get_nowait()
             if done.ok:
-                self.manager.metrics.transfer(done.direction, done.num_bytes, done.seconds)
+                self.manager.metrics.transfer(done.direction, done.num_bytes, done.seconds,
+                                              done.ended)
             else:
                 self.manager.metrics.error("host")
             for job_id in done.job_ids:

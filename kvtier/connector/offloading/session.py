@@ -29,6 +29,8 @@ class BatchDone:
     ok: bool
     num_bytes: int
     seconds: float
+    # time.monotonic() when the batch ended (busy-time metrics)
+    ended: float
 
 
 @dataclass

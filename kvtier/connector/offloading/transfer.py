@@ -4,18 +4,22 @@ Paged cache, per layer: (2, num_blocks, block_size, num_kv_heads, head_dim), K a
 Host slot (standard layout, kvtier.offload.layout): (blocks_per_chunk, num_layers, page) with
 page = K then V of one block, each (block_size, num_kv_heads, head_dim) contiguous.
 
-A step's transfers of one group are copied together, one gather and one scatter per layer
-whatever the number of chunks: per-chunk copies of 10 KiB pages would be all call overhead.
-Two paths do the same copies: the torch path serves any device (on CUDA on a side stream that
-first waits for the compute stream; the copy thread then waits for that stream), and on CPU a
-numpy path does them as byte-row gathers, which run at memcpy speed where torch's CPU index
-kernels copy element by element (~10x slower). Tests check the two agree byte for byte.
+Every byte is copied once, straight between the cache and the host area: no staging buffer.
+A step's blocks are first cut into runs (consecutive device block ids landing on consecutive
+host pages, common since the block pool hands out blocks in order), and each run is one strided
+copy per layer whatever its length. On CPU the copies are numpy assignments between views whose
+elements are whole K or V halves of a page (a void dtype), so each element is one memcpy and the
+GIL is released while it runs; torch's CPU copies of such views cost more per call. The torch
+path serves any device: it gathers the blocks on the device into the host's block-major order
+(on CUDA on a side stream that first waits for the compute stream; the copy thread then waits
+for that stream), then moves each run with one copy into its contiguous host range. Tests check
+the two paths agree byte for byte.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -23,23 +27,33 @@ import torch
 from kvtier.connector.offloading.metadata import ChunkTransfer
 from kvtier.offload.layout import ChunkLayout
 
+# Most bytes one device-side gather of the torch path holds at once (bounds its device memory).
+_GATHER_BYTES = 64 * 2**20
+
+
+class _Run(NamedTuple):
+    """Blocks `first_block ..` of the device cache <-> consecutive host pages from a byte offset."""
+
+    host_offset: int
+    first_block: int
+    num_blocks: int
+
 
 class ChunkCopier:
     def __init__(self, host_area: np.ndarray, slot_bytes: int,
                  group_caches: Sequence[Sequence[torch.Tensor]],
                  layouts: Sequence[ChunkLayout], use_numpy: bool | None = None) -> None:
         """`use_numpy`: None picks the numpy path for CPU caches (False forces torch's)."""
+        self.host_area = host_area
+        self.host_bytes = torch.from_numpy(host_area)
+        self.slot_bytes = slot_bytes
         self.group_caches = group_caches
         self.layouts = layouts
-        host_bytes = torch.from_numpy(host_area)
-        self.slots = [_slots_view(host_bytes, slot_bytes, layout, caches[0])
-                      for layout, caches in zip(layouts, group_caches)]
         device = group_caches[0][0].device
         self.use_numpy = device.type == "cpu" if use_numpy is None else use_numpy
         if self.use_numpy:
-            self.slot_rows = [_slot_rows(host_area, slot_bytes, layout) for layout in layouts]
-            self.cache_rows = [[_cache_rows(cache) for cache in caches]
-                               for caches in group_caches]
+            self.cache_halves = [[_cache_halves(cache) for cache in caches]
+                                 for caches in group_caches]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def record_compute(self) -> torch.cuda.Event | None:
@@ -54,59 +68,104 @@ class ChunkCopier:
         """Copy the transfers' device blocks into their host slots; returns bytes copied."""
         num_bytes = 0
         with self._on_copy_stream(after):
-            for group_id, (slots, offsets, ids) in _by_group(transfers).items():
+            for group_id, runs in self._runs_by_group(transfers).items():
                 if self.use_numpy:
-                    self._store_numpy(group_id, slots.numpy(), offsets.numpy(), ids.numpy())
+                    self._store_numpy(group_id, runs)
                 else:
-                    self._store_torch(group_id, slots, offsets, ids)
-                num_bytes += len(ids) * self.layouts[group_id].block_bytes
+                    for batch in self._batches(group_id, runs):
+                        self._store_torch(group_id, batch)
+                num_bytes += _num_blocks(runs) * self.layouts[group_id].block_bytes
         return num_bytes
-
-    def _store_torch(self, group_id: int, slots: torch.Tensor, offsets: torch.Tensor,
-                     ids: torch.Tensor) -> None:
-        host, caches = self.slots[group_id], self.group_caches[group_id]
-        ids = ids.to(caches[0].device)
-        for layer, cache in enumerate(caches):
-            # (2, n, bs, heads, hd) -> (n, 2, bs, heads, hd): one page per block
-            host[slots, offsets, layer] = cache.index_select(1, ids).transpose(0, 1).cpu()
-
-    def _store_numpy(self, group_id: int, slots: np.ndarray, offsets: np.ndarray,
-                     ids: np.ndarray) -> None:
-        host = self.slot_rows[group_id]
-        for layer, cache in enumerate(self.cache_rows[group_id]):
-            half = cache.shape[2]
-            host[slots, offsets, layer, :half] = cache[0, ids]  # K rows of the blocks
-            host[slots, offsets, layer, half:] = cache[1, ids]  # V rows
 
     @torch.inference_mode()
     def host_to_device(self, transfers: Sequence[ChunkTransfer]) -> int:
         """Copy the transfers' host pages into their device blocks; returns bytes copied."""
         num_bytes = 0
         with self._on_copy_stream(None):
-            for group_id, (slots, offsets, ids) in _by_group(transfers).items():
+            for group_id, runs in self._runs_by_group(transfers).items():
                 if self.use_numpy:
-                    self._load_numpy(group_id, slots.numpy(), offsets.numpy(), ids.numpy())
+                    self._load_numpy(group_id, runs)
                 else:
-                    self._load_torch(group_id, slots, offsets, ids)
-                num_bytes += len(ids) * self.layouts[group_id].block_bytes
+                    for batch in self._batches(group_id, runs):
+                        self._load_torch(group_id, batch)
+                num_bytes += _num_blocks(runs) * self.layouts[group_id].block_bytes
         return num_bytes
 
-    def _load_torch(self, group_id: int, slots: torch.Tensor, offsets: torch.Tensor,
-                    ids: torch.Tensor) -> None:
-        host, caches = self.slots[group_id], self.group_caches[group_id]
-        ids = ids.to(caches[0].device)
+    def _store_numpy(self, group_id: int, runs: list[_Run]) -> None:
+        for run in runs:
+            pages = self._host_halves(group_id, run)
+            for layer, cache in enumerate(self.cache_halves[group_id]):
+                pages[:, layer] = cache[run.first_block:run.first_block + run.num_blocks]
+
+    def _load_numpy(self, group_id: int, runs: list[_Run]) -> None:
+        for run in runs:
+            pages = self._host_halves(group_id, run)
+            for layer, cache in enumerate(self.cache_halves[group_id]):
+                cache[run.first_block:run.first_block + run.num_blocks] = pages[:, layer]
+
+    def _host_halves(self, group_id: int, run: _Run) -> np.ndarray:
+        """The run's host pages as (num_blocks, num_layers, 2) page halves (K, V)."""
+        layout = self.layouts[group_id]
+        half = layout.page_bytes // 2
+        return np.ndarray((run.num_blocks, layout.num_layers, 2), dtype=np.dtype((np.void, half)),
+                          buffer=self.host_area, offset=run.host_offset,
+                          strides=(layout.block_bytes, layout.page_bytes, half))
+
+    def _store_torch(self, group_id: int, runs: list[_Run]) -> None:
+        caches = self.group_caches[group_id]
+        ids = _block_ids(runs, caches[0].device)
+        # L x (2, n, bs, heads, hd) -> (L, 2, n, ...) -> (n, L, 2, ...): the host's page order
+        pages = torch.stack([cache.index_select(1, ids) for cache in caches])
+        pages = pages.permute(2, 0, 1, 3, 4, 5).contiguous()
+        start = 0
+        for run in runs:
+            self._host_run(group_id, run).copy_(pages[start:start + run.num_blocks])
+            start += run.num_blocks
+
+    def _load_torch(self, group_id: int, runs: list[_Run]) -> None:
+        caches = self.group_caches[group_id]
+        ids = _block_ids(runs, caches[0].device)
+        # (n, L, 2, bs, heads, hd) on the device, filled run by run from the host
+        pages = torch.empty((len(ids), len(caches), *caches[0].shape[:1], *caches[0].shape[2:]),
+                            dtype=caches[0].dtype, device=caches[0].device)
+        start = 0
+        for run in runs:
+            pages[start:start + run.num_blocks].copy_(self._host_run(group_id, run),
+                                                      non_blocking=True)
+            start += run.num_blocks
         for layer, cache in enumerate(caches):
             # (n, 2, bs, heads, hd) -> (2, n, bs, heads, hd), scattered to the block ids
-            pages = host[slots, offsets, layer].to(cache.device, non_blocking=True)
-            cache.index_copy_(1, ids, pages.transpose(0, 1))
+            cache.index_copy_(1, ids, pages[:, layer].transpose(0, 1))
 
-    def _load_numpy(self, group_id: int, slots: np.ndarray, offsets: np.ndarray,
-                    ids: np.ndarray) -> None:
-        host = self.slot_rows[group_id]
-        for layer, cache in enumerate(self.cache_rows[group_id]):
-            half = cache.shape[2]
-            cache[0, ids] = host[slots, offsets, layer, :half]
-            cache[1, ids] = host[slots, offsets, layer, half:]
+    def _host_run(self, group_id: int, run: _Run) -> torch.Tensor:
+        """The run's host bytes as (num_blocks, num_layers, 2, bs, heads, hd) of the cache dtype."""
+        cache = self.group_caches[group_id][0]
+        layout = self.layouts[group_id]
+        raw = self.host_bytes[run.host_offset:run.host_offset + run.num_blocks * layout.block_bytes]
+        return raw.view(cache.dtype).view(run.num_blocks, layout.num_layers, cache.shape[0],
+                                          *cache.shape[2:])
+
+    def _batches(self, group_id: int, runs: list[_Run]) -> list[list[_Run]]:
+        block_bytes = self.layouts[group_id].block_bytes
+        return _batches(runs, max(1, _GATHER_BYTES // block_bytes), block_bytes)
+
+    def _runs_by_group(self, transfers: Sequence[ChunkTransfer]) -> dict[int, list[_Run]]:
+        """group id -> the transfers' blocks as runs, in transfer order."""
+        runs: dict[int, list[_Run]] = defaultdict(list)
+        for transfer in transfers:
+            block_bytes = self.layouts[transfer.group_id].block_bytes
+            group_runs = runs[transfer.group_id]
+            base = transfer.slot * self.slot_bytes
+            for offset, block_id in zip(transfer.block_offsets, transfer.block_ids):
+                host_offset = base + offset * block_bytes
+                last = group_runs[-1] if group_runs else None
+                if (last is not None
+                        and host_offset == last.host_offset + last.num_blocks * block_bytes
+                        and block_id == last.first_block + last.num_blocks):
+                    group_runs[-1] = last._replace(num_blocks=last.num_blocks + 1)
+                else:
+                    group_runs.append(_Run(host_offset, block_id, 1))
+        return runs
 
     def _on_copy_stream(self, after: torch.cuda.Event | None):
         if self.stream is None:
@@ -114,46 +173,38 @@ class ChunkCopier:
         return _StreamScope(self.stream, after)
 
 
-def _slots_view(host_bytes: torch.Tensor, slot_bytes: int, layout: ChunkLayout,
-                cache: torch.Tensor) -> torch.Tensor:
-    """The host area as (num_slots, blocks_per_chunk, num_layers, 2, bs, heads, hd) of the
-    cache's dtype; a group whose chunk is smaller than a slot uses each slot's prefix."""
-    _, _, block_size, num_kv_heads, head_dim = cache.shape
-    num_slots = host_bytes.numel() // slot_bytes
-    # (num_slots * slot_bytes,) uint8 -> (num_slots, chunk_bytes) -> elements of cache.dtype
-    per_slot = host_bytes[:num_slots * slot_bytes].view(num_slots, slot_bytes)
-    typed = per_slot[:, :layout.chunk_bytes].view(cache.dtype)
-    return typed.view(num_slots, layout.blocks_per_chunk, layout.num_layers, 2, block_size,
-                      num_kv_heads, head_dim)
+def _cache_halves(cache: torch.Tensor) -> np.ndarray:
+    """A CPU cache as (num_blocks, 2) elements, each the K or V bytes of one block (a void)."""
+    # (2, num_blocks, bs, heads, hd) -> (2, num_blocks, half bytes) uint8 -> (2, num_blocks) void
+    rows = cache.view(torch.uint8).numpy().reshape(cache.shape[0], cache.shape[1], -1)
+    halves = rows.view(np.dtype((np.void, rows.shape[2])))[..., 0]
+    return halves.T
 
 
-def _slot_rows(host_area: np.ndarray, slot_bytes: int, layout: ChunkLayout) -> np.ndarray:
-    """The host area as bytes (num_slots, blocks_per_chunk, num_layers, page_bytes)."""
-    num_slots = host_area.size // slot_bytes
-    return np.lib.stride_tricks.as_strided(
-        host_area, shape=(num_slots, layout.blocks_per_chunk, layout.num_layers,
-                          layout.page_bytes),
-        strides=(slot_bytes, layout.block_bytes, layout.page_bytes, 1))
+def _num_blocks(runs: list[_Run]) -> int:
+    return sum(run.num_blocks for run in runs)
 
 
-def _cache_rows(cache: torch.Tensor) -> np.ndarray:
-    """A CPU cache as bytes (2, num_blocks, block bytes of K or V): one row per block half."""
-    # (2, num_blocks, bs, heads, hd) -> (2, num_blocks, bs * heads * hd * itemsize) uint8
-    return cache.view(torch.uint8).numpy().reshape(cache.shape[0], cache.shape[1], -1)
+def _block_ids(runs: list[_Run], device: torch.device) -> torch.Tensor:
+    ids = [run.first_block + i for run in runs for i in range(run.num_blocks)]
+    return torch.tensor(ids, device=device)
 
 
-def _by_group(transfers: Sequence[ChunkTransfer]
-              ) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """group id -> (slot, offset-in-chunk, device block id) of every block, as index tensors."""
-    columns: dict[int, tuple[list[int], list[int], list[int]]] = defaultdict(
-        lambda: ([], [], []))
-    for transfer in transfers:
-        slots, offsets, ids = columns[transfer.group_id]
-        slots.extend([transfer.slot] * len(transfer.block_ids))
-        offsets.extend(transfer.block_offsets)
-        ids.extend(transfer.block_ids)
-    return {group: tuple(torch.tensor(column) for column in cols)
-            for group, cols in columns.items()}
+def _batches(runs: list[_Run], max_blocks: int, block_bytes: int) -> list[list[_Run]]:
+    """The runs cut into batches of at most `max_blocks` blocks (a long run is split)."""
+    batches: list[list[_Run]] = [[]]
+    room = max_blocks
+    for run in runs:
+        while run.num_blocks > 0:
+            if room == 0:
+                batches.append([])
+                room = max_blocks
+            take = min(room, run.num_blocks)
+            batches[-1].append(run._replace(num_blocks=take))
+            run = _Run(run.host_offset + take * block_bytes, run.first_block + take,
+                       run.num_blocks - take)
+            room -= take
+    return batches
 
 
 class _NullContext:

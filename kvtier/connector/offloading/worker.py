@@ -96,27 +96,29 @@ class OffloadingConnectorWorker(KVConnectorWorker):
 
     def _run_loads(self, loads: list[ChunkTransfer]) -> bool:
         """Copy every load of one step; False if the copy failed (all its blocks are bad)."""
-        start = time.perf_counter()
+        start = time.monotonic()
         try:
             num_bytes = self._copier.host_to_device(loads)
         except Exception:  # a failed copy is a load error; the requests recompute
             return False
+        ended = time.monotonic()
         self._session.completions.put(BatchDone("host_to_device", (), True, num_bytes,
-                                                time.perf_counter() - start))
+                                                ended - start, ended))
         return True
 
     def _run_stores(self, stores: list[ChunkTransfer], abandoned: threading.Event,
                     after: Any) -> None:
-        start, num_bytes = time.perf_counter(), 0
+        start, num_bytes = time.monotonic(), 0
         try:
             num_bytes = self._copier.device_to_host(stores, after)
             ok = True
         except Exception:  # the chunks are not stored; nothing else is affected
             ok = False
         ok = ok and not abandoned.is_set()
+        ended = time.monotonic()
         self._session.completions.put(BatchDone(
-            "device_to_host", tuple(t.job_id for t in stores), ok, num_bytes,
-            time.perf_counter() - start))
+            "device_to_host", tuple(t.job_id for t in stores), ok, num_bytes, ended - start,
+            ended))
 
     def _fence_stores(self) -> None:
         if not self._stores:

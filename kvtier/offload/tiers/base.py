@@ -44,6 +44,9 @@ class JobResult:
     # Seconds the I/O itself took, if the tier measured it (throughput metrics); None: the
     # manager uses submit-to-report time, which includes queueing.
     seconds: float | None = None
+    # time.monotonic() when that I/O ended, so that jobs running at the same time count their
+    # shared seconds once in the busy time; None: when the manager collects the result.
+    ended: float | None = None
 
 
 @dataclass(frozen=True)

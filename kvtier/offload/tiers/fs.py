@@ -106,15 +106,15 @@ class FsTier(SecondaryTier):
         if time.monotonic() > job.deadline:
             self._finished.put(JobResult(job.job_id, ok=False, error="deadline passed in queue"))
             return
-        start = time.perf_counter()
+        start = time.monotonic()
         try:
             action(job)
         except Exception as exc:  # any tier failure is a failed job, never a lost one
             self._finished.put(JobResult(job.job_id, ok=False, error=f"{type(exc).__name__}: "
                                                                      f"{exc}"))
         else:
-            self._finished.put(JobResult(job.job_id, ok=True,
-                                         seconds=time.perf_counter() - start))
+            ended = time.monotonic()
+            self._finished.put(JobResult(job.job_id, ok=True, seconds=ended - start, ended=ended))
 
     def _store(self, job: TransferJob) -> None:
         path = self.path_for(job.key)
