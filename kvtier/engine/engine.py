@@ -27,6 +27,9 @@ from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.sched.scheduler import Scheduler
 from kvtier.worker.model_runner import ModelRunner
 
+# How long a step with nothing to compute waits before returning (see Engine.step).
+IDLE_STEP_SLEEP_S = 0.0005
+
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
@@ -188,6 +191,10 @@ class Engine:
                                            RequestStatus.FINISHED_STOPPED)
         self.stats.record_scheduler(self.scheduler.make_stats())
         self.stats.record_step(processed, sum(len(c.new_token_ids) for c in core_outputs))
+        if scheduler_output.is_empty:
+            # Nothing to compute: every live request waits on a KV transfer. A short sleep hands
+            # the cores and the GIL to the transfer threads instead of spinning on them.
+            time.sleep(IDLE_STEP_SLEEP_S)
         return processed.outputs
 
     def has_unfinished_requests(self) -> bool:
