@@ -38,8 +38,9 @@ class AttentionMetadata:
     is_decode_only: bool
     # A KVConnectorWorker whose per-layer hooks run around attention, or None (no cost).
     layer_hooks: Any = None
-    # Gather plans shared by every layer of a group within this step (built on first use).
-    plans: dict[tuple[int, int | None], Any] = field(default_factory=dict, repr=False)
+    # Gather plans shared by every layer of a group within this step (built on first use),
+    # keyed by (group id, sliding window, num_blocks of the cache).
+    plans: dict[tuple[int, int | None, int], Any] = field(default_factory=dict, repr=False)
 
     @property
     def query_lens(self) -> list[int]:

@@ -49,6 +49,19 @@ def test_decode_only_batch_equals_reference(window):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (3, 3)])
+def test_equal_length_decodes_on_a_block_boundary_equal_reference(num_heads, num_kv_heads):
+    """Every gathered key is attended, so the fast path runs without a mask."""
+    gen = torch.Generator().manual_seed(2)
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, num_kv_heads, HEAD_DIM, generator=gen)
+    tables = [[7, 3], [22, 5], [31, 9]]
+    metadata = build_attention_metadata([7, 7, 7], [1, 1, 1], [tables], BLOCK)
+    query = torch.randn(3, num_heads, HEAD_DIM, generator=gen)
+    fast = paged_attention(query, kv_cache, metadata, 0, 0.5, None)
+    reference = reference_paged_attention(query, kv_cache, metadata, 0, 0.5, None)
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_window_skips_blocks_before_it():
     """Blocks wholly before the window are never read, so they may be the null block (here
     poisoned with NaN) as the sliding-window manager leaves them."""
