@@ -87,8 +87,11 @@ def test_evicted_from_host_reloads_from_disk(model, tmp_path):
         tokens, cached = _generate(llm, prompts[:2])
         metrics = llm.get_metrics()
         assert tokens == expected[:2] and cached == [LOADABLE, LOADABLE]
-        assert _tier(metrics, "hits", "fs") == 14
-        assert _bytes(metrics, "fs_to_host") == 14 * CHUNK_BYTES
+        # 14 chunks must come from disk. A lookup can find a chunk while every host slot is
+        # still protected by an in-flight store; it is then asked again, so under load the
+        # counts may exceed 14 (timing), never fall short.
+        assert _tier(metrics, "hits", "fs") >= 14
+        assert _bytes(metrics, "fs_to_host") >= 14 * CHUNK_BYTES
         assert _tier(metrics, "errors", "fs") == 0
     finally:
         llm.engine.shutdown()
