@@ -9,42 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-from pathlib import Path
 
-import httpx
 import pytest
 
 from kvtier.bench import REPORT_FIELDS
 
+from ..entrypoints.server_process import REPO_ROOT, ServerProcess
 from ..tiny_models import make_hf_model
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-START_DEADLINE_S = 180.0  # torch import and model load on a shared, busy CPU
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _wait_healthy(process: subprocess.Popen, url: str, log_path: Path) -> None:
-    deadline = time.monotonic() + START_DEADLINE_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"kvtier serve exited: {log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"kvtier serve not healthy in {START_DEADLINE_S} s")
 
 
 @pytest.fixture
@@ -53,24 +26,11 @@ def kvtier_server(tmp_path):
     model_dir.mkdir()
     # A byte-level tokenizer: the benchmark sends text.
     make_hf_model("llama", model_dir, tokenizer="bytes")
-    port = _free_port()
-    log_path = tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", str(model_dir),
-             "--port", str(port), "--dtype", "float32", "--uvicorn-log-level", "warning"],
-            cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    server = ServerProcess(str(model_dir))
     try:
-        _wait_healthy(process, url, log_path)
-        yield url
+        yield server.url
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=30)
+        server.stop()
 
 
 # ~12 s, nearly all of it the server's start-up; issue 7 wants it in the default suite.
@@ -83,7 +43,7 @@ def test_bench_cli_against_kvtier_serve(kvtier_server, tmp_path):
                "--run-timeout", "120", "--output-json", str(out),
                "--output-plot", str(tmp_path / "bench.png")]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+                          env={**os.environ, "PYTHONPATH": REPO_ROOT})
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(out.read_text())
     assert tuple(report) == REPORT_FIELDS
