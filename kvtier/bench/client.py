@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, AsyncIterator, Protocol
 
 import httpx
 
-from kvtier.bench.config import ServerTarget
+from kvtier.bench.config import ApiKind, ServerTarget
+from kvtier.bench.metrics_scrape import Samples, scrape
 from kvtier.bench.workload import ConversationId, render_completion_prompt
 
 
@@ -38,6 +40,51 @@ class RequestResult:
         if self.ttft_s is None or self.num_output_tokens < 2:
             return None
         return (self.latency_s - self.ttft_s) / (self.num_output_tokens - 1)
+
+
+class TurnClient(Protocol):
+    """Sends one turn and times it; a failure is recorded in the result, never raised."""
+
+    async def send(self, conversation_id: ConversationId, turn: int,
+                   messages: list[dict[str, str]]) -> RequestResult: ...
+
+
+class BenchSession(Protocol):
+    """A target opened for one run: the model it serves, its metrics, a client per run."""
+
+    @property
+    def model(self) -> str:
+        """The model name the report carries."""
+
+    @property
+    def name(self) -> str:
+        """The report's label when the run has none."""
+
+    @property
+    def url(self) -> str | None:
+        """The report's url; None when no HTTP is involved."""
+
+    async def scrape(self) -> Samples | None:
+        """Every metrics sample now, or None when the target has no metrics."""
+
+    def client(self, output_tokens: int, clock_origin: float) -> TurnClient: ...
+
+
+def request_body(api: ApiKind, model: str, messages: list[dict[str, str]],
+                 output_tokens: int) -> tuple[str, dict[str, Any]]:
+    """The endpoint path and JSON body of one turn; every target sends exactly this."""
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": output_tokens,
+        # Fixed output lengths make runs comparable; ignore_eos is vLLM's extension.
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if api == "chat":
+        return "/v1/chat/completions", {**body, "messages": messages}
+    return "/v1/completions", {**body, "prompt": render_completion_prompt(messages)}
 
 
 @dataclass
@@ -76,24 +123,10 @@ class OpenAIStreamClient:
         self._output_tokens = output_tokens
         self._origin = clock_origin
 
-    def _request_body(self, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any]]:
-        body: dict[str, Any] = {
-            "model": self._model,
-            "max_tokens": self._output_tokens,
-            # Fixed output lengths make runs comparable; ignore_eos is vLLM's extension.
-            "ignore_eos": True,
-            "temperature": 0.0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        if self._target.api == "chat":
-            return "/v1/chat/completions", {**body, "messages": messages}
-        return "/v1/completions", {**body, "prompt": render_completion_prompt(messages)}
-
     async def send(self, conversation_id: ConversationId, turn: int,
                    messages: list[dict[str, str]]) -> RequestResult:
         """Stream one request; errors are recorded in the result, not raised."""
-        path, body = self._request_body(messages)
+        path, body = request_body(self._target.api, self._model, messages, self._output_tokens)
         started = time.perf_counter()
         stream = _Stream()
         error = None
@@ -155,3 +188,34 @@ class OpenAIStreamClient:
             num_output_tokens=usage.get("completion_tokens", stream.num_chunks),
             error=error,
         )
+
+
+@dataclass
+class ServerSession:
+    """An OpenAI-compatible server opened for one run (see open_server_session)."""
+
+    http: httpx.AsyncClient
+    target: ServerTarget
+    model: str
+
+    @property
+    def name(self) -> str:
+        return self.target.base_url
+
+    @property
+    def url(self) -> str:
+        return self.target.base_url
+
+    async def scrape(self) -> Samples | None:
+        return await scrape(self.http, self.target.base_url, self.target.request_timeout_s)
+
+    def client(self, output_tokens: int, clock_origin: float) -> OpenAIStreamClient:
+        return OpenAIStreamClient(self.http, self.target, self.model, output_tokens, clock_origin)
+
+
+@asynccontextmanager
+async def open_server_session(target: ServerTarget,
+                              max_connections: int) -> AsyncIterator[ServerSession]:
+    """Connections to the server and the model to request; BenchClientError if unusable."""
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=max_connections)) as http:
+        yield ServerSession(http, target, await resolve_model(http, target))

@@ -1,9 +1,12 @@
-"""Configuration of the multi-turn benchmark: the workload's shape and the server it drives."""
+"""Configuration of the multi-turn benchmark: the workload's shape and the target it drives
+(an OpenAI-compatible server, or a kvtier engine built in the benchmark's own process)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Union
+
+from kvtier.config import EngineConfig
 
 ApiKind = Literal["chat", "completions"]
 
@@ -71,3 +74,33 @@ class ServerTarget:
     @property
     def base_url(self) -> str:
         return self.url.rstrip("/")
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """A kvtier engine built in the benchmark's process and driven without HTTP.
+
+    The requests are the ones the server target sends (same bodies, `api` picks chat or
+    completions) and go through the server's own prompt and sampling code to an AsyncLLM, so the
+    two targets differ only by the HTTP hop. The timeouts mean what they mean for ServerTarget.
+    """
+
+    engine: EngineConfig
+    api: ApiKind = "chat"
+    request_timeout_s: float = 300.0
+    run_timeout_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine, EngineConfig):
+            raise ValueError("EngineTarget.engine must be an EngineConfig (build one with "
+                             f"EngineConfig.create(...)), got {type(self.engine).__name__}")
+        if self.api not in ("chat", "completions"):
+            raise ValueError(f"EngineTarget.api must be 'chat' or 'completions', got {self.api!r}")
+        if self.request_timeout_s <= 0.0:
+            raise ValueError("EngineTarget.request_timeout_s must be > 0, "
+                             f"got {self.request_timeout_s}")
+        if self.run_timeout_s <= 0.0:
+            raise ValueError(f"EngineTarget.run_timeout_s must be > 0, got {self.run_timeout_s}")
+
+
+BenchTarget = Union[ServerTarget, EngineTarget]

@@ -1,4 +1,5 @@
-"""Per-tier KV cache hit rates from a server's Prometheus `/metrics` page.
+"""Per-tier KV cache hit rates from a server's Prometheus `/metrics` page, or from the metrics
+registry of an engine in this process (the same text the server would serve, parsed the same way).
 
 Counters are read before and after the run and the difference is used, so a server that already
 served other traffic still reports this run's hit rates. Names: the device prefix cache uses
@@ -11,6 +12,7 @@ counters count chunk lookups; a rate is hits over queries of the same tier eithe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,6 +50,18 @@ async def scrape(http: httpx.AsyncClient, base_url: str, timeout_s: float) -> Sa
     return parse_samples(response.text)
 
 
+class MetricsSource(Protocol):
+    """What an in-process engine's metrics registry offers (kvtier.engine.metrics)."""
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition GET /metrics serves."""
+
+
+def registry_samples(registry: MetricsSource) -> Samples:
+    """Every sample of an in-process engine, keyed exactly as a scrape of its server would be."""
+    return parse_samples(registry.render().decode())
+
+
 def parse_samples(text: str) -> Samples:
     """Prometheus text format into Samples; `_created` timestamps are dropped."""
     samples: Samples = {}
@@ -77,10 +91,12 @@ def _delta_by_tier(before: Samples, after: Samples, hits_name: str, queries_name
     queries = _sum_by_label(after, queries_name, label)
     hits_before = _sum_by_label(before, hits_name, label)
     queries_before = _sum_by_label(before, queries_name, label)
+    # A labelled counter has no series until its first increment, so a tier that was queried
+    # but never hit has queries and no hits series: zero hits, not an unreported tier.
     return {
-        tier: TierHits(hits[tier] - hits_before.get(tier, 0.0),
+        tier: TierHits(hits.get(tier, 0.0) - hits_before.get(tier, 0.0),
                        queries[tier] - queries_before.get(tier, 0.0))
-        for tier in queries if tier in hits
+        for tier in queries
     }
 
 

@@ -10,12 +10,13 @@ from typing import Any
 import numpy as np
 
 from kvtier.bench.client import RequestResult
-from kvtier.bench.config import MultiTurnConfig, ServerTarget
+from kvtier.bench.config import ApiKind, MultiTurnConfig
 from kvtier.bench.metrics_scrape import TierHits
 
 PERCENTILES = (50, 90, 99)
 
-# Every key the report has; tests and the sweep rely on all of them being present.
+# Every key the report has, whatever the target; tests and the sweep rely on all of them being
+# present. "url" is None for an in-process engine target.
 REPORT_FIELDS = (
     "label", "url", "model", "api", "workload", "num_requests", "num_failed", "duration_s",
     "ttft_s", "ttft_by_turn_s", "tpot_s", "latency_s", "input_tokens", "output_tokens",
@@ -32,7 +33,7 @@ def distribution(values: list[float]) -> dict[str, float | None]:
 
 
 def summarize(results: list[RequestResult], duration_s: float, config: MultiTurnConfig,
-              target: ServerTarget, model: str, hit_rates: dict[str, TierHits],
+              url: str | None, api: ApiKind, model: str, hit_rates: dict[str, TierHits],
               label: str) -> dict[str, Any]:
     """The report: latency distributions, throughput and hit rates of one run."""
     done = [r for r in results if r.error is None]
@@ -40,9 +41,9 @@ def summarize(results: list[RequestResult], duration_s: float, config: MultiTurn
     output_tokens = sum(r.num_output_tokens for r in done)
     report = {
         "label": label,
-        "url": target.base_url,
+        "url": url,
         "model": model,
-        "api": target.api,
+        "api": api,
         "workload": dataclasses.asdict(config),
         "num_requests": len(results),
         "num_failed": len(results) - len(done),

@@ -1,47 +1,59 @@
-"""Runs the multi-turn workload against a server: N concurrent conversations of T turns."""
+"""Runs the multi-turn workload against a target: N concurrent conversations of T turns.
+
+The target is an OpenAI-compatible server (ServerTarget) or a kvtier engine built in this process
+(EngineTarget); the workload, the timing and the report are the same for both.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-import httpx
 from tqdm import tqdm
 
-from kvtier.bench.client import OpenAIStreamClient, RequestResult, resolve_model
-from kvtier.bench.config import MultiTurnConfig, ServerTarget
-from kvtier.bench.metrics_scrape import scrape, tier_hits
+from kvtier.bench.client import BenchSession, RequestResult, TurnClient, open_server_session
+from kvtier.bench.config import BenchTarget, EngineTarget, MultiTurnConfig
+from kvtier.bench.metrics_scrape import tier_hits
 from kvtier.bench.report import summarize
 from kvtier.bench.workload import ConversationScript, build_conversations
 
 
 class BenchTimeoutError(TimeoutError):
-    """The run did not finish within ServerTarget.run_timeout_s."""
+    """The run did not finish within the target's run_timeout_s."""
 
 
-async def run_multi_turn(config: MultiTurnConfig, target: ServerTarget, label: str = "",
+async def run_multi_turn(config: MultiTurnConfig, target: BenchTarget, label: str = "",
                          show_progress: bool = True) -> dict[str, Any]:
     """Drive all conversations concurrently and return the report (see report.REPORT_FIELDS)."""
     scripts = build_conversations(config)
-    # One connection per conversation: turns of a conversation are sequential, so this is
-    # exactly the concurrency the workload asks for.
-    limits = httpx.Limits(max_connections=config.num_conversations)
-    async with httpx.AsyncClient(limits=limits) as http:
-        model = await resolve_model(http, target)
-        before = await scrape(http, target.base_url, target.request_timeout_s)
+    async with _open_session(target, config) as session:
+        before = await session.scrape()
         started = time.perf_counter()
-        client = OpenAIStreamClient(http, target, model, config.output_tokens, started)
+        client = session.client(config.output_tokens, started)
         with tqdm(total=config.num_conversations * config.num_turns, unit="req",
                   desc=label or "multi-turn", disable=not show_progress) as bar:
             results = await _run_all(scripts, client, config, bar, target.run_timeout_s)
         duration = time.perf_counter() - started
-        after = await scrape(http, target.base_url, target.request_timeout_s)
+        after = await session.scrape()
     hits = tier_hits(before, after) if before is not None and after is not None else {}
-    return summarize(results, duration, config, target, model, hits, label or target.base_url)
+    return summarize(results, duration, config, session.url, target.api, session.model, hits,
+                     label or session.name)
 
 
-async def _run_all(scripts: list[ConversationScript], client: OpenAIStreamClient,
+def _open_session(target: BenchTarget,
+                  config: MultiTurnConfig) -> AbstractAsyncContextManager[BenchSession]:
+    if isinstance(target, EngineTarget):
+        # Imported here: it loads torch and the server's modules, which a server run never needs.
+        from kvtier.bench.engine_client import open_engine_session
+        return open_engine_session(target)
+    # One connection per conversation: turns of a conversation are sequential, so this is
+    # exactly the concurrency the workload asks for.
+    return open_server_session(target, max_connections=config.num_conversations)
+
+
+async def _run_all(scripts: list[ConversationScript], client: TurnClient,
                    config: MultiTurnConfig, bar: tqdm, deadline_s: float) -> list[RequestResult]:
     tasks = [_run_conversation(script, client, config, bar) for script in scripts]
     try:
@@ -52,7 +64,7 @@ async def _run_all(scripts: list[ConversationScript], client: OpenAIStreamClient
     return [result for results in per_conversation for result in results]
 
 
-async def _run_conversation(script: ConversationScript, client: OpenAIStreamClient,
+async def _run_conversation(script: ConversationScript, client: TurnClient,
                             config: MultiTurnConfig, bar: tqdm) -> list[RequestResult]:
     history = [{"role": "system", "content": script.system_prompt}]
     results = []

@@ -1,4 +1,5 @@
-"""`kvtier bench ...`: benchmark tools. `multi-turn` drives any OpenAI-compatible server.
+"""`kvtier bench ...`: benchmark tools. `multi-turn` drives any OpenAI-compatible server, or a
+kvtier engine it builds in its own process (`--engine in-process`, no HTTP).
 
 The CLI module imports this lazily and calls `add_arguments(parser)` on its `bench` sub-parser,
 then `run(args)`.
@@ -11,26 +12,38 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from kvtier.bench.config import MultiTurnConfig, ServerTarget
+from kvtier.bench.config import BenchTarget, EngineTarget, MultiTurnConfig, ServerTarget
+from kvtier.engine.args import add_engine_args, engine_config_from_args
 
 DEFAULTS = MultiTurnConfig()
 TARGET_DEFAULTS = ServerTarget()
+ENGINES = ("server", "in-process")
+# Engine options the bench defines itself, with a meaning for both targets (see their help).
+_SHARED_OPTIONS = ("model", "seed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `multi-turn` sub-command (and its options) under `parser`."""
     commands = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     multi_turn = commands.add_parser(
-        "multi-turn", help="N concurrent multi-turn conversations against a server",
+        "multi-turn", conflict_handler="resolve",
+        help="N concurrent multi-turn conversations against a server or an in-process engine",
         description="Shared system prefix, a unique context per conversation, history growing "
-                    "each turn; reports TTFT, TPOT, tokens/s and per-tier KV hit rates.")
-    _add_workload_arguments(multi_turn)
-    _add_target_arguments(multi_turn)
+                    "each turn; reports TTFT, TPOT, tokens/s and per-tier KV hit rates. The "
+                    "target is the server at --url, or with --engine in-process a kvtier engine "
+                    "built in this process from the engine options (no HTTP).")
+    workload = _add_workload_arguments(multi_turn)
+    target = _add_target_arguments(multi_turn)
     _add_output_arguments(multi_turn)
+    add_engine_args(multi_turn, positional_model=False)
+    # Added last: with conflict_handler="resolve" these replace the engine options of the same
+    # names, so one --seed and one --model serve both targets.
+    _add_shared_arguments(workload, target)
 
 
-def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("workload")
     group.add_argument("--num-conversations", type=int, default=DEFAULTS.num_conversations)
     group.add_argument("--num-turns", type=int, default=DEFAULTS.num_turns)
@@ -43,16 +56,36 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--output-tokens", type=int, default=DEFAULTS.output_tokens)
     group.add_argument("--think-time", type=float, default=DEFAULTS.think_time_s,
                        help="seconds a conversation waits between a reply and its next turn")
-    group.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    return group
 
 
-def _add_target_arguments(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--url", default=TARGET_DEFAULTS.url)
-    group.add_argument("--model", default=None, help="default: the first model the server lists")
-    group.add_argument("--api", choices=("chat", "completions"), default=TARGET_DEFAULTS.api)
+def _add_target_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group(
+        "target", description="engine options (below) apply with --engine in-process only")
+    group.add_argument("--engine", choices=ENGINES, default="server",
+                       help="server (default): the OpenAI-compatible server at --url; "
+                            "in-process: a kvtier engine built in this process from the engine "
+                            "options, driven without HTTP")
+    group.add_argument("--url", default=None,
+                       help=f"the server to benchmark (default {TARGET_DEFAULTS.url}); server "
+                            "target only")
+    group.add_argument("--api", choices=("chat", "completions"), default=TARGET_DEFAULTS.api,
+                       help="request shape; in-process runs the server's code for the same "
+                            "endpoint (chat template or plain prompt)")
     group.add_argument("--request-timeout", type=float, default=TARGET_DEFAULTS.request_timeout_s)
     group.add_argument("--run-timeout", type=float, default=TARGET_DEFAULTS.run_timeout_s)
+    return group
+
+
+def _add_shared_arguments(workload: argparse._ArgumentGroup,
+                          target: argparse._ArgumentGroup) -> None:
+    workload.add_argument("--seed", type=int, default=DEFAULTS.seed,
+                          help="seed of the conversations' text; an in-process engine also "
+                               "seeds its sampler with it (the workload decodes greedily)")
+    target.add_argument("--model", default=None,
+                        help="server: the model name to request (default: the first the "
+                             "server lists); in-process: HF model directory or .gguf file "
+                             "(default: SmolLM2-135M)")
 
 
 def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,8 +121,7 @@ def _run_multi_turn(args: argparse.Namespace) -> int:
         system_prompt_tokens=args.system_prompt_tokens, context_tokens=args.context_tokens,
         user_tokens=args.user_tokens, output_tokens=args.output_tokens,
         think_time_s=args.think_time, seed=args.seed)
-    target = ServerTarget(url=args.url, model=args.model, api=args.api,
-                          request_timeout_s=args.request_timeout, run_timeout_s=args.run_timeout)
+    target = _target(args)
     report = asyncio.run(run_multi_turn(config, target, label=args.label,
                                         show_progress=not args.no_progress))
     if args.output_json is not None:
@@ -101,11 +133,38 @@ def _run_multi_turn(args: argparse.Namespace) -> int:
     return 1 if report["num_failed"] else 0
 
 
+def _target(args: argparse.Namespace) -> BenchTarget:
+    """Raises ValueError naming an option that does not fit the chosen target."""
+    if args.engine == "in-process":
+        if args.url is not None:
+            raise ValueError("--url names a server, but --engine in-process runs the engine in "
+                             "this process; leave --url out")
+        return EngineTarget(engine=engine_config_from_args(args), api=args.api,
+                            request_timeout_s=args.request_timeout,
+                            run_timeout_s=args.run_timeout)
+    for dest, (flag, default) in _engine_only_options().items():
+        if getattr(args, dest) != default:
+            raise ValueError(f"{flag} configures an in-process engine; add --engine in-process, "
+                             "or leave it out to benchmark the server at --url")
+    return ServerTarget(url=args.url or TARGET_DEFAULTS.url, model=args.model, api=args.api,
+                        request_timeout_s=args.request_timeout, run_timeout_s=args.run_timeout)
+
+
+def _engine_only_options() -> dict[str, tuple[str, Any]]:
+    """dest -> (flag, default) of the engine options a server run has no use for."""
+    probe = argparse.ArgumentParser(add_help=False)
+    add_engine_args(probe, positional_model=False)
+    # argparse has no public list of a parser's options; `_actions` has been stable for years.
+    return {action.dest: (action.option_strings[0], action.default)
+            for action in probe._actions if action.dest not in _SHARED_OPTIONS}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m kvtier.entrypoints.bench multi-turn ...`)."""
-    parser = argparse.ArgumentParser(prog="kvtier bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """Stand-alone entry (`python -m kvtier.entrypoints.bench multi-turn ...`), same as
+    `kvtier bench multi-turn ...`."""
+    from kvtier.entrypoints.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

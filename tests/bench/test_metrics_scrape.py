@@ -56,3 +56,12 @@ def test_server_without_tier_metrics_reports_no_tiers():
 @pytest.mark.parametrize("hits, queries, rate", [(0.0, 4.0, 0.0), (4.0, 4.0, 1.0)])
 def test_hit_rate_bounds(hits, queries, rate):
     assert TierHits(hits, queries).hit_rate == rate
+
+
+def test_tier_queried_but_never_hit_has_zero_hits():
+    # prometheus_client writes a labelled series only once it is incremented.
+    after = ("# TYPE kvtier:offload_tier_queries counter\n"
+             'kvtier:offload_tier_queries_total{tier="host"} 5.0\n')
+    hits = tier_hits(parse_samples(""), parse_samples(after))
+    assert hits == {"host": TierHits(hits=0.0, queries=5.0)}
+    assert hits["host"].hit_rate == 0.0

@@ -31,8 +31,9 @@ def test_summary_counts_failures_and_throughput():
     results = [_result(0, 0.2, 1.2, 11), _result(1, 0.4, 1.4, 11),
                _result(1, None, 0.1, 0, error="HTTP 500: boom")]
     config = MultiTurnConfig(num_turns=2)
-    report = summarize(results, duration_s=2.0, config=config, target=ServerTarget(),
-                       model="m", hit_rates={"device": TierHits(3.0, 4.0)}, label="run")
+    report = summarize(results, duration_s=2.0, config=config, url=ServerTarget().base_url,
+                       api="chat", model="m", hit_rates={"device": TierHits(3.0, 4.0)},
+                       label="run")
     assert tuple(report) == REPORT_FIELDS
     assert (report["num_requests"], report["num_failed"]) == (3, 1)
     assert report["input_tokens"] == 200 and report["output_tokens"] == 22
