@@ -1,8 +1,10 @@
 """Paged attention over the block-table KV cache: the fast path used by the decoder and a plain
 reference the tests hold it to.
 
-Fast path: every sequence with one new token (decode) is gathered into one padded batch and run
-through two batched matmuls (scores, then values) with a softmax between them; each sequence with
+Fast path: on the CPU, every sequence with one new token (decode) goes through the C++ kernel
+(kvtier/models/csrc/paged_decode.cpp), which reads its pages in place; elsewhere, or when the
+kernel could not be built, the decodes are gathered into one padded batch and run through two
+batched matmuls (scores, then values) with a softmax between them. Each sequence with
 several new tokens (prefill, or a prefill chunk over a cached prefix) gathers its own blocks and
 runs one scaled_dot_product_attention call with the causal offset. Sliding window: a query at
 position p attends keys in (p - window, p]; blocks wholly before the window are not read at all.
@@ -14,10 +16,12 @@ once per step and group and shared by all layers of the group.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from kvtier.models import cpu_kernels
 from kvtier.models.attention_metadata import AttentionMetadata, build_attention_metadata, cdiv
 
 __all__ = ["AttentionMetadata", "build_attention_metadata", "write_kv", "paged_attention",
@@ -59,8 +63,20 @@ class _DecodePlan:
 
 
 @dataclass(frozen=True)
+class _KernelDecodePlan:
+    """The C++ kernel reads the paged cache in place: only block tables and key ranges."""
+    kernel: Callable
+    # (num_decodes,) rows of the decode queries in the flattened batch.
+    rows: torch.Tensor
+    # (num_decodes, max_blocks) int64 block tables; first and last + 1 attended key positions.
+    block_table: torch.Tensor
+    first_key: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
 class _GroupPlan:
-    decode: _DecodePlan | None
+    decode: _DecodePlan | _KernelDecodePlan | None
     prefills: tuple[_PrefillPlan, ...]
 
 
@@ -125,6 +141,25 @@ def _decode_plan(meta: AttentionMetadata, seqs: list[int], group_id: int, window
     return _DecodePlan(query_rows, _kv_rows(blocks, num_blocks), mask)
 
 
+def _kernel_decode_plan(meta: AttentionMetadata, seqs: list[int], group_id: int,
+                        window: int | None, kernel: Callable) -> _KernelDecodePlan:
+    table = meta.block_tables[group_id]
+    rows = torch.tensor(seqs, dtype=torch.long)
+    seq_lens = [meta.seq_lens[s] for s in seqs]
+    first_keys = [_first_key(n - 1, window) for n in seq_lens]
+    query_rows = torch.tensor([meta.query_start_loc_list[s] for s in seqs])
+    return _KernelDecodePlan(kernel, query_rows, table.index_select(0, rows).contiguous(),
+                             torch.tensor(first_keys), torch.tensor(seq_lens))
+
+
+def _decode_kernel(kv_cache: torch.Tensor) -> Callable | None:
+    """The C++ decode kernel when it can take this cache (CPU, contiguous), else None."""
+    if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
+        return None
+    kernels = cpu_kernels.ops()
+    return None if kernels is None else kernels.paged_decode_attention
+
+
 def _group_plan(meta: AttentionMetadata, group_id: int, window: int | None,
                 kv_cache: torch.Tensor) -> _GroupPlan:
     block_size, num_blocks = kv_cache.shape[2], kv_cache.shape[1]
@@ -133,9 +168,15 @@ def _group_plan(meta: AttentionMetadata, group_id: int, window: int | None,
     if plan is None:
         lens = meta.query_lens
         decodes = [s for s in range(meta.num_seqs) if lens[s] == 1]
+        kernel = _decode_kernel(kv_cache) if decodes else None
+        if not decodes:
+            decode = None
+        elif kernel is not None:
+            decode = _kernel_decode_plan(meta, decodes, group_id, window, kernel)
+        else:
+            decode = _decode_plan(meta, decodes, group_id, window, block_size, num_blocks)
         plan = _GroupPlan(
-            decode=(_decode_plan(meta, decodes, group_id, window, block_size, num_blocks)
-                    if decodes else None),
+            decode=decode,
             prefills=tuple(_prefill_plan(meta, s, group_id, window, block_size, num_blocks)
                            for s in range(meta.num_seqs) if lens[s] > 1))
         meta.plans[key] = plan
@@ -152,8 +193,17 @@ def _gather(kv_cache: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
     return pages.index_select(0, kv_rows).view(2, -1, num_kv_heads, head_dim)
 
 
-def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan,
-                    scale: float) -> torch.Tensor:
+def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor,
+                    plan: _DecodePlan | _KernelDecodePlan, scale: float) -> torch.Tensor:
+    if isinstance(plan, _KernelDecodePlan):
+        q = query if plan.rows.shape[0] == query.shape[0] else query[plan.rows]
+        return plan.kernel(q.contiguous(), kv_cache, plan.block_table, plan.first_key,
+                           plan.seq_lens, scale)
+    return _attend_decodes_torch(query, kv_cache, plan, scale)
+
+
+def _attend_decodes_torch(query: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan,
+                          scale: float) -> torch.Tensor:
     """One query per sequence: scores and values as two batched matmuls over the gathered
     (num_keys, Hkv * D) tokens as they lie. Each matmul pairs every query head with every kv
     head (Hkv times the useful products), which on CPU still beats SDPA's flash kernel and a

@@ -17,7 +17,8 @@ from torch import nn
 from kvtier.models.attention import AttentionMetadata, paged_attention, write_kv
 from kvtier.models.config import KVCacheGroupLayout, ModelConfig
 from kvtier.models.errors import ModelLoadError
-from kvtier.models.rope import RotaryEmbedding, apply_rotary
+from kvtier.models.fused_ops import rms_norm, rotary, silu_and_mul
+from kvtier.models.rope import RotaryEmbedding
 
 # HF parameter name part -> (fused name part, shard index within the fused weight).
 _FUSED_SHARDS = {
@@ -33,10 +34,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Scale in the model dtype after normalising, as HF does, so bf16 results agree.
-        # rms_norm normalises bf16 in fp32 and rounds once: bit-identical to HF's upcast and
-        # measured 2.5x faster on a 2,048-token batch.
-        return self.weight * F.rms_norm(x, self.weight.shape, eps=self.eps)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -68,7 +66,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         hooks = metadata.layer_hooks
         if hooks is not None:
             hooks.wait_for_layer_load(self.layer_name)
@@ -89,8 +87,7 @@ class MLP(nn.Module):
                                    dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -1,4 +1,5 @@
-"""Rotary position embedding (HF's rotate-half layout), with optional llama3 frequency scaling."""
+"""Rotary position embedding tables (HF's rotate-half layout; `fused_ops.rotary` applies them),
+with optional llama3 frequency scaling."""
 
 from __future__ import annotations
 
@@ -40,10 +41,3 @@ class RotaryEmbedding:
         angles = positions.float()[:, None] * self.inv_freq[None, :]  # (T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, None, :]  # (T, 1, D)
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, heads, head_dim)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

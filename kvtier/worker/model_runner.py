@@ -9,6 +9,7 @@ from torch import nn
 
 from kvtier.connector.base import KVConnectorOutput, KVConnectorWorker
 from kvtier.kv import KVCacheConfig
+from kvtier.models import cpu_kernels
 from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvtier.worker.input_batch import BatchInputs, InputBatchBuilder
 from kvtier.worker.kv_cache import allocate_kv_caches, layer_name
@@ -43,6 +44,8 @@ class ModelRunner:
             max_num_seqs=max_num_seqs, max_num_tokens=max_num_batched_tokens,
             max_blocks_per_seq=-(-max_model_len // block_size), device=device)
         self.sampler = Sampler(device, seed)
+        if device.type == "cpu":
+            cpu_kernels.ops()  # build (first run on a machine) now rather than in the first step
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

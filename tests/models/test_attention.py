@@ -1,17 +1,49 @@
-"""The fast paged attention equals the plain reference; write_kv fills exactly the mapped slots;
-the connector layer hooks run in order around each layer."""
+"""The fast paged attention equals the plain reference, with the C++ decode kernel and with the
+pure-torch decode path; write_kv fills exactly the mapped slots; the connector layer hooks run in
+order around each layer."""
+
+import shutil
 
 import pytest
 import torch
 
-from kvtier.models import (build_attention_metadata, paged_attention, reference_paged_attention,
-                           write_kv)
+from kvtier.models import (attention, build_attention_metadata, cpu_kernels, paged_attention,
+                           reference_paged_attention, write_kv)
 
 from .helpers import PagedDriver
 
 BLOCK = 4
 NUM_BLOCKS = 40
 HEAD_DIM = 8
+
+
+@pytest.fixture(autouse=True, params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Every test here runs twice: decodes through the C++ kernel, then through torch."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "_decode_kernel", lambda kv_cache: None)
+    return request.param
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: torch path only")
+def test_cpu_kernels_build_where_a_compiler_exists():
+    """A kernel that silently failed to build would cost a third of the decode speed."""
+    assert cpu_kernels.ops() is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_decodes_match_fp32_reference(dtype):
+    """The kernel converts each row to fp32 and accumulates in fp32; only rounding differs."""
+    gen = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, 3, 64, generator=gen)
+    tables = [[7, 3, 29, 14, 1, 2, 5], [22], [31, 9, 36, 8, 15]]
+    metadata = build_attention_metadata([25, 2, 17], [1, 1, 1], [tables], BLOCK)
+    query = torch.randn(3, 9, 64, generator=gen)
+    reference = reference_paged_attention(query.to(dtype).float(), kv_cache.to(dtype).float(),
+                                          metadata, 0, 0.125, None)
+    out = paged_attention(query.to(dtype), kv_cache.to(dtype), metadata, 0, 0.125, None)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
 def _scenario(num_heads: int, num_kv_heads: int):

@@ -1,0 +1,87 @@
+"""kvtier's C++ CPU kernels (kvtier/models/csrc): built with the machine's compiler on first use
+and cached by torch (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), so only the first
+process on a machine pays the ~30 s build.
+
+The kernels are an optimisation, never a requirement: when the build fails (no compiler, no
+ninja) or `KVTIER_CPU_KERNELS=0` is set, callers get None and use the pure-torch path, which the
+tests hold to the same reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DISABLE_ENV = "KVTIER_CPU_KERNELS"
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                 for name in ("paged_decode.cpp", "fused_ops.cpp"))
+# -ffast-math lets expf vectorize; it is a compile flag only, so the process's floating-point
+# mode is untouched. -march=native: the cache is per machine. -fopenmp: at::parallel_for is
+# inline OpenMP; the extension links libgomp.so.1, which resolves to the copy torch has loaded,
+# so both share one thread pool.
+_CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+_LDFLAGS = ["-fopenmp"]
+
+_lock = threading.Lock()
+_loaded: dict[str, Any] = {}  # "ops": torch.ops.kvtier or None once built
+
+
+def ops():
+    """torch.ops.kvtier (built on first call), or None when the kernels are unavailable.
+
+    paged_decode_attention(query (B, Hq, D), kv_cache (2, num_blocks, block_size, Hkv, D),
+        block_table (B, n) int64, first_key (B,) int64, seq_lens (B,) int64, scale)
+        -> (B, Hq, D): sequence b attends keys [first_key[b], seq_lens[b]).
+    rms_norm(x, weight, eps), silu_and_mul(x), rotary(x (T, H, D), cos (T, D), sin (T, D)):
+        see kvtier/models/fused_ops.py.
+    All tensors contiguous, on the CPU.
+    """
+    with _lock:
+        if "ops" not in _loaded:
+            _loaded["ops"] = _build()
+    return _loaded["ops"]
+
+
+def _build():
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    _put_ninja_on_path()
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="kvtier_cpu_kernels", sources=[str(p) for p in _SOURCES],
+             extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
+             is_python_module=False, verbose=False)
+    except Exception as exc:  # any build failure: the torch path still works
+        logger.warning("kvtier CPU kernels unavailable (%s); using the slower torch attention. "
+                       "Install a C++ compiler and ninja to enable them, or set %s=0 to skip "
+                       "the build.", _last_line(exc), DISABLE_ENV)
+        return None
+    return torch.ops.kvtier
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; a venv used without activation has it only in the pip
+    package's own bin directory."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def _last_line(exc: Exception) -> str:
+    """A build error's first compiler error line, else its last line (not the command line)."""
+    lines = [line for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line]
+    return (errors or lines or [type(exc).__name__])[0 if errors else -1][:300]

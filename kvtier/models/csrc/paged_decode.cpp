@@ -1,0 +1,182 @@
+// Paged decode attention for CPU: one query token per sequence, keys and values read straight
+// from the block-table KV cache (no gathered copy), fp32 softmax and accumulation.
+//
+// Work item = one sequence. Two passes over its pages: scores (then one max and exp per query
+// head), then the weighted values.
+// Registered as torch.ops.kvtier.paged_decode_attention; built at first use by
+// kvtier/models/cpu_attention.py. Compiled with -ffast-math so expf vectorizes (libmvec); every
+// input is finite (the cache is zero-initialised and only attended positions are read).
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
+  int64_t v_offset;  // elements between K and V of the same slot (cache[1] - cache[0])
+};
+
+template <typename scalar_t>
+inline void load_row(const scalar_t* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+// bf16 is the top half of an fp32: a shift the compiler vectorizes (BFloat16's own conversion
+// does not).
+template <>
+inline void load_row<c10::BFloat16>(const c10::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* words = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) words[d] = static_cast<uint32_t>(bits[d]) << 16;
+}
+
+constexpr int64_t kPrefetchPages = 2;
+
+inline void prefetch(const void* start, int64_t bytes) {
+  const char* p = static_cast<const char*>(start);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 1);
+}
+
+// Converts tokens [lo, hi) of one page (block_size x Hkv x D, K or V) to fp32 rows of Hkv * D.
+template <typename scalar_t>
+inline void load_page(const scalar_t* page, int64_t lo, int64_t hi, int64_t row_len,
+                      float* dst) {
+  load_row(page + lo * row_len, dst, (hi - lo) * row_len);
+}
+
+// Attention of one sequence over keys [first, last): each page is converted once, whole (all
+// kv heads, contiguous: the reads stream), and every query head is scored against it.
+// kDim > 0: the head dim as a compile-time constant (fully unrolled inner loops); 0: s.head_dim.
+template <typename scalar_t, int64_t kDim>
+void attend_sequence(const scalar_t* query, const scalar_t* cache, const int64_t* table,
+                     int64_t first, int64_t last, const Shape& s, float scale, scalar_t* out,
+                     std::vector<float>& scratch) {
+  const int64_t heads = s.num_heads, group = s.num_heads / s.num_kv_heads;
+  const int64_t dim = kDim > 0 ? kDim : s.head_dim;
+  const int64_t num_keys = last - first, row_len = s.num_kv_heads * dim;
+  const int64_t page_len = s.block_size * row_len;
+  // scratch: queries (Hq x D), one page (block_size x Hkv x D), scores (Hq x keys), outputs.
+  scratch.resize(heads * dim * 2 + page_len + heads * num_keys);
+  float* q = scratch.data();
+  float* acc = q + heads * dim;
+  float* page = acc + heads * dim;
+  float* scores = page + page_len;
+  load_row(query, q, heads * dim);
+  for (int64_t i = 0; i < heads * dim; ++i) q[i] *= scale;
+  // Visits the attended tokens page by page: fn(token index from `first`, its fp32 row).
+  auto for_each_row = [&](int64_t v_offset, auto&& fn) {
+    for (int64_t pos = first; pos < last;) {
+      const int64_t lo = pos % s.block_size;
+      const int64_t hi = std::min(s.block_size, lo + (last - pos));
+      // Pages lie anywhere, so the hardware cannot guess the next one: fetch it (into L2)
+      // kPrefetchPages ahead while this one is used.
+      const int64_t ahead = pos / s.block_size + kPrefetchPages;
+      if (ahead * s.block_size < last) {
+        prefetch(cache + table[ahead] * page_len + v_offset,
+                 page_len * static_cast<int64_t>(sizeof(scalar_t)));
+      }
+      load_page(cache + table[pos / s.block_size] * page_len + v_offset, lo, hi, row_len, page);
+      for (int64_t t = lo; t < hi; ++t) fn(pos - first + (t - lo), page + (t - lo) * row_len);
+      pos += hi - lo;
+    }
+  };
+  for_each_row(0, [&](int64_t t, const float* row) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* qh = q + h * dim;
+      const float* kh = row + (h / group) * dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
+      scores[h * num_keys + t] = dot;
+    }
+  });
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = scores + h * num_keys;
+    const float peak = *std::max_element(sh, sh + num_keys);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < num_keys; ++t) {
+      sh[t] = expf(sh[t] - peak);
+      sum += sh[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < num_keys; ++t) sh[t] *= inv;
+  }
+  std::fill(acc, acc + heads * dim, 0.f);
+  for_each_row(s.v_offset, [&](int64_t t, const float* row) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float w = scores[h * num_keys + t];
+      const float* vh = row + (h / group) * dim;
+      float* ah = acc + h * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) ah[d] += w * vh[d];
+    }
+  });
+  for (int64_t i = 0; i < heads * dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
+}
+
+// query (B, Hq, D); kv_cache (2, num_blocks, block_size, Hkv, D); block_table (B, max_blocks)
+// int64; first_key, seq_lens (B,) int64: sequence b attends keys [first_key[b], seq_lens[b]).
+at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                                  const at::Tensor& block_table, const at::Tensor& first_key,
+                                  const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && kv_cache.dim() == 5, "query must be (B, Hq, D) and kv_cache "
+              "(2, num_blocks, block_size, Hkv, D)");
+  TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous(),
+              "query, kv_cache and block_table must be contiguous");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "query and kv_cache dtypes differ");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && first_key.scalar_type() == at::kLong &&
+                  seq_lens.scalar_type() == at::kLong,
+              "block_table, first_key and seq_lens must be int64");
+  const int64_t batch = query.size(0);
+  Shape s{query.size(1), kv_cache.size(3), kv_cache.size(4), kv_cache.size(2),
+          block_table.size(1), kv_cache.stride(0)};
+  TORCH_CHECK(query.size(2) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
+              "query heads must be a multiple of kv heads with the same head_dim");
+  at::Tensor out = at::empty_like(query);
+  const int64_t* table = block_table.data_ptr<int64_t>();
+  const int64_t* firsts = first_key.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode",
+                                  [&] {
+    const scalar_t* q = query.data_ptr<scalar_t>();
+    const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
+    scalar_t* o = out.data_ptr<scalar_t>();
+    const int64_t seq_stride = s.num_heads * s.head_dim;
+    auto run = [&](auto attend) {
+      at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> scratch;
+        for (int64_t b = begin; b < end; ++b) {
+          attend(q + b * seq_stride, cache, table + b * s.max_blocks, firsts[b], lens[b], s,
+                 static_cast<float>(scale), o + b * seq_stride, scratch);
+        }
+      });
+    };
+    switch (s.head_dim) {
+      case 64: run(attend_sequence<scalar_t, 64>); break;
+      case 128: run(attend_sequence<scalar_t, 128>); break;
+      default: run(attend_sequence<scalar_t, 0>);
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvtier, m) {
+  m.def("paged_decode_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
+        "Tensor first_key, Tensor seq_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvtier, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
