@@ -17,9 +17,9 @@ NUM_BLOCKS = 40
 HEAD_DIM = 8
 
 
-@pytest.fixture(autouse=True, params=["kernel", "torch"])
+@pytest.fixture(params=["kernel", "torch"])
 def decode_path(request, monkeypatch):
-    """Every test here runs twice: decodes through the C++ kernel, then through torch."""
+    """The attention tests run twice: decodes through the C++ kernel, then through torch."""
     if request.param == "torch":
         monkeypatch.setattr(attention, "_decode_kernel", lambda kv_cache: None)
     return request.param
@@ -31,6 +31,7 @@ def test_cpu_kernels_build_where_a_compiler_exists():
     assert cpu_kernels.ops() is not None
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_decodes_match_fp32_reference(dtype):
     """The kernel converts each row to fp32 and accumulates in fp32; only rounding differs."""
@@ -59,6 +60,7 @@ def _scenario(num_heads: int, num_kv_heads: int):
     return query, kv_cache, metadata
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("window", [None, 3, 5, 8])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_fast_attention_equals_reference(window, num_heads, num_kv_heads):
@@ -68,6 +70,7 @@ def test_fast_attention_equals_reference(window, num_heads, num_kv_heads):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_only_batch_equals_reference(window):
     gen = torch.Generator().manual_seed(1)
@@ -81,6 +84,7 @@ def test_decode_only_batch_equals_reference(window):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("decode_path")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (3, 3)])
 def test_equal_length_decodes_on_a_block_boundary_equal_reference(num_heads, num_kv_heads):
     """Every gathered key is attended, so the fast path runs without a mask."""
@@ -94,6 +98,7 @@ def test_equal_length_decodes_on_a_block_boundary_equal_reference(num_heads, num
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("decode_path")
 def test_window_skips_blocks_before_it():
     """Blocks wholly before the window are never read, so they may be the null block (here
     poisoned with NaN) as the sliding-window manager leaves them."""

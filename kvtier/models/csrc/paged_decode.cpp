@@ -48,13 +48,6 @@ inline void prefetch(const void* start, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i, 0, 1);
 }
 
-// Converts tokens [lo, hi) of one page (block_size x Hkv x D, K or V) to fp32 rows of Hkv * D.
-template <typename scalar_t>
-inline void load_page(const scalar_t* page, int64_t lo, int64_t hi, int64_t row_len,
-                      float* dst) {
-  load_row(page + lo * row_len, dst, (hi - lo) * row_len);
-}
-
 // Attention of one sequence over keys [first, last): each page is converted once, whole (all
 // kv heads, contiguous: the reads stream), and every query head is scored against it.
 // kDim > 0: the head dim as a compile-time constant (fully unrolled inner loops); 0: s.head_dim.
@@ -86,7 +79,9 @@ void attend_sequence(const scalar_t* query, const scalar_t* cache, const int64_t
         prefetch(cache + table[ahead] * page_len + v_offset,
                  page_len * static_cast<int64_t>(sizeof(scalar_t)));
       }
-      load_page(cache + table[pos / s.block_size] * page_len + v_offset, lo, hi, row_len, page);
+      // Tokens [lo, hi) of the page, all kv heads, to fp32 rows of Hkv * D.
+      load_row(cache + table[pos / s.block_size] * page_len + v_offset + lo * row_len, page,
+               (hi - lo) * row_len);
       for (int64_t t = lo; t < hi; ++t) fn(pos - first + (t - lo), page + (t - lo) * row_len);
       pos += hi - lo;
     }
