@@ -1,16 +1,20 @@
 """Paged attention over the block-table KV cache: the fast path used by the decoder and a plain
 reference the tests hold it to.
 
-Fast path: on the CPU, every sequence with one new token (decode) goes through the C++ kernel
-(kvtier/models/csrc/paged_decode.cpp), which reads its pages in place; elsewhere, or when the
-kernel could not be built, the decodes are gathered into one padded batch and run through two
-batched matmuls (scores, then values) with a softmax between them. Each sequence with
-several new tokens (prefill, or a prefill chunk over a cached prefix) gathers its own blocks and
-runs one scaled_dot_product_attention call with the causal offset. Sliding window: a query at
-position p attends keys in (p - window, p]; blocks wholly before the window are not read at all.
+Fast path on the CPU: the C++ kernels (kvtier/models/csrc) read the pages in place. Every sequence
+with one new token (decode) goes through paged_decode.cpp; every sequence with a few hundred new
+tokens or fewer (a chunk over a cached prefix: each later turn of a conversation) through
+paged_prefill.cpp, all of them in one call per layer. Longer prefills, and every prefill where
+the kernels are unavailable (CUDA, no compiler), gather their own blocks and run one
+scaled_dot_product_attention call with the causal offset: torch's flash kernel wins on long
+square prompts (measured 56 vs 66 ms for 2,048 new tokens), the C++ kernel on short chunks over a
+long context (2-3x: no gather, no per-sequence call). Without the decode kernel, decodes are
+gathered into one padded batch and run through two batched matmuls with a softmax between them.
+Sliding window: a query at position p attends keys in (p - window, p]; blocks wholly before the
+window are not read at all.
 
-The gather plans depend only on the step's metadata, the group and its window, so they are built
-once per step and group and shared by all layers of the group.
+The plans depend only on the step's metadata, the group and its window, so they are built once
+per step and group and shared by all layers of the group.
 """
 
 from __future__ import annotations
@@ -75,9 +79,27 @@ class _KernelDecodePlan:
 
 
 @dataclass(frozen=True)
+class _KernelPrefillPlan:
+    """Every short prefill of the step, for one call of the C++ prefill kernel."""
+    kernel: Callable
+    # (num_prefills, max_blocks) int64 block tables; per prefill its first query row in the
+    # flattened batch, its cached tokens (= position of its first query) and its query count.
+    block_table: torch.Tensor
+    query_start: torch.Tensor
+    num_computed: torch.Tensor
+    query_lens: torch.Tensor
+    window: int  # 0 = no sliding window
+
+
+@dataclass(frozen=True)
 class _GroupPlan:
     decode: _DecodePlan | _KernelDecodePlan | None
-    prefills: tuple[_PrefillPlan, ...]
+    kernel_prefill: _KernelPrefillPlan | None
+    prefills: tuple[_PrefillPlan, ...]  # through scaled_dot_product_attention
+
+
+# Prefills with more new tokens than this go to torch's flash kernel (see the module docstring).
+KERNEL_PREFILL_MAX_QUERIES = 1024
 
 
 def _first_key(num_computed: int, window: int | None) -> int:
@@ -152,12 +174,22 @@ def _kernel_decode_plan(meta: AttentionMetadata, seqs: list[int], group_id: int,
                              torch.tensor(first_keys), torch.tensor(seq_lens))
 
 
-def _decode_kernel(kv_cache: torch.Tensor) -> Callable | None:
-    """The C++ decode kernel when it can take this cache (CPU, contiguous), else None."""
+def _kernel_prefill_plan(meta: AttentionMetadata, seqs: list[int], group_id: int,
+                         window: int | None, kernel: Callable) -> _KernelPrefillPlan:
+    rows = torch.tensor(seqs, dtype=torch.long)
+    return _KernelPrefillPlan(
+        kernel, meta.block_tables[group_id].index_select(0, rows).contiguous(),
+        torch.tensor([meta.query_start_loc_list[s] for s in seqs]),
+        torch.tensor([meta.num_computed[s] for s in seqs]),
+        torch.tensor([meta.seq_lens[s] - meta.num_computed[s] for s in seqs]), window or 0)
+
+
+def _cpu_kernel(kv_cache: torch.Tensor, name: str) -> Callable | None:
+    """The C++ kernel `name` when it can take this cache (CPU, contiguous), else None."""
     if kv_cache.device.type != "cpu" or not kv_cache.is_contiguous():
         return None
     kernels = cpu_kernels.ops()
-    return None if kernels is None else kernels.paged_decode_attention
+    return None if kernels is None else getattr(kernels, name)
 
 
 def _group_plan(meta: AttentionMetadata, group_id: int, window: int | None,
@@ -168,17 +200,22 @@ def _group_plan(meta: AttentionMetadata, group_id: int, window: int | None,
     if plan is None:
         lens = meta.query_lens
         decodes = [s for s in range(meta.num_seqs) if lens[s] == 1]
-        kernel = _decode_kernel(kv_cache) if decodes else None
+        prefills = [s for s in range(meta.num_seqs) if lens[s] > 1]
+        kernel = _cpu_kernel(kv_cache, "paged_decode_attention") if decodes else None
         if not decodes:
             decode = None
         elif kernel is not None:
             decode = _kernel_decode_plan(meta, decodes, group_id, window, kernel)
         else:
             decode = _decode_plan(meta, decodes, group_id, window, block_size, num_blocks)
+        kernel = _cpu_kernel(kv_cache, "paged_prefill_attention") if prefills else None
+        short = [s for s in prefills if lens[s] <= KERNEL_PREFILL_MAX_QUERIES] if kernel else []
         plan = _GroupPlan(
             decode=decode,
+            kernel_prefill=(_kernel_prefill_plan(meta, short, group_id, window, kernel)
+                            if short else None),
             prefills=tuple(_prefill_plan(meta, s, group_id, window, block_size, num_blocks)
-                           for s in range(meta.num_seqs) if lens[s] > 1))
+                           for s in prefills if s not in short))
         meta.plans[key] = plan
     return plan
 
@@ -255,12 +292,16 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     """Attention of the step's queries (num_tokens, num_heads, head_dim) over the paged cache,
     which must already hold this step's K/V. Returns (num_tokens, num_heads, head_dim)."""
     plan = _group_plan(metadata, group_id, sliding_window, kv_cache)
-    if plan.decode is not None and not plan.prefills:
+    if plan.decode is not None and not plan.prefills and plan.kernel_prefill is None:
         # Decode-only steps return the batch as is: rows are already in sequence order.
         return _attend_decodes(query, kv_cache, plan.decode, scale)
+    query = query.contiguous()
     out = torch.empty_like(query)
     if plan.decode is not None:
         out[plan.decode.rows] = _attend_decodes(query, kv_cache, plan.decode, scale)
+    if (kp := plan.kernel_prefill) is not None:  # fills its sequences' rows of `out`
+        kp.kernel(query, kv_cache, kp.block_table, kp.query_start, kp.num_computed,
+                  kp.query_lens, kp.window, scale, out)
     for prefill in plan.prefills:
         out[prefill.query_start:prefill.query_end] = _attend_prefill(query, kv_cache, prefill,
                                                                      scale)

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVTIER_CPU_KERNELS"
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                 for name in ("paged_decode.cpp", "fused_ops.cpp"))
+                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp"))
 # -ffast-math lets expf vectorize; it is a compile flag only, so the process's floating-point
 # mode is untouched. -march=native: the cache is per machine. -fopenmp: at::parallel_for is
 # inline OpenMP; the extension links libgomp.so.1, which resolves to the copy torch has loaded,

@@ -1,5 +1,5 @@
-"""The fast paged attention equals the plain reference, with the C++ decode kernel and with the
-pure-torch decode path; write_kv fills exactly the mapped slots; the connector layer hooks run in
+"""The fast paged attention equals the plain reference, with the C++ kernels and with the
+pure-torch path; write_kv fills exactly the mapped slots; the connector layer hooks run in
 order around each layer."""
 
 import shutil
@@ -18,20 +18,22 @@ HEAD_DIM = 8
 
 
 @pytest.fixture(params=["kernel", "torch"])
-def decode_path(request, monkeypatch):
-    """The attention tests run twice: decodes through the C++ kernel, then through torch."""
+def attention_path(request, monkeypatch):
+    """The attention tests run twice: through the C++ kernels, then through torch alone."""
     if request.param == "torch":
-        monkeypatch.setattr(attention, "_decode_kernel", lambda kv_cache: None)
+        monkeypatch.setattr(attention, "_cpu_kernel", lambda kv_cache, name: None)
     return request.param
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: torch path only")
 def test_cpu_kernels_build_where_a_compiler_exists():
     """A kernel that silently failed to build would cost a third of the decode speed."""
-    assert cpu_kernels.ops() is not None
+    kernels = cpu_kernels.ops()
+    assert kernels is not None
+    assert kernels.paged_decode_attention is not None and kernels.paged_prefill_attention is not None
 
 
-@pytest.mark.usefixtures("decode_path")
+@pytest.mark.usefixtures("attention_path")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_decodes_match_fp32_reference(dtype):
     """The kernel converts each row to fp32 and accumulates in fp32; only rounding differs."""
@@ -60,7 +62,7 @@ def _scenario(num_heads: int, num_kv_heads: int):
     return query, kv_cache, metadata
 
 
-@pytest.mark.usefixtures("decode_path")
+@pytest.mark.usefixtures("attention_path")
 @pytest.mark.parametrize("window", [None, 3, 5, 8])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 2), (6, 1)])
 def test_fast_attention_equals_reference(window, num_heads, num_kv_heads):
@@ -70,7 +72,7 @@ def test_fast_attention_equals_reference(window, num_heads, num_kv_heads):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("decode_path")
+@pytest.mark.usefixtures("attention_path")
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_only_batch_equals_reference(window):
     gen = torch.Generator().manual_seed(1)
@@ -84,7 +86,7 @@ def test_decode_only_batch_equals_reference(window):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("decode_path")
+@pytest.mark.usefixtures("attention_path")
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (3, 3)])
 def test_equal_length_decodes_on_a_block_boundary_equal_reference(num_heads, num_kv_heads):
     """Every gathered key is attended, so the fast path runs without a mask."""
@@ -98,7 +100,7 @@ def test_equal_length_decodes_on_a_block_boundary_equal_reference(num_heads, num
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.usefixtures("decode_path")
+@pytest.mark.usefixtures("attention_path")
 def test_window_skips_blocks_before_it():
     """Blocks wholly before the window are never read, so they may be the null block (here
     poisoned with NaN) as the sliding-window manager leaves them."""
@@ -108,6 +110,63 @@ def test_window_skips_blocks_before_it():
     kv_cache[:, 4] = float("nan")  # seq 3's first block: positions 0-3; its query is at 21
     out = paged_attention(query, kv_cache, metadata, 0, 0.3, 3)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
+def _long_prefill_scenario(head_dim: int, dtype: torch.dtype = torch.float32):
+    """Block size 16 with head dim 64 or 128 (the kernels' vectorised cases), GQA 3:1: chunks
+    over long cached prefixes longer than one 32-token kernel tile, a fresh prompt, a decode."""
+    gen = torch.Generator().manual_seed(4)
+    block = 16
+    num_computed = [70, 0, 33, 100]
+    query_lens = [45, 37, 1, 3]
+    order = torch.randperm(63, generator=gen) + 1  # block 0 stays the null block
+    tables, used = [], 0
+    for computed, length in zip(num_computed, query_lens):
+        count = -(-(computed + length) // block)
+        tables.append(order[used:used + count].tolist())
+        used += count
+    kv_cache = torch.randn(2, 64, block, 3, head_dim, generator=gen).to(dtype)
+    metadata = build_attention_metadata(num_computed, query_lens, [tables], block)
+    query = torch.randn(sum(query_lens), 9, head_dim, generator=gen).to(dtype)
+    return query, kv_cache, metadata, tables
+
+
+@pytest.mark.usefixtures("attention_path")
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_prefill_chunks_over_cached_prefixes_equal_reference(head_dim, window):
+    query, kv_cache, metadata, tables = _long_prefill_scenario(head_dim)
+    reference = reference_paged_attention(query, kv_cache, metadata, 0, head_dim ** -0.5, window)
+    if window is not None:  # seq 0's queries start at 70: keys before 31 are outside the window
+        kv_cache[:, tables[0][0]] = float("nan")
+    fast = paged_attention(query, kv_cache, metadata, 0, head_dim ** -0.5, window)
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.usefixtures("attention_path")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_prefills_match_fp32_reference(dtype):
+    query, kv_cache, metadata, _ = _long_prefill_scenario(64, dtype)
+    reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, 0.125,
+                                          None)
+    out = paged_attention(query, kv_cache, metadata, 0, 0.125, None)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+
+
+def test_long_prefills_take_the_flash_path_beside_kernel_prefills(monkeypatch):
+    """Past the kernel's query limit a prefill goes to scaled_dot_product_attention; both kinds
+    and a decode share one step and each fills only its own rows."""
+    monkeypatch.setattr(attention, "KERNEL_PREFILL_MAX_QUERIES", 40)
+    query, kv_cache, metadata, _ = _long_prefill_scenario(64)
+    plan = attention._group_plan(metadata, 0, None, kv_cache)
+    if plan.kernel_prefill is not None:  # with the kernels: seqs 1 and 3 there, seq 0 not
+        assert plan.kernel_prefill.query_lens.tolist() == [37, 3]
+    assert [p.query_end - p.query_start for p in plan.prefills] == (
+        [45] if plan.kernel_prefill is not None else [45, 37, 3])
+    fast = paged_attention(query, kv_cache, metadata, 0, 0.125, None)
+    reference = reference_paged_attention(query, kv_cache, metadata, 0, 0.125, None)
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
 def test_write_kv_fills_exactly_the_mapped_slots():

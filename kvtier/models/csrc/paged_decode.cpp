@@ -4,7 +4,7 @@
 // Work item = one sequence. Two passes over its pages: scores (then one max and exp per query
 // head), then the weighted values.
 // Registered as torch.ops.kvtier.paged_decode_attention; built at first use by
-// kvtier/models/cpu_attention.py. Compiled with -ffast-math so expf vectorizes (libmvec); every
+// kvtier/models/cpu_kernels.py. Compiled with -ffast-math so expf vectorizes (libmvec); every
 // input is finite (the cache is zero-initialised and only attended positions are read).
 
 #include <ATen/Dispatch.h>
