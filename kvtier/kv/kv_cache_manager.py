@@ -109,8 +109,10 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0
         hit_blocks, num_hit_tokens = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1)
-        self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
-                                       preempted=request.num_preemptions > 0)
+        if request.prefix_lookup_counted != request.num_preemptions:
+            request.prefix_lookup_counted = request.num_preemptions
+            self.prefix_cache_stats.record(request.num_tokens, num_hit_tokens,
+                                           preempted=request.num_preemptions > 0)
         return self.create_kv_cache_blocks(hit_blocks), num_hit_tokens
 
     # ---- allocation --------------------------------------------------------------------------

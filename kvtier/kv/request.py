@@ -100,6 +100,9 @@ class Request:
         self.output_token_ids: list[int] = []
         self._all_token_ids: list[int] = list(prompt_token_ids)
         self.num_preemptions = 0
+        # num_preemptions when its prefix-cache lookup was last counted in the stats: a request
+        # asked again while it waits (a connector retry, no free blocks) counts once per start.
+        self.prefix_lookup_counted: int | None = None
         # Tokens served from any cache (local or external) when first scheduled; None until then.
         self.num_cached_tokens: int | None = None
         self.stop_reason: int | str | None = None

@@ -77,17 +77,22 @@ class TieringManager:
 
     # ---- lookup and promotion -------------------------------------------------------------
 
-    def lookup(self, key: ChunkKey, num_bytes: int, req_context: Any = None) -> Lookup:
+    def lookup(self, key: ChunkKey, num_bytes: int, req_context: Any = None,
+               record: bool = True) -> Lookup:
+        """Where `key` is; `record=False` leaves the hit/query counters alone (the caller asked
+        about this chunk before: a retry while it is promoted)."""
         if self.host.is_ready(key):
-            self.metrics.lookup(HOST, True, 0.0)
+            if record:
+                self.metrics.lookup(HOST, True, 0.0)
             return Lookup.HIT
-        self.metrics.lookup(HOST, False, 0.0)
+        if record:
+            self.metrics.lookup(HOST, False, 0.0)
         if key in self._promoting:
             return Lookup.RETRY
         if key in self.host.entries:
             return Lookup.MISS  # arriving from the device; its blocks are still there
         for index, tier in enumerate(self.tiers):
-            answer = self._ask_tier(index, tier, key, req_context)
+            answer = self._ask_tier(index, tier, key, req_context, record)
             if answer is LookupResult.UNKNOWN:
                 return Lookup.RETRY
             if answer is LookupResult.FOUND and self._promote(index, key, num_bytes):
@@ -95,7 +100,7 @@ class TieringManager:
         return Lookup.MISS
 
     def _ask_tier(self, index: int, tier: SecondaryTier, key: ChunkKey,
-                  req_context: Any) -> LookupResult:
+                  req_context: Any, record: bool) -> LookupResult:
         if (index, key) in self._failed:
             return LookupResult.NOT_FOUND
         start = self._clock()
@@ -104,8 +109,9 @@ class TieringManager:
         except Exception:  # a broken tier is a miss, never a crash
             self.metrics.error(self.tier_names[index])
             return LookupResult.NOT_FOUND
-        self.metrics.lookup(self.tier_names[index], answer is LookupResult.FOUND,
-                            self._clock() - start)
+        if record:
+            self.metrics.lookup(self.tier_names[index], answer is LookupResult.FOUND,
+                                self._clock() - start)
         return answer
 
     def _promote(self, index: int, key: ChunkKey, num_bytes: int) -> bool:

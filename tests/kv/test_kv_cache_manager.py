@@ -309,6 +309,23 @@ def test_prefix_cache_stats_count_tokens_and_reset(make_manager):
     manager.free(make_request(manager, "b", []))
 
 
+def test_prefix_cache_stats_count_a_waiting_request_once_per_start(make_manager):
+    """A request asked again while it waits (a connector retry, no free blocks) is one lookup;
+    after a preemption its next lookup counts apart, as a preempted one."""
+    manager = make_manager()
+    admit(manager, make_request(manager, "a", list(range(12))))
+    b = make_request(manager, "b", list(range(10)))
+    for _ in range(3):
+        assert manager.get_computed_blocks(b)[1] == 8
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.queries, stats.hits) == (2, 22, 8)
+    b.num_preemptions += 1
+    manager.get_computed_blocks(b)
+    manager.get_computed_blocks(b)
+    stats = manager.make_prefix_cache_stats()
+    assert (stats.requests, stats.preempted_requests, stats.preempted_hits) == (0, 1, 8)
+
+
 def test_caching_disabled_never_hits(make_manager):
     manager = make_manager(enable_caching=False)
     a = make_request(manager, "a", list(range(12)))

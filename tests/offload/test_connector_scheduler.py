@@ -125,6 +125,17 @@ def test_secondary_hit_answers_retry_until_promoted(make_connector):
     stuck.release(ok=True)
     _empty_step(connector)
     assert connector.get_num_new_matched_tokens(request, 0) == (28, True)
+    # Three asks, counted once per chunk: each missed the host and was found on the tier.
+    stats = connector.manager.metrics.snapshot()
+    assert stats['kvtier:offload_tier_queries_total{tier="StuckTier"}'] == 7
+    assert stats['kvtier:offload_tier_hits_total{tier="StuckTier"}'] == 7
+    assert stats['kvtier:offload_tier_queries_total{tier="host"}'] == 7
+    assert stats.get('kvtier:offload_tier_hits_total{tier="host"}', 0) == 0
+    connector.request_finished(request, [])  # a new request with the same chunks counts anew
+    assert connector.get_num_new_matched_tokens(_request("r2"), 0) == (28, True)
+    stats = connector.manager.metrics.snapshot()
+    assert stats['kvtier:offload_tier_hits_total{tier="host"}'] == 7
+    assert stats['kvtier:offload_tier_queries_total{tier="host"}'] == 14
 
 
 def test_failed_promotion_ends_the_hit_there(make_connector):

@@ -76,6 +76,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._pending_loads: list[ChunkTransfer] = []
         self._loading: dict[str, list[_Load]] = {}
         self._storing: dict[int, ChunkKey] = {}
+        self._asked: dict[str, set[tuple[int, int]]] = {}  # (group, chunk) looked up per request
 
     # ---- keys and lookups ------------------------------------------------------------------
 
@@ -98,8 +99,13 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         return range(start, end)
 
     def _lookup(self, request: Any, group_id: int, chunk: int) -> Lookup:
+        # A request re-asks while its chunks are promoted: the tier counters count it once.
+        asked = self._asked.setdefault(request.request_id, set())
+        first = (group_id, chunk) not in asked
+        asked.add((group_id, chunk))
         return self.manager.lookup(self.chunk_key(request, group_id, chunk),
-                                   self.layouts[group_id].chunk_bytes, request.request_id)
+                                   self.layouts[group_id].chunk_bytes, request.request_id,
+                                   record=first)
 
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -261,6 +267,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         # Stores never need the blocks kept: the worker fences them before the next forward.
         self._requests.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
+        self._asked.pop(request.request_id, None)
         return False, None
 
     def take_events(self) -> list[Any]:
