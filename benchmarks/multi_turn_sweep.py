@@ -191,6 +191,8 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p.add_argument("--user-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--think-time", type=float, default=0.0)
+    p.add_argument("--start-interval", type=float, default=0.0,
+                   help="seconds between the first turns of consecutive conversations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-kv-bytes", type=int, default=1 << 30,
                    help="device KV budget of every configuration (SmolLM2 bf16: 23,040 B/token)")
@@ -211,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     workload = MultiTurnConfig(num_turns=a.num_turns, system_prompt_tokens=a.system_prompt_tokens,
                                context_tokens=a.context_tokens, user_tokens=a.user_tokens,
                                output_tokens=a.output_tokens, think_time_s=a.think_time,
-                               seed=a.seed)
+                               start_interval_s=a.start_interval, seed=a.seed)
     return SweepConfig(
         conversations=tuple(int(n) for n in a.conversations.split(",")),
         configs=tuple(a.configs.split(",")), workload=workload,

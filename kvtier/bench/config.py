@@ -28,6 +28,9 @@ class MultiTurnConfig:
     user_tokens: int = 64
     output_tokens: int = 32
     think_time_s: float = 0.0
+    # Conversation i sends its first turn i * start_interval_s after the run starts (users
+    # arriving over time); 0: all at once, so every first turn queues behind the others.
+    start_interval_s: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,6 +42,7 @@ class MultiTurnConfig:
             (self.user_tokens >= 1, "user_tokens", "must be >= 1"),
             (self.output_tokens >= 1, "output_tokens", "must be >= 1"),
             (self.think_time_s >= 0.0, "think_time_s", "must be >= 0"),
+            (self.start_interval_s >= 0.0, "start_interval_s", "must be >= 0"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -68,6 +68,8 @@ async def _run_conversation(script: ConversationScript, client: TurnClient,
                             config: MultiTurnConfig, bar: tqdm) -> list[RequestResult]:
     history = [{"role": "system", "content": script.system_prompt}]
     results = []
+    if config.start_interval_s > 0.0 and script.conversation_id > 0:
+        await asyncio.sleep(script.conversation_id * config.start_interval_s)
     for turn, user_message in enumerate(script.user_messages):
         if turn > 0 and config.think_time_s > 0.0:
             await asyncio.sleep(config.think_time_s)

@@ -56,6 +56,9 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     group.add_argument("--output-tokens", type=int, default=DEFAULTS.output_tokens)
     group.add_argument("--think-time", type=float, default=DEFAULTS.think_time_s,
                        help="seconds a conversation waits between a reply and its next turn")
+    group.add_argument("--start-interval", type=float, default=DEFAULTS.start_interval_s,
+                       help="seconds between the first turns of consecutive conversations "
+                            "(default 0: all conversations start at once)")
     return group
 
 
@@ -120,7 +123,7 @@ def _run_multi_turn(args: argparse.Namespace) -> int:
         num_conversations=args.num_conversations, num_turns=args.num_turns,
         system_prompt_tokens=args.system_prompt_tokens, context_tokens=args.context_tokens,
         user_tokens=args.user_tokens, output_tokens=args.output_tokens,
-        think_time_s=args.think_time, seed=args.seed)
+        think_time_s=args.think_time, start_interval_s=args.start_interval, seed=args.seed)
     target = _target(args)
     report = asyncio.run(run_multi_turn(config, target, label=args.label,
                                         show_progress=not args.no_progress))

@@ -113,6 +113,17 @@ def test_think_time_separates_turns(fake_server):
     assert second - first >= 0.3 + FIRST_TOKEN_DELAY_S + TOKEN_INTERVAL_S
 
 
+def test_start_interval_spreads_the_first_turns(fake_server):
+    config = MultiTurnConfig(num_conversations=3, num_turns=1, system_prompt_tokens=3,
+                             context_tokens=2, user_tokens=2, output_tokens=2,
+                             start_interval_s=0.25)
+    target = ServerTarget(url=fake_server.base_url, request_timeout_s=30, run_timeout_s=60)
+    report = asyncio.run(run_multi_turn(config, target, show_progress=False))
+    first, second, third = sorted(fake_server.arrival_times)
+    assert second - first >= 0.25 and third - second >= 0.25
+    assert report["workload"]["start_interval_s"] == 0.25
+
+
 def test_server_without_metrics_reports_no_hit_rates(fake_server):
     fake_server.metrics_enabled = False
     config = MultiTurnConfig(num_conversations=1, num_turns=1, system_prompt_tokens=3,

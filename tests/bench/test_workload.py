@@ -71,7 +71,8 @@ def test_completion_prompt_rendering():
 
 @pytest.mark.parametrize("field, value", [("num_conversations", 0), ("num_turns", 0),
                                           ("system_prompt_tokens", -1), ("user_tokens", 0),
-                                          ("output_tokens", 0), ("think_time_s", -0.5)])
+                                          ("output_tokens", 0), ("think_time_s", -0.5),
+                                          ("start_interval_s", -1.0)])
 def test_bad_workload_config_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"MultiTurnConfig.{field}"):
         MultiTurnConfig(**{field: value})
