@@ -28,6 +28,9 @@ if TYPE_CHECKING:
     from kvtier.connector.base import KVConnectorOutput, KVConnectorScheduler
     from kvtier.kv import KVCacheBlocks, KVCacheManager
 
+# While the connector answers "not yet" (KV on its way from a slower tier), the waiting queue is
+# asked further only until the deferred requests hold this many steps' worth of tokens.
+FETCH_LOOKAHEAD_STEPS = 2
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: "KVCacheManager",
@@ -168,6 +171,7 @@ class Scheduler:
         """Admit waiting requests in queue order until the budget, the seat cap or the blocks
         run out. Requests that cannot start yet keep their place for the next step."""
         skipped: list[Request] = []
+        deferred_tokens = 0
         while (len(self.waiting) > 0 and batch.token_budget > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.waiting.peek_request()
@@ -180,7 +184,15 @@ class Scheduler:
                 enable_chunked_prefill=self.config.enable_chunked_prefill,
                 ask_connector=request.request_id not in self.no_external_load)
             if admission is None:
+                # Its KV is on the way from a slower tier. Every request asked starts such a
+                # fetch, so asking the whole queue would fetch far more than the next steps can
+                # use and overflow the tier the fetches land in (measured: the host tier evicting
+                # fetched chunks before their use, the requests recomputing). Look ahead a few
+                # steps' worth only.
                 skipped.append(self.waiting.pop_request())
+                deferred_tokens += request.num_tokens
+                if deferred_tokens >= FETCH_LOOKAHEAD_STEPS * self.config.max_num_batched_tokens:
+                    break
                 continue
             if admission.num_new_tokens > batch.token_budget:
                 break

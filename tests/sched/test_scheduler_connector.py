@@ -211,6 +211,25 @@ def test_none_deferral_keeps_fcfs_order(managers):
     assert_all_free(manager)
 
 
+def test_deferrals_stop_asking_past_the_fetch_lookahead(managers):
+    """Each request asked starts a fetch of its KV: once the deferred ones hold two steps'
+    worth of tokens (2 x 64 here), the rest of the queue waits for the next step."""
+    manager = managers(64)
+    names = ("a", "b", "c", "d", "e")
+    connector = ScriptedConnector(answers={n: [(None, False), (0, False)] for n in names})
+    sched = make_scheduler(manager, connector)
+    runner = FakeRunner()
+    for i, name in enumerate(names):
+        sched.add_request(make_request(name, prompt(100 * i, 50), max_tokens=1))
+    out, _ = step(sched, runner)
+    assert out.is_empty
+    assert [q[0] for q in connector.queries] == ["a", "b", "c"]  # 150 tokens >= 128
+    assert [r.request_id for r in sched.waiting] == list(names)
+    out, _ = step(sched, runner)
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["a", "b"]  # 50 + 14 of 64 tokens
+    assert [q[0] for q in connector.queries[3:]] == ["a", "b"]
+
+
 def test_waiting_for_remote_kvs_holds_its_place(managers):
     manager = managers(32)
     connector = ScriptedConnector(answers={"a": [(4, True)]})
