@@ -7,9 +7,11 @@ page = K then V of one block, each (block_size, num_kv_heads, head_dim) contiguo
 Every byte is copied once, straight between the cache and the host area: no staging buffer.
 A step's blocks are first cut into runs (consecutive device block ids landing on consecutive
 host pages, common since the block pool hands out blocks in order), and each run is one strided
-copy per layer whatever its length. On CPU the copies are numpy assignments between views whose
-elements are whole K or V halves of a page (a void dtype), so each element is one memcpy and the
-GIL is released while it runs; torch's CPU copies of such views cost more per call. The torch
+copy per layer whatever its length. On CPU the copies are numpy assignments between byte views
+(block, K or V, bytes) whose rows are contiguous, so numpy copies row by row and releases the GIL
+while it runs; torch's CPU copies of such views cost more per call. (Views with one void element
+per half-page, tried first, were 3x slower and held the GIL: the engine thread stalled behind
+every store.) The torch
 path serves any device: it gathers the blocks on the device into the host's block-major order
 (on CUDA on a side stream that first waits for the compute stream; the copy thread then waits
 for that stream), then moves each run with one copy into its contiguous host range. Tests check
@@ -104,12 +106,12 @@ class ChunkCopier:
                 cache[run.first_block:run.first_block + run.num_blocks] = pages[:, layer]
 
     def _host_halves(self, group_id: int, run: _Run) -> np.ndarray:
-        """The run's host pages as (num_blocks, num_layers, 2) page halves (K, V)."""
+        """The run's host pages as (num_blocks, num_layers, 2, half-page bytes): K, V halves."""
         layout = self.layouts[group_id]
         half = layout.page_bytes // 2
-        return np.ndarray((run.num_blocks, layout.num_layers, 2), dtype=np.dtype((np.void, half)),
+        return np.ndarray((run.num_blocks, layout.num_layers, 2, half), dtype=np.uint8,
                           buffer=self.host_area, offset=run.host_offset,
-                          strides=(layout.block_bytes, layout.page_bytes, half))
+                          strides=(layout.block_bytes, layout.page_bytes, half, 1))
 
     def _store_torch(self, group_id: int, runs: list[_Run]) -> None:
         caches = self.group_caches[group_id]
@@ -174,11 +176,10 @@ class ChunkCopier:
 
 
 def _cache_halves(cache: torch.Tensor) -> np.ndarray:
-    """A CPU cache as (num_blocks, 2) elements, each the K or V bytes of one block (a void)."""
-    # (2, num_blocks, bs, heads, hd) -> (2, num_blocks, half bytes) uint8 -> (2, num_blocks) void
+    """A CPU cache as (num_blocks, 2, half-page bytes): the K and V bytes of each block."""
+    # (2, num_blocks, bs, heads, hd) -> (2, num_blocks, half bytes) uint8 -> block-major view
     rows = cache.view(torch.uint8).numpy().reshape(cache.shape[0], cache.shape[1], -1)
-    halves = rows.view(np.dtype((np.void, rows.shape[2])))[..., 0]
-    return halves.T
+    return rows.transpose(1, 0, 2)
 
 
 def _num_blocks(runs: list[_Run]) -> int:
