@@ -11,11 +11,10 @@ copy per layer whatever its length. On CPU the copies are numpy assignments betw
 (block, K or V, bytes) whose rows are contiguous, so numpy copies row by row and releases the GIL
 while it runs; torch's CPU copies of such views cost more per call. (Views with one void element
 per half-page, tried first, were 3x slower and held the GIL: the engine thread stalled behind
-every store.) The torch
-path serves any device: it gathers the blocks on the device into the host's block-major order
-(on CUDA on a side stream that first waits for the compute stream; the copy thread then waits
-for that stream), then moves each run with one copy into its contiguous host range. Tests check
-the two paths agree byte for byte.
+every store.) The torch path serves any device: it gathers the blocks on the device into the
+host's block-major order (on CUDA on a side stream that first waits for the compute stream; the
+copy thread then waits for that stream), then moves each run with one copy into its contiguous
+host range. Tests check the two paths agree byte for byte.
 """
 
 from __future__ import annotations
