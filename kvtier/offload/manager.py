@@ -95,7 +95,11 @@ class TieringManager:
             answer = self._ask_tier(index, tier, key, req_context, record)
             if answer is LookupResult.UNKNOWN:
                 return Lookup.RETRY
-            if answer is LookupResult.FOUND and self._promote(index, key, num_bytes):
+            if answer is LookupResult.FOUND:
+                # Promoting, or every host slot is busy with a transfer for now: ask again
+                # later, a MISS would recompute what the tier holds. A failed submit marks the
+                # tier failed for this key, so the next ask goes on to the tiers below.
+                self._promote(index, key, num_bytes)
                 return Lookup.RETRY
         return Lookup.MISS
 
@@ -114,17 +118,17 @@ class TieringManager:
                                 self._clock() - start)
         return answer
 
-    def _promote(self, index: int, key: ChunkKey, num_bytes: int) -> bool:
+    def _promote(self, index: int, key: ChunkKey, num_bytes: int) -> None:
+        """Start copying `key` up from tier `index`, unless no host slot is free right now."""
         slot = self.host.prepare_store(key, num_bytes)
         if slot is None:
-            return False
+            return
         job_id = self._submit(index, "promote", key, num_bytes, slot)
         if job_id is None:
             self.host.complete_store(key, ok=False)
             self._mark_failed(index, key)
-            return False
+            return
         self._promoting[key] = job_id
-        return True
 
     # ---- device <-> host (two-phase; the connector moves the bytes) ------------------------
 

@@ -131,3 +131,17 @@ def test_groups_of_different_page_sizes_share_the_host_area(make_manager):
         assert len(manager.host.view(state_key)) == state_bytes
     finally:
         manager.shutdown()
+
+
+def test_found_below_while_every_host_slot_is_busy_is_asked_again(make_manager):
+    manager = make_manager(offload_config(1, [MEMORY]))
+    store_from_device(manager, 1)
+    manager.poll()  # chunk 1 reaches the memory tier
+    manager.record_use(key(2))
+    slot = manager.prepare_store(key(2), CHUNK)  # evicts 1; the device is writing chunk 2
+    # The only slot is busy, so chunk 1 cannot come up yet; a MISS would recompute it.
+    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY
+    manager.area.slot_view(slot, CHUNK)[:] = chunk_bytes(2)
+    manager.complete_store(key(2), ok=True)
+    assert poll_until(manager, 1) is Lookup.HIT
+    assert read_host(manager, 1) == chunk_bytes(1)
