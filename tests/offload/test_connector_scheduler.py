@@ -1,5 +1,7 @@
 """The offloading scheduler half against the real KV cache manager: exact plans and RETRY."""
 
+import time
+
 import pytest
 
 from kvtier.connector.base import ConnectorContext, KVConnectorOutput
@@ -148,3 +150,27 @@ def test_failed_promotion_ends_the_hit_there(make_connector):
     _empty_step(connector)
     # Chunk 2's promotion failed: the first two chunks are a hit, the rest recompute.
     assert connector.get_num_new_matched_tokens(_request(), 0) == (8, True)
+
+
+def test_request_longer_than_the_host_tier_stops_waiting_for_promotions(make_connector):
+    # Host: 4 slots; the request's 7 chunks are all on the memory tier. Each step's promotions
+    # evict the chunks the previous step promoted, so waiting for all 7 never ends; after one
+    # tier-job deadline the request takes what is in host memory and recomputes the rest.
+    connector = make_connector(cpu_bytes_to_use=4 * CHUNK_BYTES, tier_job_timeout_s=0.3,
+                               secondary_tiers=[{"type": "memory"}])
+    manager, request = connector.manager, _request()
+    for chunk in range(7):
+        key = connector.chunk_key(request, 0, chunk)
+        manager.record_use(key)
+        manager.prepare_store(key, CHUNK_BYTES)
+        manager.complete_store(key, ok=True)  # cascades to the memory tier
+        manager.poll()
+    asker = _request("r2")
+    deadline = time.monotonic() + 5
+    while (answer := connector.get_num_new_matched_tokens(asker, 0)) == (None, False):
+        assert time.monotonic() < deadline, "the request waits for its promotions forever"
+        _empty_step(connector)
+    num_tokens, load_async = answer
+    assert num_tokens % BLOCK == 0 and num_tokens <= 4 * BLOCK  # at most what the host holds
+    assert load_async is (num_tokens > 0)
+    assert time.monotonic() > deadline - 5 + 0.3  # it did wait one deadline first

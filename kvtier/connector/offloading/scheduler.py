@@ -2,7 +2,8 @@
 
 Lookups walk a waiting request's chunks left to right from its local prefix hit: host hits
 extend the answer, a chunk on its way up from a secondary tier makes the answer None (RETRY: the
-scheduler asks again next step), the first miss ends it. Stores are planned every step for the
+scheduler asks again next step; for at most `tier_job_timeout_s`, then the host's chunks are
+taken as they are), the first miss ends it. Stores are planned every step for the
 chunks that became full; the worker copies them after the forward and the cascade to secondary
 tiers starts when the copy is reported.
 
@@ -77,6 +78,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._loading: dict[str, list[_Load]] = {}
         self._storing: dict[int, ChunkKey] = {}
         self._asked: dict[str, set[tuple[int, int]]] = {}  # (group, chunk) looked up per request
+        self._retrying: dict[str, float] = {}  # when each request was first answered RETRY
 
     # ---- keys and lookups ------------------------------------------------------------------
 
@@ -115,21 +117,26 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         num_chunks = num_loadable_blocks // self.options.blocks_per_chunk
         start = num_computed_tokens // self.chunk_tokens
         end, retry = start, False
+        # Waited a whole tier-job deadline: take what host memory holds now. Without this, a
+        # request with more chunks on a tier than the host has slots waits forever, each
+        # step's promotions evicting the previous step's.
+        settle = self._waited_too_long(request.request_id)
         scan = self._scan_groups()
         for chunk in range(start, num_chunks):
             # Past a RETRY the scan goes on, so every chunk on a tier is promoted at once.
             answers = {self._lookup(request, g, chunk) for g in scan}
-            if Lookup.MISS in answers:
+            if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
                 break
             retry = retry or Lookup.RETRY in answers
             end = chunk + 1
         others = [g for g in range(len(self.groups)) if g not in scan]
         for g in others:
             answers = {self._lookup(request, g, c) for c in self._needed_chunks(g, start, end)}
-            if Lookup.MISS in answers:
+            if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
                 end = start
             retry = retry or Lookup.RETRY in answers
         if retry and end > start:
+            self._retrying.setdefault(request.request_id, time.monotonic())
             return None, False
         num_tokens = end * self.chunk_tokens - num_computed_tokens
         if num_tokens <= 0:
@@ -137,11 +144,16 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._plans[request.request_id] = _Plan(num_computed_tokens, end)
         return num_tokens, True
 
+    def _waited_too_long(self, req_id: str) -> bool:
+        since = self._retrying.get(req_id)
+        return since is not None and time.monotonic() - since > self.options.tier_job_timeout_s
+
     # ---- loads -------------------------------------------------------------------------------
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
         req_id = request.request_id
+        self._retrying.pop(req_id, None)  # admitted: a later ask (after a preemption) may wait
         block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if req_id not in self._requests:
             self._requests[req_id] = _RequestState(request, block_ids)
@@ -268,6 +280,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._requests.pop(request.request_id, None)
         self._plans.pop(request.request_id, None)
         self._asked.pop(request.request_id, None)
+        self._retrying.pop(request.request_id, None)
         return False, None
 
     def take_events(self) -> list[Any]:
