@@ -176,6 +176,23 @@ def test_byte_budget_evicts_least_recently_used_files(make_tier, tmp_path):
     assert present == [0, 3, 4]
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_write_threads_yield_the_cpu_and_read_threads_do_not(make_tier, tmp_path):
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    tier = make_tier(tmp_path, write_nice=5)
+    assert _store(tier, 1)  # the pool's threads start with the first job
+    in_writer = tier._writers.submit(os.getpriority, os.PRIO_PROCESS, 0).result(timeout=10)
+    in_reader = tier._readers.submit(os.getpriority, os.PRIO_PROCESS, 0).result(timeout=10)
+    assert (in_writer, in_reader) == (min(19, base + 5), base)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the engine's thread is untouched
+
+
+@pytest.mark.parametrize("bad", [-1, 20, 2.5, True])
+def test_write_nice_out_of_range_is_refused(tmp_path, bad):
+    with pytest.raises(ValueError, match=r"fs\.write_nice must be an integer in 0\.\.19"):
+        FsTierOptions(root_dir=str(tmp_path), write_nice=bad)
+
+
 def _stored_path(tier, n):
     assert _store(tier, n)
     return tier.path_for(key(n))

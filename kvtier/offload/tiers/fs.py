@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,10 @@ class FsTierOptions:
     max_bytes: int | str | None = None
     num_read_threads: int = 2
     num_write_threads: int = 2
+    # Niceness added to the write threads (Linux; elsewhere ignored). Writes are background
+    # work: niced, they run in the CPU time the forward pass leaves idle instead of taking
+    # turns with it. Reads stay at the engine's priority: a request waits for them.
+    write_nice: int = 10
 
     def __post_init__(self) -> None:
         require(isinstance(self.root_dir, str) and self.root_dir != "", "fs.root_dir",
@@ -49,6 +54,9 @@ class FsTierOptions:
         for name in ("num_read_threads", "num_write_threads"):
             require(is_positive_int(getattr(self, name)), f"fs.{name}", "must be an integer >= 1",
                     getattr(self, name))
+        require(isinstance(self.write_nice, int) and not isinstance(self.write_nice, bool)
+                and 0 <= self.write_nice <= 19, "fs.write_nice", "must be an integer in 0..19",
+                self.write_nice)
 
 
 class FsTier(SecondaryTier):
@@ -60,7 +68,9 @@ class FsTier(SecondaryTier):
         self._file_bytes: int | None = None  # size of one chunk file, known from the first key
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         self._readers = ThreadPoolExecutor(options.num_read_threads, "kvtier-fs-read")
-        self._writers = ThreadPoolExecutor(options.num_write_threads, "kvtier-fs-write")
+        self._writers = ThreadPoolExecutor(options.num_write_threads, "kvtier-fs-write",
+                                           initializer=_lower_priority,
+                                           initargs=(options.write_nice,))
         self._evict_lock = threading.Lock()
         # Bytes this instance believes are in the directory; None until the first scan.
         self._used_bytes: int | None = None
@@ -184,6 +194,16 @@ class FsTier(SecondaryTier):
                     continue  # deleted by another instance meanwhile
                 found.append((path, st.st_size, st.st_mtime))
         return found
+
+
+def _lower_priority(nice: int) -> None:
+    """Add `nice` to the calling thread's niceness (Linux keeps one per thread)."""
+    if nice == 0 or not sys.platform.startswith("linux"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    except OSError:
+        pass  # the thread runs at the engine's priority: slower under load, still correct
 
 
 def _listdir(path: str) -> list[str]:
