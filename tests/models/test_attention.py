@@ -144,12 +144,18 @@ def test_prefill_chunks_over_cached_prefixes_equal_reference(head_dim, window):
 
 
 @pytest.mark.usefixtures("attention_path")
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_prefills_match_fp32_reference(dtype):
-    query, kv_cache, metadata, _ = _long_prefill_scenario(64, dtype)
-    reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, 0.125,
-                                          None)
-    out = paged_attention(query, kv_cache, metadata, 0, 0.125, None)
+def test_low_precision_prefills_match_fp32_reference(dtype, head_dim, window):
+    """bf16 takes the kernel's vdpbf16ps path where the CPU has AVX512-BF16."""
+    query, kv_cache, metadata, tables = _long_prefill_scenario(head_dim, dtype)
+    scale = head_dim ** -0.5
+    reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, scale,
+                                          window)
+    if window is not None:  # never read: outside every query's window
+        kv_cache[:, tables[0][0]] = float("nan")
+    out = paged_attention(query, kv_cache, metadata, 0, scale, window)
     assert out.dtype == dtype
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
