@@ -217,5 +217,10 @@ class ServerSession:
 async def open_server_session(target: ServerTarget,
                               max_connections: int) -> AsyncIterator[ServerSession]:
     """Connections to the server and the model to request; BenchClientError if unusable."""
-    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=max_connections)) as http:
+    # Idle connections are dropped after 2 s, before a server closes them: uvicorn (kvtier's and
+    # vLLM's server) closes a connection idle for 5 s, httpx's default expiry is also 5 s, and a
+    # request sent on a connection the server is closing at that moment fails with a ReadError
+    # (seen once in 1,280 requests at 256 conversations).
+    limits = httpx.Limits(max_connections=max_connections, keepalive_expiry=2.0)
+    async with httpx.AsyncClient(limits=limits) as http:
         yield ServerSession(http, target, await resolve_model(http, target))
