@@ -10,8 +10,9 @@ scaled_dot_product_attention call with the causal offset: in fp32 and fp16 torch
 wins on long square prompts (measured 56 vs 66 ms for 2,048 new tokens), the C++ kernel on short
 chunks over a long context (2-3x: no gather, no per-sequence call). In bf16 on a CPU with
 AVX512-BF16 the kernel's vdpbf16ps path is ahead of the flash kernel at every length (38 vs
-45 ms for 2,048 tokens, 2.8x on 512-token prompts over a 128-token prefix). Without the decode kernel, decodes are
-gathered into one padded batch and run through two batched matmuls with a softmax between them.
+45 ms for 2,048 tokens, 2.8x on 512-token prompts over a 128-token prefix). Without the decode
+kernel, decodes are gathered into one padded batch and run through two batched matmuls with a
+softmax between them.
 Sliding window: a query at position p attends keys in (p - window, p]; blocks wholly before the
 window are not read at all.
 
