@@ -253,7 +253,7 @@ void attend_tile_bf16(const c10::BFloat16* query, const c10::BFloat16* cache,
     const c10::BFloat16* src = query + (tile_begin + i) * row_stride + kv_head * group * kDim;
     std::memcpy(q + i * group * kPairs, src, group * kDim * sizeof(c10::BFloat16));
   }
-  std::fill(kpages, kpages + 2 * num_pages * kPageWords, 0u);
+  std::fill(kpages, kpages + 2 * num_pages * kPageWords, 0u);  // kpages and vpages after it
   for (int64_t page = 0; page < num_pages; ++page) {
     const int64_t page_pos = (first_page + page) * kBlock;
     const int64_t t_lo = std::max(lo, page_pos) - page_pos;
