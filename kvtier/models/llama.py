@@ -18,6 +18,7 @@ from kvtier.models.attention import AttentionMetadata, paged_attention, write_kv
 from kvtier.models.config import KVCacheGroupLayout, ModelConfig
 from kvtier.models.errors import ModelLoadError
 from kvtier.models.fused_ops import rms_norm, rotary, silu_and_mul
+from kvtier.models.packed_linear import PackedLinear, can_pack, pack_linears
 from kvtier.models.rope import RotaryEmbedding
 
 # HF parameter name part -> (fused name part, shard index within the fused weight).
@@ -127,6 +128,8 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
                                      dtype=dtype)
+        # Set by pack_weights: the logits head packed for oneDNN (tied or not).
+        self.logits_head: PackedLinear | None = None
         # Built on the real device even when the parameters start on "meta".
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       device)
@@ -147,8 +150,22 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, hidden) -> fp32 (N, vocab)."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden).float()
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def pack_weights(self) -> int:
+        """Pack the projections and the logits head for oneDNN where `can_pack` allows (bf16 on
+        CPU); returns how many matrices were packed. Call after load_weights: packed matrices
+        are no longer parameters."""
+        count = pack_linears(self.model)
+        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if can_pack(head):
+            self.logits_head = PackedLinear(head, None)
+            self.lm_head = None  # an untied head's plain copy; a tied one stays the embeddings
+            count += 1
+        return count
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Copy HF-named tensors into the parameters; every parameter must be covered.

@@ -44,7 +44,9 @@ def _build(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], sou
         model = LlamaForCausalLM(config, dtype=dtype, device=device)
     model.to_empty(device=device)
     model.load_weights(weights, source)
-    return model.eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
+    model.pack_weights()
+    return model
 
 
 def _load_hf_dir(path: str, name: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
