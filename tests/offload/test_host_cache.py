@@ -1,3 +1,6 @@
+import mmap
+import sys
+
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.host_cache import ChunkState, HostCache
 from kvtier.offload.policies import LRUPolicy
@@ -23,6 +26,20 @@ def test_host_area_slots_are_zero_copy_views():
     assert bytes(area.buffer[32:36]) == b"abcd"
     with pytest.raises(ValueError, match="cpu_bytes_to_use=8 holds no chunk"):
         HostArea(8, 16)
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(mmap, "MAP_POPULATE"),
+                    reason="MAP_POPULATE is Linux only")
+def test_host_area_pages_are_resident_before_the_first_store():
+    before = _resident_kib()
+    area = HostArea(64 << 20, 1 << 20)
+    assert _resident_kib() - before >= 60 << 10  # KiB: nearly all of the 64 MiB
+    assert not area.buffer.any() and area.buffer.flags.writeable
 
 
 def test_slots_handed_out_in_order_and_victims_in_lru_order():
