@@ -152,20 +152,19 @@ class LlamaForCausalLM(nn.Module):
         """(N, hidden) -> fp32 (N, vocab)."""
         if self.logits_head is not None:
             return self.logits_head(hidden).float()
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return F.linear(hidden, self._head_weight()).float()
 
-    def pack_weights(self) -> int:
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack_weights(self) -> None:
         """Pack the projections and the logits head for oneDNN where `can_pack` allows (bf16 on
-        CPU); returns how many matrices were packed. Call after load_weights: packed matrices
-        are no longer parameters."""
-        count = pack_linears(self.model)
-        head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        CPU). Call after load_weights: packed matrices are no longer parameters."""
+        pack_linears(self.model)
+        head = self._head_weight()
         if can_pack(head):
             self.logits_head = PackedLinear(head, None)
             self.lm_head = None  # an untied head's plain copy; a tied one stays the embeddings
-            count += 1
-        return count
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
         """Copy HF-named tensors into the parameters; every parameter must be covered.

@@ -34,7 +34,7 @@ def test_bf16_model_packs_every_projection_and_keeps_its_logits(model_pair, tmp_
     hf_model, _ = model_pair
     hf_model.save_pretrained(tmp_path)
     packed = load_model(str(tmp_path), dtype=torch.bfloat16).model
-    monkeypatch.setattr(LlamaForCausalLM, "pack_weights", lambda self: 0)
+    monkeypatch.setattr(LlamaForCausalLM, "pack_weights", lambda self: None)
     plain = load_model(str(tmp_path), dtype=torch.bfloat16).model
 
     num_layers = packed.config.num_layers
