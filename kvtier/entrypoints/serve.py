@@ -9,12 +9,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 
 from kvtier.engine.args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger(__name__)
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# The engine thread releases the GIL inside every torch op and must take it back after each one
+# (hundreds per step). Under Python's default 5 ms interval, an op ending while the HTTP loop or an
+# offload thread runs Python waits up to 5 ms for the GIL; 0.5 ms cut the median decode step at
+# 128 conversations from 189-214 to 166-171 ms (docs/benchmarks.md, eighth session).
+DEFAULT_SWITCH_INTERVAL_S = 0.0005
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish at shutdown")
+    group.add_argument("--switch-interval", type=float, default=DEFAULT_SWITCH_INTERVAL_S,
+                       help="Python's thread switch interval in seconds for the server process "
+                            f"(default {DEFAULT_SWITCH_INTERVAL_S}; Python's own is 0.005): how "
+                            "long the engine thread can wait for the GIL after a torch op")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout <= 0:
         raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
+    if not 0 < args.switch_interval <= 1:
+        raise ValueError(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
     config = engine_config_from_args(args)
     events_config = None
     if args.kv_events_config is not None:
@@ -74,5 +86,6 @@ def run(args: argparse.Namespace) -> int:
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=int(args.shutdown_timeout)))
     logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
+    sys.setswitchinterval(args.switch_interval)
     server.run()
     return 0
