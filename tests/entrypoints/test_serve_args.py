@@ -11,5 +11,5 @@ from kvtier.entrypoints.cli import main
 def test_switch_interval_out_of_range_is_a_one_line_error(value, capsys):
     assert main(["serve", "--switch-interval", value]) != 0
     err = capsys.readouterr().err.strip()
-    assert err == f"kvtier serve: error: --switch-interval must be in (0, 1] seconds, got {float(value)}"
-
+    assert err == ("kvtier serve: error: --switch-interval must be in (0, 1] seconds, "
+                   f"got {float(value)}")
