@@ -157,8 +157,8 @@ class EngineSession:
 async def open_engine_session(target: EngineTarget) -> AsyncIterator[EngineSession]:
     """Load the model, start the engine thread; stop it when the run ends."""
     # Loading blocks the event loop, which has nothing else to do before the run starts.
-    engine = Engine(target.engine)
-    async_llm = AsyncLLM(engine)
+    async_llm = AsyncLLM(lambda: Engine(target.engine))
+    engine = async_llm.engine
     try:
         model_arg = target.engine.model.model
         # The name `kvtier serve` would serve the model under (no --served-model-name).

@@ -37,6 +37,7 @@ import torch
 from kvtier.connector.base import (ConnectorContext, KVConnectorBase, KVConnectorMetadata,
                                    KVConnectorScheduler, KVConnectorWorker)
 from kvtier.connector.config import KVTransferConfig, parse_options
+from kvtier.worker.cpu_threads import use_one_cpu_thread
 
 if TYPE_CHECKING:
     from kvtier.kv import KVCacheBlocks, Request
@@ -193,8 +194,10 @@ class ExampleConnectorWorker(KVConnectorWorker):
         self.options = _parse_options(config)
         self.files = BlockFiles(self.options.shared_storage_path, context.namespace)
         # Separate threads so that a slow write never delays a load.
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, "example-connector-load")
-        self._saver = concurrent.futures.ThreadPoolExecutor(1, "example-connector-save")
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, "example-connector-load",
+                                                             initializer=use_one_cpu_thread)
+        self._saver = concurrent.futures.ThreadPoolExecutor(1, "example-connector-save",
+                                                            initializer=use_one_cpu_thread)
         self._loads: dict[str, tuple[concurrent.futures.Future, list[BlockTransfer]]] = {}
         self._saves: list[concurrent.futures.Future] = []
         self._load_errors: set[int] = set()

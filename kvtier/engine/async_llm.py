@@ -1,9 +1,11 @@
 """AsyncLLM: one engine thread per process serving many asyncio clients.
 
-The engine is not thread safe, so only the engine thread touches it. Clients hand it commands
-(add, abort) through a queue; it runs `step()` while any request is unfinished, so requests from
-all clients are batched together (continuous batching). Each request's outputs travel back to
-the client's event loop through that request's own asyncio queue (`call_soon_threadsafe`).
+The engine is not thread safe, so only the engine thread touches it; it also builds it, so
+the model's compute threads belong to that thread alone (kvtier/worker/cpu_threads.py).
+Clients hand it commands (add, abort) through a queue; it runs `step()` while any request is
+unfinished, so requests from all clients are batched together (continuous batching). Each
+request's outputs travel back to the client's event loop through that request's own asyncio
+queue (`call_soon_threadsafe`).
 
 A failing `step()` fails the requests in flight (each gets the error) and the loop goes on; a
 failing abort is logged and the loop goes on. If the loop itself ever ends, every request in
@@ -19,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from kvtier.engine.kv_events import EventPublisher
 
@@ -31,10 +33,17 @@ logger = logging.getLogger(__name__)
 
 # How long the idle engine thread sleeps on the command queue before re-checking for shutdown.
 _IDLE_WAIT_S = 0.05
+# Building the engine: loading the model, and the first process on a machine also compiles the
+# CPU kernels (~30 s).
+DEFAULT_STARTUP_TIMEOUT_S = 900.0
 
 
 class EngineDeadError(RuntimeError):
     """The engine thread is not running (shut down, or never started)."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine thread did not build the engine within the startup deadline."""
 
 
 class EngineShuttingDownError(RuntimeError):
@@ -81,22 +90,30 @@ class _AbortCommand:
 class AsyncLLM:
     """Runs an Engine on its own thread; `generate()` streams one request's outputs."""
 
-    def __init__(self, engine: Any, publisher: EventPublisher | None = None, *,
-                 submit_timeout_s: float = 60.0, output_timeout_s: float = 600.0) -> None:
-        """submit_timeout_s bounds the wait for the engine thread to accept a request;
-        output_timeout_s bounds the wait between two outputs of one request."""
-        self.engine = engine
+    def __init__(self, engine_factory: Callable[[], Any], publisher: EventPublisher | None = None,
+                 *, submit_timeout_s: float = 60.0, output_timeout_s: float = 600.0,
+                 startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
+        """engine_factory builds the engine; it runs on the engine thread, and its exception is
+        raised here. submit_timeout_s bounds the wait for the engine thread to accept a
+        request; output_timeout_s bounds the wait between two outputs of one request."""
         self.publisher = publisher or EventPublisher()
         self.submit_timeout_s = submit_timeout_s
         self.output_timeout_s = output_timeout_s
-        self._step_errors = engine.metrics.counter(
-            "kvtier:engine_step_errors", "Engine steps that raised; their requests failed.")
         self._commands: queue.Queue[_AddCommand | _AbortCommand] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._draining = False
-        self._thread = threading.Thread(target=self._run, name="kvtier-engine", daemon=True)
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(engine_factory, built),
+                                        name="kvtier-engine", daemon=True)
         self._thread.start()
+        try:
+            self.engine = built.result(timeout=startup_timeout_s)
+        except concurrent.futures.TimeoutError:
+            self._stop.set()  # the thread ends once the build returns
+            raise EngineStartupError(
+                f"the engine was not built within {startup_timeout_s:g} s; raise "
+                "startup_timeout_s if loading this model takes longer") from None
 
     @property
     def is_running(self) -> bool:
@@ -164,7 +181,23 @@ class AsyncLLM:
 
     # ---- engine thread ------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _build(self, engine_factory: Callable[[], Any], built: concurrent.futures.Future) -> bool:
+        try:
+            self.engine = engine_factory()
+            self._step_errors = self.engine.metrics.counter(
+                "kvtier:engine_step_errors", "Engine steps that raised; their requests failed.")
+        except BaseException as exc:
+            built.set_exception(exc)
+            return False
+        built.set_result(self.engine)
+        return True
+
+    def _run(self, engine_factory: Callable[[], Any], built: concurrent.futures.Future) -> None:
+        if not self._build(engine_factory, built):
+            return
+        if self._stop.is_set():  # the caller gave up waiting for the build
+            self.engine.shutdown()
+            return
         try:
             while not self._stop.is_set():
                 self._drain_commands(block=not self.engine.has_unfinished_requests())

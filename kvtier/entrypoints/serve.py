@@ -54,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.engine.kv_events import KVEventsConfig, make_event_publisher
     from kvtier.entrypoints.openai.app import build_app
     from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
+    from kvtier.worker.cpu_threads import use_one_cpu_thread
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -72,11 +73,11 @@ def run(args: argparse.Namespace) -> int:
     # Bind the event socket before loading the model: a taken port fails fast.
     publisher = make_event_publisher(events_config)
     try:
-        engine = Engine(config)
+        async_llm = AsyncLLM(lambda: Engine(config), publisher)
     except BaseException:
         publisher.shutdown()  # its thread holds the port until stopped
         raise
-    async_llm = AsyncLLM(engine, publisher)
+    engine = async_llm.engine
     model_arg = config.model.model
     names = tuple(args.served_model_name or [model_arg or engine.model_name])
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
@@ -87,5 +88,6 @@ def run(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=int(args.shutdown_timeout)))
     logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
     sys.setswitchinterval(args.switch_interval)
+    use_one_cpu_thread()  # the HTTP loop's torch ops (if any) start no OpenMP team
     server.run()
     return 0

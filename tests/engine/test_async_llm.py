@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kvtier import LLM, SamplingParams
-from kvtier.engine.async_llm import AsyncLLM
+from kvtier.engine.async_llm import AsyncLLM, EngineStartupError
 
 from ..tiny_models import make_hf_model
 
@@ -79,7 +79,7 @@ def test_a_request_accepted_after_the_client_gave_up_is_aborted(engine):
     # Bug fixed in review: the add raced the submit deadline and the request ran to the end
     # with nobody reading it.
     slow = _SlowAdd(engine)
-    async_llm = AsyncLLM(slow, submit_timeout_s=0.05)
+    async_llm = AsyncLLM(lambda: slow, submit_timeout_s=0.05)
 
     async def scenario():
         with pytest.raises(asyncio.TimeoutError):
@@ -97,7 +97,7 @@ def test_a_request_accepted_after_the_client_gave_up_is_aborted(engine):
 
 
 def test_a_refused_duplicate_id_does_not_abort_the_live_request(engine):
-    async_llm = AsyncLLM(engine)
+    async_llm = AsyncLLM(lambda: engine)
 
     async def scenario():
         live = async_llm.generate(PROMPT, MEDIUM, "same")
@@ -119,7 +119,7 @@ def test_a_failing_abort_does_not_stop_the_engine_loop(engine):
     # Bug fixed in review: the exception killed the engine thread and every other client
     # waited out output_timeout_s.
     flaky = _AbortFailsOnce(engine)
-    async_llm = AsyncLLM(flaky, output_timeout_s=DEADLINE_S)
+    async_llm = AsyncLLM(lambda: flaky, output_timeout_s=DEADLINE_S)
 
     async def scenario():
         kept = asyncio.ensure_future(_last(async_llm, PROMPT, MEDIUM, "kept"))
@@ -135,3 +135,42 @@ def test_a_failing_abort_does_not_stop_the_engine_loop(engine):
         assert async_llm.is_running
     finally:
         async_llm.shutdown(drain_timeout_s=0.0)
+
+
+def test_the_engine_is_built_on_the_thread_that_runs_it(model_dir):
+    # Built elsewhere, the builder's OpenMP team outlives the build and slows every op of the
+    # engine's (kvtier/worker/cpu_threads.py).
+    built_on = []
+
+    def factory():
+        built_on.append(threading.current_thread().name)
+        return LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=128).engine
+
+    async_llm = AsyncLLM(factory)
+    try:
+        final = asyncio.run(asyncio.wait_for(_last(async_llm, PROMPT, SHORT, "r"), DEADLINE_S))
+        assert len(final.outputs[0].token_ids) == 2
+        assert built_on == [async_llm._thread.name] != [threading.current_thread().name]
+    finally:
+        async_llm.shutdown(drain_timeout_s=0.0)
+
+
+def test_a_failing_build_raises_to_the_caller_and_ends_the_thread():
+    def factory():
+        raise ValueError("no such model: /nowhere")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLM(factory)
+    assert not any(t.name == "kvtier-engine" and t.is_alive() for t in threading.enumerate())
+
+
+def test_a_build_past_the_startup_deadline_is_an_engine_startup_error(engine):
+    release = threading.Event()
+
+    def factory():
+        release.wait(DEADLINE_S)
+        return engine
+
+    with pytest.raises(EngineStartupError, match="not built within 0.05 s"):
+        AsyncLLM(factory, startup_timeout_s=0.05)
+    release.set()

@@ -22,6 +22,7 @@ from kvtier.connector.base import ConnectorContext, KVConnectorWorker
 from kvtier.connector.offloading.metadata import ChunkTransfer, OffloadingConnectorMetadata
 from kvtier.connector.offloading.session import BatchDone, OffloadSession, find_session
 from kvtier.connector.offloading.transfer import ChunkCopier
+from kvtier.worker.cpu_threads import use_one_cpu_thread
 
 
 @dataclass
@@ -35,7 +36,8 @@ class _StoreBatch:
 class OffloadingConnectorWorker(KVConnectorWorker):
     def __init__(self, config: Any, context: ConnectorContext) -> None:
         super().__init__(config, context)
-        self._copy_thread = ThreadPoolExecutor(1, "kvtier-offload-copy")
+        self._copy_thread = ThreadPoolExecutor(1, "kvtier-offload-copy",
+                                               initializer=use_one_cpu_thread)
         self._session: OffloadSession | None = None
         self._copier: ChunkCopier | None = None
         self._stores: list[_StoreBatch] = []
