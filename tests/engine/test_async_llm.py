@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -155,22 +156,49 @@ def test_the_engine_is_built_on_the_thread_that_runs_it(model_dir):
         async_llm.shutdown(drain_timeout_s=0.0)
 
 
+def _no_engine_thread_left() -> bool:
+    deadline = time.monotonic() + DEADLINE_S
+    while any(t.name == "kvtier-engine" and t.is_alive() for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_a_failing_build_raises_to_the_caller_and_ends_the_thread():
     def factory():
         raise ValueError("no such model: /nowhere")
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncLLM(factory)
-    assert not any(t.name == "kvtier-engine" and t.is_alive() for t in threading.enumerate())
+    assert _no_engine_thread_left()
+
+
+class _ShutdownRecorder:
+    """The real engine, whose shutdown is only recorded (the fixture still checks it)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.shut_down = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def shutdown(self) -> None:
+        self.shut_down.set()
 
 
 def test_a_build_past_the_startup_deadline_is_an_engine_startup_error(engine):
     release = threading.Event()
+    late = _ShutdownRecorder(engine)
 
     def factory():
         release.wait(DEADLINE_S)
-        return engine
+        return late
 
     with pytest.raises(EngineStartupError, match="not built within 0.05 s"):
         AsyncLLM(factory, startup_timeout_s=0.05)
     release.set()
+    # Nobody holds the engine built after the caller gave up: the thread shuts it down.
+    assert late.shut_down.wait(DEADLINE_S)
+    assert _no_engine_thread_left()
