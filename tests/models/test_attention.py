@@ -49,6 +49,35 @@ def test_low_precision_decodes_match_fp32_reference(dtype):
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.usefixtures("attention_path")
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 2)])
+def test_bf16_decodes_on_16_slot_pages_match_fp32_reference(num_heads, num_kv_heads, head_dim,
+                                                            window):
+    """bf16 with 16-slot pages takes the kernel's vdpbf16ps path where the CPU has AVX512-BF16:
+    sequences ending inside a page, on its last slot and just past it, a window starting inside
+    a page, and groups of 3 and 8 query heads per kv head."""
+    gen = torch.Generator().manual_seed(4)
+    kv_cache = torch.randn(2, 48, 16, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    seq_lens = [1, 16, 17, 100, 37]
+    order = torch.randperm(47, generator=gen).tolist()
+    tables, used = [], 0
+    for n in seq_lens:
+        pages = -(-n // 16)
+        tables.append([b + 1 for b in order[used:used + pages]])  # block 0: the null block
+        used += pages
+    metadata = build_attention_metadata([n - 1 for n in seq_lens], [1] * len(seq_lens),
+                                        [tables], 16)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, scale,
+                                          window)
+    out = paged_attention(query, kv_cache, metadata, 0, scale, window)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+
+
 def _scenario(num_heads: int, num_kv_heads: int):
     """A mixed step: two decodes, a fresh prefill and a prefill chunk over a cached prefix."""
     gen = torch.Generator().manual_seed(0)

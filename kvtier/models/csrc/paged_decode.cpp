@@ -6,6 +6,10 @@
 // Registered as torch.ops.kvtier.paged_decode_attention; built at first use by
 // kvtier/models/cpu_kernels.py. Compiled with -ffast-math so expf vectorizes (libmvec); every
 // input is finite (the cache is zero-initialised and only attended positions are read).
+//
+// bf16 caches with head_dim 64 or 128 and 16-slot blocks take attend_sequence_bf16 where the CPU
+// has AVX512-BF16: keys are scored in bf16 (vdpbf16ps, exact products, fp32 sums) sixteen at a
+// time, a page's sixteen sums reduced together instead of one horizontal sum per (key, head).
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -17,6 +21,10 @@
 #include <cmath>
 #include <cstdint>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -121,6 +129,156 @@ void attend_sequence(const scalar_t* query, const scalar_t* cache, const int64_t
   for (int64_t i = 0; i < heads * dim; ++i) out[i] = static_cast<scalar_t>(acc[i]);
 }
 
+#if defined(__AVX512BF16__)
+// v[t] holds sixteen partial sums of key t; returns the sixteen totals, lane t = key t. Four
+// rounds, each adding pairs of registers after moving half of each into the other's place.
+inline __m512 sum_each(__m512 v[16]) {
+  __m512 w[8], u[4], z[2];
+  for (int i = 0; i < 8; ++i) {  // lanes 0-7: key 2i, 8-15: key 2i + 1
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  }
+  for (int j = 0; j < 4; ++j) {  // 128-bit quarter q: key 4j + q
+    u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], 0xDD));
+  }
+  for (int k = 0; k < 2; ++k) {  // quarter q: lanes 0-1 key 8k + q, lanes 2-3 key 8k + 4 + q
+    z[k] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0x88),
+                         _mm512_shuffle_ps(u[2 * k], u[2 * k + 1], 0xDD));
+  }
+  // Lane 4q + e: key q + 4e.
+  const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], 0x88),
+                                    _mm512_shuffle_ps(z[0], z[1], 0xDD));
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, sums);
+}
+
+// Sixteen bf16 (one 256-bit load) to fp32: each is the top half of its fp32.
+inline __m512 load_bf16x16(const uint16_t* src) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// attend_sequence for bf16, 16-slot pages and head dim kDim (64 or 128). Scores are kept per
+// page-aligned key: column c of a head's row is key first_page * 16 + c.
+template <int64_t kDim>
+void attend_sequence_bf16(const c10::BFloat16* query, const c10::BFloat16* cache,
+                          const int64_t* table, int64_t first, int64_t last, const Shape& s,
+                          float scale, c10::BFloat16* out, std::vector<float>& scratch) {
+  constexpr int64_t kBlock = 16, kPairChunks = kDim / 32, kChunks = kDim / 16;
+  constexpr int64_t kHeadsPV = 16 / kChunks;  // query heads whose sums fit 16 registers
+  const int64_t heads = s.num_heads, group = s.num_heads / s.num_kv_heads;
+  const int64_t row_len = s.num_kv_heads * kDim, page_len = kBlock * row_len;
+  const int64_t first_page = first / kBlock, num_pages = (last + kBlock - 1) / kBlock - first_page;
+  const int64_t keys = num_pages * kBlock;
+  scratch.resize(heads * keys + heads * kDim);
+  float* scores = scratch.data();  // heads x keys
+  float* acc = scores + heads * keys;  // heads x kDim
+  const uint16_t* q = reinterpret_cast<const uint16_t*>(query);
+  const uint16_t* base = reinterpret_cast<const uint16_t*>(cache);
+  const __m512 scale16 = _mm512_set1_ps(scale);
+  // Visits the pages: fn(page index from first_page, first used slot, end slot, slot 0's row).
+  auto for_each_page = [&](int64_t v_offset, auto&& fn) {
+    for (int64_t page = 0; page < num_pages; ++page) {
+      const int64_t page_pos = (first_page + page) * kBlock;
+      if (page + kPrefetchPages < num_pages) {
+        prefetch(base + table[first_page + page + kPrefetchPages] * page_len + v_offset,
+                 page_len * static_cast<int64_t>(sizeof(uint16_t)));
+      }
+      const int64_t lo = std::max(first, page_pos) - page_pos;
+      const int64_t hi = std::min(last, page_pos + kBlock) - page_pos;
+      fn(page, lo, hi, base + table[first_page + page] * page_len + v_offset);
+    }
+  };
+  for_each_page(0, [&](int64_t page, int64_t, int64_t, const uint16_t* rows) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const uint16_t* k_head = rows + (h / group) * kDim;
+      __m512bh qh[kPairChunks];
+      for (int64_t c = 0; c < kPairChunks; ++c) {
+        qh[c] = (__m512bh)_mm512_loadu_si512(q + h * kDim + 32 * c);
+      }
+      // Every slot of the page, used or not (a slot outside [lo, hi) holds finite data of the
+      // same block, and its column is never read): a fixed count keeps the sums in registers.
+      __m512 dots[kBlock];
+      for (int64_t t = 0; t < kBlock; ++t) {
+        const uint16_t* k = k_head + t * row_len;
+        dots[t] = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(k), qh[0]);
+        for (int64_t c = 1; c < kPairChunks; ++c) {
+          dots[t] = _mm512_dpbf16_ps(dots[t], (__m512bh)_mm512_loadu_si512(k + 32 * c), qh[c]);
+        }
+      }
+      _mm512_storeu_ps(scores + h * keys + page * kBlock,
+                       _mm512_mul_ps(sum_each(dots), scale16));
+    }
+  });
+  const int64_t begin = first - first_page * kBlock, end = last - first_page * kBlock;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* sh = scores + h * keys;
+    const float peak = *std::max_element(sh + begin, sh + end);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = begin; t < end; ++t) {
+      sh[t] = expf(sh[t] - peak);
+      sum += sh[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = begin; t < end; ++t) sh[t] *= inv;
+  }
+  std::fill(acc, acc + heads * kDim, 0.f);
+  for_each_page(s.v_offset, [&](int64_t page, int64_t lo, int64_t hi, const uint16_t* rows) {
+    for (int64_t kv_head = 0; kv_head < s.num_kv_heads; ++kv_head) {
+      // The kv head's query heads, kHeadsPV at a time: each converted V row serves them all.
+      for (int64_t h0 = kv_head * group; h0 < (kv_head + 1) * group; h0 += kHeadsPV) {
+        const int64_t n = std::min(kHeadsPV, (kv_head + 1) * group - h0);
+        __m512 sums[kHeadsPV][kChunks];
+        for (int64_t j = 0; j < kHeadsPV; ++j) {
+          for (int64_t c = 0; c < kChunks; ++c) {
+            sums[j][c] = j < n ? _mm512_loadu_ps(acc + (h0 + j) * kDim + 16 * c)
+                               : _mm512_setzero_ps();
+          }
+        }
+        const float* weights = scores + h0 * keys + page * kBlock;
+        for (int64_t t = lo; t < hi; ++t) {
+          const uint16_t* row = rows + t * row_len + kv_head * kDim;
+          __m512 v[kChunks];
+          for (int64_t c = 0; c < kChunks; ++c) v[c] = load_bf16x16(row + 16 * c);
+          for (int64_t j = 0; j < kHeadsPV; ++j) {
+            if (j < n) {
+              const __m512 w = _mm512_set1_ps(weights[j * keys + t]);
+              for (int64_t c = 0; c < kChunks; ++c) {
+                sums[j][c] = _mm512_fmadd_ps(v[c], w, sums[j][c]);
+              }
+            }
+          }
+        }
+        for (int64_t j = 0; j < n; ++j) {
+          for (int64_t c = 0; c < kChunks; ++c) {
+            _mm512_storeu_ps(acc + (h0 + j) * kDim + 16 * c, sums[j][c]);
+          }
+        }
+      }
+    }
+  });
+  for (int64_t i = 0; i < heads * kDim; ++i) out[i] = static_cast<c10::BFloat16>(acc[i]);
+}
+#endif  // __AVX512BF16__
+
+// Runs the sequences through attend_sequence_bf16 when it can take them; false: the generic one.
+template <typename scalar_t, typename Run>
+bool run_bf16_sequences(const scalar_t*, const Shape&, const Run&) {
+  return false;
+}
+
+#if defined(__AVX512BF16__)
+template <typename Run>
+bool run_bf16_sequences(const c10::BFloat16*, const Shape& s, const Run& run) {
+  if (s.block_size != 16 || (s.head_dim != 64 && s.head_dim != 128)) return false;
+  if (s.head_dim == 64) run(attend_sequence_bf16<64>);
+  else run(attend_sequence_bf16<128>);
+  return true;
+}
+#endif
+
 // query (B, Hq, D); kv_cache (2, num_blocks, block_size, Hkv, D); block_table (B, max_blocks)
 // int64; first_key, seq_lens (B,) int64: sequence b attends keys [first_key[b], seq_lens[b]).
 at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
@@ -158,6 +316,7 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
         }
       });
     };
+    if (run_bf16_sequences(q, s, run)) return;
     switch (s.head_dim) {
       case 64: run(attend_sequence<scalar_t, 64>); break;
       case 128: run(attend_sequence<scalar_t, 128>); break;
