@@ -14,6 +14,7 @@ from kvtier.offload.options import is_positive_int, parse_options, require
 from kvtier.offload.sizes import parse_size
 
 EvictionPolicyName = Literal["lru", "arc"]
+WritePolicyName = Literal["write_through", "write_back"]
 SPEC_NAME = "TieringOffloadingSpec"
 CONNECTOR_NAME = "OffloadingConnector"
 _WHERE = "kv_connector_extra_config"
@@ -44,6 +45,10 @@ class OffloadConfig:
     store_threshold: int = 1
     # Deadline for one tier job (promotion or cascade store); late jobs count as failed.
     tier_job_timeout_s: float = 30.0
+    # When a chunk from the device goes on to the secondary tiers: write_through as soon as it
+    # is in host memory; write_back only when the host tier runs short of clean slots (and at
+    # shutdown), so a working set that fits the host writes nothing.
+    write_policy: WritePolicyName = "write_through"
     secondary_tiers: tuple[TierSpec, ...] = field(default=())
 
     def __post_init__(self) -> None:
@@ -63,6 +68,8 @@ class OffloadConfig:
         require(isinstance(self.tier_job_timeout_s, (int, float)) and self.tier_job_timeout_s > 0,
                 f"{_WHERE}.tier_job_timeout_s", "must be a number of seconds > 0",
                 self.tier_job_timeout_s)
+        require(self.write_policy in get_args(WritePolicyName), f"{_WHERE}.write_policy",
+                f"must be one of {list(get_args(WritePolicyName))}", self.write_policy)
 
     @classmethod
     def from_extra_config(cls, raw: Mapping[str, Any]) -> "OffloadConfig":
@@ -111,14 +118,15 @@ def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:
 
 _FLAG_HELP = ("expected comma-separated key=value pairs such as "
               "'host=4GiB,disk=/var/cache/kvtier:50GiB' (keys: host, disk, policy, "
-              "blocks_per_chunk)")
+              "blocks_per_chunk, write)")
 
 
 def parse_kv_offload(flag: str) -> dict[str, Any]:
     """`--kv-offload host=4GiB,disk=/var/cache/kvtier:50GiB` -> a KVTransferConfig dict.
 
     `host` (required) is the host tier's byte budget. `disk=DIR[:SIZE]` adds an fs tier (SIZE
-    is its byte budget; it may repeat). `policy=lru|arc` and `blocks_per_chunk=N` are optional.
+    is its byte budget; it may repeat). `policy=lru|arc`, `blocks_per_chunk=N` and
+    `write=through|back` (the write policy) are optional.
     The returned dict is validated here, so a bad flag fails at start-up.
     """
     if not isinstance(flag, str) or not flag.strip():
@@ -148,6 +156,10 @@ def _apply_flag_pair(extra: dict[str, Any], key: str, value: str) -> None:
         require(value.isdigit(), "--kv-offload blocks_per_chunk", "must be an integer >= 1",
                 value)
         extra["blocks_per_chunk"] = int(value)
+    elif key == "write":
+        require(value in ("through", "back"), "--kv-offload write", "must be through or back",
+                value)
+        extra["write_policy"] = f"write_{value}"
     else:
         raise ValueError(f"--kv-offload: unknown key {key!r}; {_FLAG_HELP}")
 

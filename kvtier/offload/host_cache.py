@@ -3,11 +3,16 @@
 A chunk being written into its slot (from the device or a secondary tier) is not yet readable
 and is unknown to the eviction policy, so it cannot be evicted. A chunk being read out of its
 slot (to the device, or by a tier's store) holds a reader count and cannot be evicted either.
+
+Under write-back a chunk from the device is *dirty* until it is handed to the secondary tiers:
+the only copy below the device. Eviction takes a clean chunk when there is one; a dirty victim
+is dropped and counted, so that a store is never refused for it.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Hashable
 
@@ -37,6 +42,9 @@ class HostCache:
         # Reversed so that slots are handed out 0, 1, 2, ... (stable ids for tests and logs).
         self._free_slots: list[SlotId] = [SlotId(s) for s in reversed(range(area.num_slots))]
         self._evicted: list[Hashable] = []
+        # Dirty chunks in the order they arrived (oldest first), and how many were evicted dirty.
+        self._dirty: OrderedDict[Hashable, None] = OrderedDict()
+        self.num_dropped_dirty = 0
 
     def is_ready(self, key: Hashable) -> bool:
         entry = self.entries.get(key)
@@ -63,18 +71,32 @@ class HostCache:
             del self.entries[key]
             self._free_slots.append(entry.slot)
 
-    def prepare_load(self, key: Hashable) -> SlotId:
-        """Pin a ready chunk for reading and count it as used."""
+    def prepare_load(self, key: Hashable, count_use: bool = True) -> SlotId:
+        """Pin a ready chunk for reading; `count_use`: a request uses it (the eviction policy
+        sees a use), not a secondary tier copying it (which must not make it look hot)."""
         entry = self.entries[key]
         assert entry.state is ChunkState.READY, f"prepare_load of a {entry.state} chunk"
         entry.num_readers += 1
-        self.policy.touch(key)
+        if count_use:
+            self.policy.touch(key)
         return entry.slot
 
     def complete_load(self, key: Hashable) -> None:
         entry = self.entries[key]
         assert entry.num_readers > 0, "complete_load without prepare_load"
         entry.num_readers -= 1
+
+    def mark_dirty(self, key: Hashable) -> None:
+        """`key` (ready) is held nowhere below the device yet."""
+        self._dirty[key] = None
+
+    def pop_oldest_dirty(self) -> Hashable | None:
+        """The dirty chunk that arrived first, now counted clean (the caller writes it out)."""
+        return self._dirty.popitem(last=False)[0] if self._dirty else None
+
+    @property
+    def num_dirty(self) -> int:
+        return len(self._dirty)
 
     def view(self, key: Hashable) -> memoryview:
         entry = self.entries[key]
@@ -95,7 +117,12 @@ class HostCache:
     def _take_slot(self, incoming: Hashable) -> SlotId | None:
         if self._free_slots:
             return self._free_slots.pop()
-        victim = self.policy.pop_victim(incoming, self._may_evict)
+        victim = self.policy.pop_victim(incoming, self._may_evict_clean)
+        if victim is None and self._dirty:
+            victim = self.policy.pop_victim(incoming, self._may_evict)  # only dirty ones left
+            if victim is not None:
+                del self._dirty[victim]
+                self.num_dropped_dirty += 1
         if victim is None:
             return None
         self._evicted.append(victim)
@@ -103,3 +130,6 @@ class HostCache:
 
     def _may_evict(self, key: Hashable) -> bool:
         return self.entries[key].num_readers == 0
+
+    def _may_evict_clean(self, key: Hashable) -> bool:
+        return self.entries[key].num_readers == 0 and key not in self._dirty

@@ -1,7 +1,9 @@
 """The tiering manager: the host tier in front of the secondary tiers.
 
-Host-centric: every chunk enters through the host area and leaves through it. After a
-device->host store completes, the chunk is pushed to every secondary tier at once (the cascade).
+Host-centric: every chunk enters through the host area and leaves through it. A chunk from the
+device is pushed to every secondary tier at once (the cascade): under write_through as soon as
+its device->host store completes; under write_back only once the host tier runs short of clean
+slots (the oldest dirty chunks first) or at `write_back_all` (shutdown).
 A lookup that misses the host asks the secondary tiers in order; the first that has the chunk
 promotes it into the host asynchronously and the answer is RETRY, so the scheduler asks again
 next step instead of waiting. Everything here runs on the engine thread; tiers do their I/O on
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -31,6 +34,13 @@ from kvtier.offload.policies import make_policy
 from kvtier.offload.tiers.base import (JobResult, LookupResult, SecondaryTier, TierContext,
                                        TransferJob)
 from kvtier.offload.tiers.registry import create_tier
+
+
+# Under write_back, the host slots kept clean or free (evictable at once, nothing lost): this
+# share of them, and at least twice the most chunks stored between two polls so far (one step's
+# stores arrive while the previous step's write-backs may still pin their slots). A 1 GiB host
+# tier of SmolLM2 bf16 chunks has ~2900 slots; a step of 2048 tokens stores up to 128 chunks.
+WRITE_BACK_RESERVE = 0.1
 
 
 class Lookup(enum.Enum):
@@ -74,6 +84,10 @@ class TieringManager:
         # Requests seen per chunk, for store_threshold; bounded like _failed.
         self._uses: OrderedDict[ChunkKey, int] = OrderedDict()
         self._events: list[TierMoveEvent] = []
+        self._write_back = config.write_policy == "write_back" and bool(self.tiers)
+        self._stores_since_poll = 0
+        self._max_dirty = self.area.num_slots - max(
+            1, math.ceil(WRITE_BACK_RESERVE * self.area.num_slots))
 
     # ---- lookup and promotion -------------------------------------------------------------
 
@@ -147,13 +161,29 @@ class TieringManager:
         return self.host.prepare_store(key, num_bytes)
 
     def complete_store(self, key: ChunkKey, ok: bool) -> None:
-        """The device->host copy of `key` ended; on success, cascade to every secondary tier."""
+        """The device->host copy of `key` ended; on success, cascade it to every secondary tier
+        (write_through) or keep it dirty until the host needs its slot clean (write_back)."""
         self.host.complete_store(key, ok)
         if not ok:
             return
         self._events.append(TierMoveEvent(key, DEVICE, HOST))
+        if self._write_back:
+            self.host.mark_dirty(key)
+            self._stores_since_poll += 1
+        else:
+            self._cascade(key)
+
+    def write_back_all(self) -> None:
+        """Start the cascade of every dirty chunk (shutdown: keep what this instance computed)."""
+        self._write_back_down_to(0)
+
+    def _write_back_down_to(self, max_dirty: int) -> None:
+        while self.host.num_dirty > max_dirty:
+            self._cascade(self.host.pop_oldest_dirty())
+
+    def _cascade(self, key: ChunkKey) -> None:
         for index in range(len(self.tiers)):
-            self.host.prepare_load(key)  # the tier reads the slot: pin it
+            self.host.prepare_load(key, count_use=False)  # the tier reads the slot: pin it
             slot = self.host.entries[key].slot
             if self._submit(index, "cascade", key, self.host.entries[key].num_bytes, slot) is None:
                 self.host.complete_load(key)
@@ -202,6 +232,12 @@ class TieringManager:
                 else:
                     self._finish(job, result)
         self._expire_late_jobs()
+        if self._write_back:
+            self._max_dirty = max(0, min(self._max_dirty,
+                                         self.area.num_slots - 2 * self._stores_since_poll))
+            self._stores_since_poll = 0
+            self._write_back_down_to(self._max_dirty)
+            self.metrics.set_dirty(self.host.num_dirty, self.host.num_dropped_dirty)
         self.metrics.set_fill_ratio(self.host.fill_ratio)
 
     def _finish(self, job: _TierJob, result: JobResult) -> None:

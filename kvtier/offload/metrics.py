@@ -44,6 +44,13 @@ class OffloadMetrics:
                                       ["tier"])
         self._queries = registry.counter("kvtier:offload_tier_queries", "Chunk lookups",
                                          ["tier"])
+        self._dirty = registry.gauge(
+            "kvtier:offload_host_dirty_chunks",
+            "Host-tier chunks not yet written to the secondary tiers (write_policy=write_back)")
+        self._dropped = registry.counter(
+            "kvtier:offload_writeback_dropped",
+            "Dirty chunks evicted from the host tier before their write-back (write_back: the "
+            "writes fall behind the stores)")
         self._errors = registry.counter("kvtier:offload_tier_errors",
                                         "Failed tier operations (I/O errors, corrupt data, "
                                         "deadlines, exceptions)", ["tier"])
@@ -52,6 +59,15 @@ class OffloadMetrics:
         self.values["kvtier:offload_host_fill_ratio"] = ratio
         if self._registry is not None:
             self._fill.set(ratio)
+
+    def set_dirty(self, num_dirty: int, num_dropped_total: int) -> None:
+        dropped = num_dropped_total - self.values["kvtier:offload_writeback_dropped_total"]
+        self.values["kvtier:offload_host_dirty_chunks"] = num_dirty
+        self.values["kvtier:offload_writeback_dropped_total"] = num_dropped_total
+        if self._registry is not None:
+            self._dirty.set(num_dirty)
+            if dropped:
+                self._dropped.inc(dropped)
 
     def lookup(self, tier: str, hit: bool, seconds: float) -> None:
         self._inc("kvtier:offload_tier_queries", tier, 1)

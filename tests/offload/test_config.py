@@ -36,6 +36,7 @@ def test_seed_json_form_parses_into_typed_config(tmp_path):
     ({}, "missing required key 'cpu_bytes_to_use'"),
     ({"cpu_bytes_to_use": 1, "eviction_policy": "fifo"}, "eviction_policy must be one of"),
     ({"cpu_bytes_to_use": 1, "blocks_per_chunk": 0}, "blocks_per_chunk must be an integer"),
+    ({"cpu_bytes_to_use": 1, "write_policy": "back"}, "write_policy must be one of"),
     ({"cpu_bytes_to_use": 1, "spec_name": "Other"}, "spec_name must be 'TieringOffloadingSpec'"),
     ({"cpu_bytes_to_use": 1, "secondary_tiers": [{"type": "fs"}]}, "missing required key "
                                                                     "'root_dir'"),
@@ -61,11 +62,14 @@ def test_one_flag_form_expands_to_the_json_form():
 
 
 def test_one_flag_form_options():
-    extra = parse_kv_offload("host=1MiB,disk=/a:b/c,policy=arc,blocks_per_chunk=4")[
+    extra = parse_kv_offload("host=1MiB,disk=/a:b/c,policy=arc,blocks_per_chunk=4,write=back")[
         "kv_connector_extra_config"]
     assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/a:b/c"}]
     assert extra["eviction_policy"] == "arc"
     assert extra["blocks_per_chunk"] == 4
+    assert OffloadConfig.from_extra_config(extra).write_policy == "write_back"
+    assert OffloadConfig.from_extra_config({"cpu_bytes_to_use": 1}).write_policy == \
+        "write_through"
 
 
 @pytest.mark.parametrize("flag, message", [
@@ -74,6 +78,7 @@ def test_one_flag_form_options():
     ("host", "expected comma-separated key=value"),
     ("host=lots", "--kv-offload host must be a byte size"),
     ("host=1MiB,policy=mru", "eviction_policy must be one of"),
+    ("host=1MiB,write=later", "--kv-offload write must be through or back"),
 ])
 def test_bad_flag_names_the_problem(flag, message):
     with pytest.raises(ValueError, match=message):

@@ -83,7 +83,11 @@ def test_evicted_from_host_reloads_from_disk(model, tmp_path):
     # 16 host chunks: two prompts' worth, so the first prompts leave host memory too.
     llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},disk={tmp_path}")
     try:
-        assert _generate(llm, prompts)[0] == expected
+        for prompt, want in zip(prompts, expected):
+            assert _generate(llm, [prompt])[0] == [want]
+            # Let the disk writes end: a host slot being written out cannot take a new chunk
+            # (that store is skipped), which would leave older chunks in host memory.
+            assert llm.engine.scheduler.connector.flush(timeout_s=30)
         tokens, cached = _generate(llm, prompts[:2])
         metrics = llm.get_metrics()
         assert tokens == expected[:2] and cached == [LOADABLE, LOADABLE]
@@ -95,6 +99,26 @@ def test_evicted_from_host_reloads_from_disk(model, tmp_path):
         assert _tier(metrics, "errors", "fs") == 0
     finally:
         llm.engine.shutdown()
+
+
+def test_write_back_leaves_the_disk_alone_while_the_host_holds_the_working_set(model, tmp_path):
+    model_dir, prompts, expected = model
+    llm = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path},write=back")
+    try:
+        assert _generate(llm, prompts)[0] == expected
+        tokens, cached = _generate(llm, prompts[:2])  # evicted from the device: from host
+        metrics = llm.get_metrics()
+        assert tokens == expected[:2] and cached == [LOADABLE, LOADABLE]
+        assert _bytes(metrics, "host_to_fs") == 0
+        # At least the 7 prompt chunks of each of the 8 prompts (output blocks may follow).
+        dirty = metrics["kvtier:offload_host_dirty_chunks"]
+        assert dirty >= 8 * LOADABLE // 4
+        assert not any(names for _, _, names in os.walk(tmp_path))
+        assert metrics["kvtier:offload_writeback_dropped_total"] == 0
+    finally:
+        llm.engine.shutdown()
+    files = [name for _, _, names in os.walk(tmp_path) for name in names]
+    assert len(files) >= dirty  # shutdown wrote them (a restart reads them: test below)
 
 
 _SECOND_INSTANCE = textwrap.dedent("""
@@ -111,9 +135,12 @@ _SECOND_INSTANCE = textwrap.dedent("""
 """)
 
 
-def test_second_process_on_the_same_disk_gets_disk_hits(model, tmp_path):
+@pytest.mark.parametrize("write", ["through", "back"])
+def test_second_process_on_the_same_disk_gets_disk_hits(model, tmp_path, write):
     model_dir, prompts, expected = model
-    llm = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path}")
+    # 1 MiB of host memory holds every chunk: under write_back nothing is written before
+    # shutdown, which writes it all.
+    llm = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path},write={write}")
     try:
         assert _generate(llm, prompts[:3])[0] == expected[:3]
     finally:

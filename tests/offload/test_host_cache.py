@@ -83,3 +83,29 @@ def test_failed_store_frees_the_slot():
     cache.complete_store("a", ok=False)
     assert cache.entries == {} and cache.fill_ratio == 0.0
     assert cache.prepare_store("b", 8) == 0
+
+
+def test_eviction_takes_clean_chunks_before_dirty_ones_and_counts_dropped_dirty():
+    cache = _cache(num_slots=3)
+    for name in "abc":
+        _store(cache, name)
+    cache.mark_dirty("a")  # oldest, but dirty: b goes first
+    cache.mark_dirty("c")
+    assert _store(cache, "d") == 1
+    assert cache.take_evicted() == ["b"] and cache.num_dropped_dirty == 0
+    cache.mark_dirty("d")
+    assert _store(cache, "e") == 0  # only dirty chunks left: the oldest is dropped
+    assert cache.take_evicted() == ["a"] and cache.num_dropped_dirty == 1
+    assert cache.num_dirty == 2
+    assert [cache.pop_oldest_dirty(), cache.pop_oldest_dirty(), cache.pop_oldest_dirty()] == \
+        ["c", "d", None]
+
+
+def test_a_copy_without_use_leaves_the_eviction_order_alone():
+    cache = _cache(num_slots=2)
+    _store(cache, "a")
+    _store(cache, "b")
+    cache.prepare_load("a", count_use=False)  # a tier copying a out
+    cache.complete_load("a")
+    assert _store(cache, "c") == 0
+    assert cache.take_evicted() == ["a"]

@@ -145,3 +145,55 @@ def test_found_below_while_every_host_slot_is_busy_is_asked_again(make_manager):
     manager.complete_store(key(2), ok=True)
     assert poll_until(manager, 1) is Lookup.HIT
     assert read_host(manager, 1) == chunk_bytes(1)
+
+
+def test_write_back_writes_the_oldest_chunks_once_the_host_runs_short_of_clean_slots(
+        make_manager):
+    # 20 slots, one store per poll: the reserve is 2 slots, so at most 18 chunks stay unwritten.
+    manager = make_manager(offload_config(20, [MEMORY], write_policy="write_back"))
+
+    def written():
+        return [n for n in range(1, 23) if manager.tiers[0].lookup(key(n)).name == "FOUND"]
+
+    for n in range(1, 19):
+        store_from_device(manager, n)
+        manager.poll()
+    assert written() == []
+    assert manager.metrics.snapshot()["kvtier:offload_host_dirty_chunks"] == 18
+    for n in range(19, 23):
+        store_from_device(manager, n)
+        manager.poll()  # starts a write-back
+        manager.poll()  # collects it (a tier's job is reported at the next poll)
+    # The host is full (20 slots, 22 chunks): the oldest were written before their eviction.
+    assert written() == [1, 2, 3, 4]
+    assert manager.host.take_evicted() == [key(1), key(2)]
+    assert poll_until(manager, 1) is Lookup.HIT  # promoted back from the tier
+    assert read_host(manager, 1) == chunk_bytes(1)
+    assert manager.metrics.snapshot()["kvtier:offload_writeback_dropped_total"] == 0
+    manager.write_back_all()
+    manager.poll()
+    assert written() == list(range(1, 23))
+    assert manager.metrics.snapshot()["kvtier:offload_host_dirty_chunks"] == 0
+
+
+def test_write_back_reserve_grows_with_the_largest_burst_of_stores(make_manager):
+    manager = make_manager(offload_config(20, [MEMORY], write_policy="write_back"))
+    for n in range(1, 6):  # five stores in one step: keep ten slots clean or free
+        store_from_device(manager, n)
+    manager.poll()
+    for n in range(6, 13):
+        store_from_device(manager, n)
+        manager.poll()
+    assert [n for n in range(1, 13)
+            if manager.tiers[0].lookup(key(n)).name == "FOUND"] == [1, 2]
+
+
+def test_write_back_keeps_the_eviction_order(make_manager):
+    # Writing a chunk out is not a use: under ARC it stays in T1 (seen once).
+    manager = make_manager(offload_config(2, [MEMORY], write_policy="write_back",
+                                          eviction_policy="arc"))
+    store_from_device(manager, 1)
+    store_from_device(manager, 2)
+    manager.poll()  # the reserve (1 slot) forces chunk 1 out to the tier
+    assert manager.tiers[0].lookup(key(1)).name == "FOUND"
+    assert list(manager.host.policy.t1) == [key(1), key(2)] and not manager.host.policy.t2

@@ -287,11 +287,13 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         return self.manager.take_events()
 
     def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every planned store is in host memory and every tier job has ended (an
-        idle engine takes no steps to notice). False if `timeout_s` passed first."""
+        """Wait until every planned store is in host memory, has gone on to the secondary
+        tiers (write_back included) and every tier job has ended (an idle engine takes no steps
+        to notice). False if `timeout_s` passed first."""
         deadline = time.monotonic() + timeout_s
         while True:
             self._collect_worker_reports()
+            self.manager.write_back_all()
             self.manager.poll()
             if not self._storing and not self.manager.num_jobs_in_flight():
                 return True
