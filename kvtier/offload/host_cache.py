@@ -45,6 +45,9 @@ class HostCache:
         # Dirty chunks in the order they arrived (oldest first), and how many were evicted dirty.
         self._dirty: OrderedDict[Hashable, None] = OrderedDict()
         self.num_dropped_dirty = 0
+        # Chunks being written into their slot or read out of it: not evictable now.
+        self._busy: set[Hashable] = set()
+        self.num_slots_taken = 0  # slots handed out so far (stores and promotions)
 
     def is_ready(self, key: Hashable) -> bool:
         entry = self.entries.get(key)
@@ -59,11 +62,14 @@ class HostCache:
         if slot is not None:
             self.entries[key] = HostEntry(slot=slot, state=ChunkState.WRITING,
                                           num_bytes=num_bytes)
+            self._busy.add(key)
+            self.num_slots_taken += 1
         return slot
 
     def complete_store(self, key: Hashable, ok: bool) -> None:
         entry = self.entries[key]
         assert entry.state is ChunkState.WRITING, f"complete_store of a {entry.state} chunk"
+        self._busy.discard(key)
         if ok:
             entry.state = ChunkState.READY
             self.policy.insert(key)
@@ -77,6 +83,7 @@ class HostCache:
         entry = self.entries[key]
         assert entry.state is ChunkState.READY, f"prepare_load of a {entry.state} chunk"
         entry.num_readers += 1
+        self._busy.add(key)
         if count_use:
             self.policy.touch(key)
         return entry.slot
@@ -85,6 +92,8 @@ class HostCache:
         entry = self.entries[key]
         assert entry.num_readers > 0, "complete_load without prepare_load"
         entry.num_readers -= 1
+        if entry.num_readers == 0:
+            self._busy.discard(key)
 
     def mark_dirty(self, key: Hashable) -> None:
         """`key` (ready) is held nowhere below the device yet."""
@@ -97,6 +106,12 @@ class HostCache:
     @property
     def num_dirty(self) -> int:
         return len(self._dirty)
+
+    def num_evictable_now(self) -> int:
+        """Free slots plus clean chunks no transfer holds: what stores can take without
+        dropping a dirty chunk."""
+        busy_clean = sum(1 for key in self._busy if key not in self._dirty)
+        return (len(self._free_slots) + len(self.entries) - len(self._dirty) - busy_clean)
 
     def view(self, key: Hashable) -> memoryview:
         entry = self.entries[key]

@@ -36,10 +36,11 @@ from kvtier.offload.tiers.base import (JobResult, LookupResult, SecondaryTier, T
 from kvtier.offload.tiers.registry import create_tier
 
 
-# Under write_back, the host slots kept clean or free (evictable at once, nothing lost): this
-# share of them, and at least twice the most chunks stored between two polls so far (one step's
-# stores arrive while the previous step's write-backs may still pin their slots). A 1 GiB host
-# tier of SmolLM2 bf16 chunks has ~2900 slots; a step of 2048 tokens stores up to 128 chunks.
+# Under write_back, the host slots kept free or clean and idle (evictable at once, nothing lost),
+# counting chunks whose write-back is under way: this share of them, and at least twice the most
+# slots taken between two polls so far (stores and promotions; one step's arrive while the
+# previous step's write-backs may still pin their slots). A 1 GiB host tier of SmolLM2 bf16
+# chunks has ~2900 slots; a step of 2048 tokens stores up to 128 chunks.
 WRITE_BACK_RESERVE = 0.1
 
 
@@ -85,9 +86,8 @@ class TieringManager:
         self._uses: OrderedDict[ChunkKey, int] = OrderedDict()
         self._events: list[TierMoveEvent] = []
         self._write_back = config.write_policy == "write_back" and bool(self.tiers)
-        self._stores_since_poll = 0
-        self._max_dirty = self.area.num_slots - max(
-            1, math.ceil(WRITE_BACK_RESERVE * self.area.num_slots))
+        self._reserve = max(1, math.ceil(WRITE_BACK_RESERVE * self.area.num_slots))
+        self._slots_taken_at_poll = 0
 
     # ---- lookup and promotion -------------------------------------------------------------
 
@@ -169,17 +169,24 @@ class TieringManager:
         self._events.append(TierMoveEvent(key, DEVICE, HOST))
         if self._write_back:
             self.host.mark_dirty(key)
-            self._stores_since_poll += 1
         else:
             self._cascade(key)
 
     def write_back_all(self) -> None:
         """Start the cascade of every dirty chunk (shutdown: keep what this instance computed)."""
-        self._write_back_down_to(0)
-
-    def _write_back_down_to(self, max_dirty: int) -> None:
-        while self.host.num_dirty > max_dirty:
+        while self.host.num_dirty:
             self._cascade(self.host.pop_oldest_dirty())
+
+    def _keep_reserve(self) -> None:
+        """Write back the oldest dirty chunks until the reserve of evictable slots is met."""
+        taken = self.host.num_slots_taken - self._slots_taken_at_poll
+        self._slots_taken_at_poll = self.host.num_slots_taken
+        self._reserve = min(self.area.num_slots, max(self._reserve, 2 * taken))
+        writing = {job.key for job in self._jobs.values() if job.kind == "cascade"}
+        available = self.host.num_evictable_now() + len(writing)
+        while available < self._reserve and self.host.num_dirty:
+            self._cascade(self.host.pop_oldest_dirty())
+            available += 1
 
     def _cascade(self, key: ChunkKey) -> None:
         for index in range(len(self.tiers)):
@@ -233,10 +240,7 @@ class TieringManager:
                     self._finish(job, result)
         self._expire_late_jobs()
         if self._write_back:
-            self._max_dirty = max(0, min(self._max_dirty,
-                                         self.area.num_slots - 2 * self._stores_since_poll))
-            self._stores_since_poll = 0
-            self._write_back_down_to(self._max_dirty)
+            self._keep_reserve()
             self.metrics.set_dirty(self.host.num_dirty, self.host.num_dropped_dirty)
         self.metrics.set_fill_ratio(self.host.fill_ratio)
 

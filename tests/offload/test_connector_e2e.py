@@ -45,6 +45,15 @@ def _tier(metrics, name, tier):
     return metrics.get(f'kvtier:offload_tier_{name}_total{{tier="{tier}"}}', 0.0)
 
 
+def _generate_one_by_one(llm, prompts, expected):
+    """Generate each prompt after the previous one's disk writes ended: a host slot being
+    written out cannot take a new chunk (that store is skipped), which would leave older chunks
+    in host memory and make the test depend on the disk's speed."""
+    for prompt, want in zip(prompts, expected):
+        assert _generate(llm, [prompt])[0] == [want]
+        _wait_for_cascade(llm)
+
+
 def _bytes(metrics, direction):
     return metrics.get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
 
@@ -83,11 +92,7 @@ def test_evicted_from_host_reloads_from_disk(model, tmp_path):
     # 16 host chunks: two prompts' worth, so the first prompts leave host memory too.
     llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},disk={tmp_path}")
     try:
-        for prompt, want in zip(prompts, expected):
-            assert _generate(llm, [prompt])[0] == [want]
-            # Let the disk writes end: a host slot being written out cannot take a new chunk
-            # (that store is skipped), which would leave older chunks in host memory.
-            assert llm.engine.scheduler.connector.flush(timeout_s=30)
+        _generate_one_by_one(llm, prompts, expected)
         tokens, cached = _generate(llm, prompts[:2])
         metrics = llm.get_metrics()
         assert tokens == expected[:2] and cached == [LOADABLE, LOADABLE]
@@ -179,8 +184,7 @@ def test_damaged_disk_files_fall_back_to_recompute(model, tmp_path, how, num_err
     model_dir, prompts, expected = model
     llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},disk={tmp_path}")
     try:
-        assert _generate(llm, prompts)[0] == expected
-        _wait_for_cascade(llm)
+        _generate_one_by_one(llm, prompts, expected)
         _damage_files(tmp_path, how)
         assert _generate(llm, prompts[:2]) == (expected[:2], [0, 0])
         metrics = llm.get_metrics()
