@@ -7,15 +7,15 @@ point, one at a time, each run starting once the machine is idle. The device KV 
 same for every configuration and small enough that the conversations outgrow it inside the
 range, so the plot shows the knee.
 
-    python benchmarks/multi_turn_sweep.py                   # the full sweep (~90 min on 2 cores)
+    python benchmarks/multi_turn_sweep.py                   # the full sweep (~110 min on 2 cores)
     python benchmarks/multi_turn_sweep.py --conversations 8,16 --num-turns 2 --configs prefix,host
 
 The defaults are the run in docs/benchmarks.md: 5 turns of 16 user and 8 output tokens over a
 128-token shared system prompt and a 512-token context per conversation, a new conversation every
 0.5 s, 384 MiB of device KV (the knee between 16 and 32 conversations), host 1 GiB, disk 8 GiB
-written back (`write=back`); points of up to 16 conversations run five times (distinct seeds,
-each configuration going first in turn) and report the run of median throughput (`repeats` in
-the JSON lists all five).
+written back (`write=back`); points of up to 32 conversations (the first past the knee) run five
+times (distinct seeds, each configuration going first in turn) and report the run of median
+throughput (`repeats` in the JSON lists all five).
 Run it from the repository root with kvtier installed (or PYTHONPATH=.). It writes one JSON
 (all reports) and a PNG (docs/multi_turn_sweep.png): output tokens/s and p90 TTFT against
 conversations, one line per configuration. `vllm-cpu` needs the peer set up
@@ -295,7 +295,7 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
                    help="default: vLLM's CPU default (128)")
     p.add_argument("--repeats", type=int, default=5,
                    help="runs of each small point; the median-throughput run is reported")
-    p.add_argument("--repeat-up-to", type=int, default=16,
+    p.add_argument("--repeat-up-to", type=int, default=32,
                    help="points with at most this many conversations are repeated")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--run-timeout", type=float, default=7200.0, help="per point")
