@@ -10,7 +10,7 @@ range, so the plot shows the knee.
     python benchmarks/multi_turn_sweep.py                   # the full sweep (~110 min on 2 cores)
     python benchmarks/multi_turn_sweep.py --conversations 8,16 --num-turns 2 --configs prefix,host
 
-The defaults are the run in docs/benchmarks.md: 5 turns of 16 user and 8 output tokens over a
+The defaults are the workload of docs/benchmarks.md: 5 turns of 16 user and 8 output tokens over a
 128-token shared system prompt and a 512-token context per conversation, a new conversation every
 0.5 s, 384 MiB of device KV (the knee between 16 and 32 conversations), host 1 GiB, disk 8 GiB
 written back (`write=back`); points of up to 32 conversations (the first past the knee) run five
