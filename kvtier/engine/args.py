@@ -43,7 +43,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     group.add_argument("--kv-transfer-config", default=None,
                        help="KV connector config as JSON (vLLM's shape)")
     group.add_argument("--kv-offload", default=None,
-                       help="tiered offloading in one flag, e.g. host=4GiB,disk=/path:50GiB; "
+                       help="tiered offloading in one flag, e.g. host=4GiB,disk=/path:50GiB "
+                            "(disk: this instance's preallocated file; fs=DIR[:SIZE]: a file "
+                            "per chunk, shared between instances); "
                             "optional policy=lru|arc, blocks_per_chunk=N, write=through|back "
                             "(when chunks go on to disk: at once, or when host memory needs "
                             "room and at shutdown)")

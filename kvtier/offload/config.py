@@ -117,15 +117,17 @@ def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:
 
 
 _FLAG_HELP = ("expected comma-separated key=value pairs such as "
-              "'host=4GiB,disk=/var/cache/kvtier:50GiB' (keys: host, disk, policy, "
+              "'host=4GiB,disk=/var/cache/kvtier:50GiB' (keys: host, disk, fs, policy, "
               "blocks_per_chunk, write)")
 
 
 def parse_kv_offload(flag: str) -> dict[str, Any]:
     """`--kv-offload host=4GiB,disk=/var/cache/kvtier:50GiB` -> a KVTransferConfig dict.
 
-    `host` (required) is the host tier's byte budget. `disk=DIR[:SIZE]` adds an fs tier (SIZE
-    is its byte budget; it may repeat). `policy=lru|arc`, `blocks_per_chunk=N` and
+    `host` (required) is the host tier's byte budget. `disk=DIR:SIZE` adds a disk tier (this
+    instance's slot file of SIZE bytes in DIR), `fs=DIR[:SIZE]` an fs tier (a file per chunk,
+    shared by the instances that mount DIR; SIZE is its byte budget); both may repeat.
+    `policy=lru|arc`, `blocks_per_chunk=N` and
     `write=through|back` (the write policy) are optional.
     The returned dict is validated here, so a bad flag fails at start-up.
     """
@@ -150,6 +152,8 @@ def _apply_flag_pair(extra: dict[str, Any], key: str, value: str) -> None:
         extra["cpu_bytes_to_use"] = parse_size(value, "--kv-offload host")
     elif key == "disk":
         extra["secondary_tiers"].append(_parse_disk(value))
+    elif key == "fs":
+        extra["secondary_tiers"].append(_parse_fs(value))
     elif key == "policy":
         extra["eviction_policy"] = value
     elif key == "blocks_per_chunk":
@@ -164,9 +168,25 @@ def _apply_flag_pair(extra: dict[str, Any], key: str, value: str) -> None:
         raise ValueError(f"--kv-offload: unknown key {key!r}; {_FLAG_HELP}")
 
 
-def _parse_disk(value: str) -> dict[str, Any]:
+def _split_dir_size(value: str) -> tuple[str, str | None]:
     # The size is optional and comes after the last colon; a path may itself contain colons.
     root, sep, size = value.rpartition(":")
     if sep and root and size and size[0].isdigit():
-        return {"type": "fs", "root_dir": root, "max_bytes": parse_size(size, "--kv-offload disk")}
-    return {"type": "fs", "root_dir": value}
+        return root, size
+    return value, None
+
+
+def _parse_disk(value: str) -> dict[str, Any]:
+    root, size = _split_dir_size(value)
+    if size is None:
+        raise ValueError(f"--kv-offload disk={value}: the disk tier needs a size, e.g. "
+                         f"disk={value}:50GiB (its file is preallocated); for a directory "
+                         f"without a budget, shared between instances, use fs={value}")
+    return {"type": "disk", "root_dir": root, "max_bytes": parse_size(size, "--kv-offload disk")}
+
+
+def _parse_fs(value: str) -> dict[str, Any]:
+    root, size = _split_dir_size(value)
+    if size is None:
+        return {"type": "fs", "root_dir": root}
+    return {"type": "fs", "root_dir": root, "max_bytes": parse_size(size, "--kv-offload fs")}

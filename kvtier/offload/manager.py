@@ -72,7 +72,8 @@ class TieringManager:
         self.metrics = OffloadMetrics(metrics_registry)
         self.tiers: list[SecondaryTier] = [
             create_tier(spec.type, spec.module_path, spec.options,
-                        TierContext(spec.name, namespace, metrics_registry))
+                        TierContext(spec.name, namespace, metrics_registry,
+                                    self.area.slot_bytes))
             for spec in config.secondary_tiers]
         self.tier_names = [tier.context.name for tier in self.tiers]
         self._clock = clock

@@ -57,14 +57,17 @@ def test_one_flag_form_expands_to_the_json_form():
         "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 * 2**30,
-            "secondary_tiers": [{"type": "fs", "root_dir": "/var/cache/kvtier",
+            "secondary_tiers": [{"type": "disk", "root_dir": "/var/cache/kvtier",
                                  "max_bytes": 50 * 2**30}]}}
 
 
 def test_one_flag_form_options():
-    extra = parse_kv_offload("host=1MiB,disk=/a:b/c,policy=arc,blocks_per_chunk=4,write=back")[
-        "kv_connector_extra_config"]
-    assert extra["secondary_tiers"] == [{"type": "fs", "root_dir": "/a:b/c"}]
+    extra = parse_kv_offload("host=1MiB,disk=/d:1GiB,fs=/a:b/c,fs=/nfs:2GiB,policy=arc,"
+                             "blocks_per_chunk=4,write=back")["kv_connector_extra_config"]
+    assert extra["secondary_tiers"] == [
+        {"type": "disk", "root_dir": "/d", "max_bytes": 2**30},
+        {"type": "fs", "root_dir": "/a:b/c"},
+        {"type": "fs", "root_dir": "/nfs", "max_bytes": 2 * 2**30}]
     assert extra["eviction_policy"] == "arc"
     assert extra["blocks_per_chunk"] == 4
     assert OffloadConfig.from_extra_config(extra).write_policy == "write_back"
@@ -73,7 +76,8 @@ def test_one_flag_form_options():
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("disk=/x", "'host=SIZE' is required"),
+    ("disk=/x:1GiB", "'host=SIZE' is required"),
+    ("host=4GiB,disk=/x", r"disk tier needs a size, e\.g\. disk=/x:50GiB .*use fs=/x"),
     ("host=4GiB,ssd=/x", "unknown key 'ssd'"),
     ("host", "expected comma-separated key=value"),
     ("host=lots", "--kv-offload host must be a byte size"),

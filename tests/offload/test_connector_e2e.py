@@ -87,10 +87,16 @@ def test_multi_block_chunks_reload_whole_chunks_only(model):
         llm.engine.shutdown()
 
 
-def test_evicted_from_host_reloads_from_disk(model, tmp_path):
+# The flag that puts each file-backed tier in a directory.
+_TIER_FLAGS = {"disk": "disk={}:64MiB", "fs": "fs={}"}
+
+
+@pytest.mark.parametrize("tier", ["disk", "fs"])
+def test_evicted_from_host_reloads_from_disk(model, tmp_path, tier):
     model_dir, prompts, expected = model
     # 16 host chunks: two prompts' worth, so the first prompts leave host memory too.
-    llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},disk={tmp_path}")
+    llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},"
+                                     f"{_TIER_FLAGS[tier].format(tmp_path)}")
     try:
         _generate_one_by_one(llm, prompts, expected)
         tokens, cached = _generate(llm, prompts[:2])
@@ -99,16 +105,16 @@ def test_evicted_from_host_reloads_from_disk(model, tmp_path):
         # 14 chunks must come from disk. A lookup can find a chunk while every host slot is
         # still protected by an in-flight store; it is then asked again, so under load the
         # counts may exceed 14 (timing), never fall short.
-        assert _tier(metrics, "hits", "fs") >= 14
-        assert _bytes(metrics, "fs_to_host") >= 14 * CHUNK_BYTES
-        assert _tier(metrics, "errors", "fs") == 0
+        assert _tier(metrics, "hits", tier) >= 14
+        assert _bytes(metrics, f"{tier}_to_host") >= 14 * CHUNK_BYTES
+        assert _tier(metrics, "errors", tier) == 0
     finally:
         llm.engine.shutdown()
 
 
 def test_write_back_leaves_the_disk_alone_while_the_host_holds_the_working_set(model, tmp_path):
     model_dir, prompts, expected = model
-    llm = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path},write=back")
+    llm = _llm(model_dir, kv_offload=f"host=1MiB,fs={tmp_path},write=back")
     try:
         assert _generate(llm, prompts)[0] == expected
         tokens, cached = _generate(llm, prompts[:2])  # evicted from the device: from host
@@ -130,36 +136,37 @@ _SECOND_INSTANCE = textwrap.dedent("""
     import json
     from kvtier import LLM, SamplingParams
     llm = LLM({model!r}, dtype="float32", block_size=4, num_device_blocks=24, max_num_seqs=2,
-              kv_offload="host=1MiB,disk={disk}")
+              kv_offload="host=1MiB,{tier_flag}")
     params = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
     outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params)
     m = llm.get_metrics()
     print(json.dumps([[o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs],
-                      m.get('kvtier:offload_tier_hits_total{{tier="fs"}}', 0)]))
+                      m.get('kvtier:offload_tier_hits_total{{tier="{tier}"}}', 0)]))
     llm.engine.shutdown()
 """)
 
 
-@pytest.mark.parametrize("write", ["through", "back"])
-def test_second_process_on_the_same_disk_gets_disk_hits(model, tmp_path, write):
+@pytest.mark.parametrize("write, tier", [("through", "fs"), ("back", "disk")])
+def test_second_process_on_the_same_disk_gets_disk_hits(model, tmp_path, write, tier):
     model_dir, prompts, expected = model
+    tier_flag = _TIER_FLAGS[tier].format(tmp_path)
     # 1 MiB of host memory holds every chunk: under write_back nothing is written before
     # shutdown, which writes it all.
-    llm = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path},write={write}")
+    llm = _llm(model_dir, kv_offload=f"host=1MiB,{tier_flag},write={write}")
     try:
         assert _generate(llm, prompts[:3])[0] == expected[:3]
     finally:
         llm.engine.shutdown()  # waits for the cascade to disk
-    script = _SECOND_INSTANCE.format(model=model_dir, disk=tmp_path, max_tokens=MAX_TOKENS,
-                                     prompts=prompts[:3])
+    script = _SECOND_INSTANCE.format(model=model_dir, tier_flag=tier_flag, tier=tier,
+                                     max_tokens=MAX_TOKENS, prompts=prompts[:3])
     # In the repository root, `python -c` imports kvtier as this process does.
     out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    tokens, cached, fs_hits = eval(out.stdout.strip().splitlines()[-1])
+    tokens, cached, tier_hits = eval(out.stdout.strip().splitlines()[-1])
     assert tokens == expected[:3]
     assert cached == [LOADABLE] * 3
-    assert fs_hits == 21
+    assert tier_hits == 21
 
 
 def _damage_files(directory, how):
@@ -182,7 +189,7 @@ def _damage_files(directory, how):
 @pytest.mark.parametrize("how, num_errors", [("corrupt", 14), ("truncate", 14), ("delete", 0)])
 def test_damaged_disk_files_fall_back_to_recompute(model, tmp_path, how, num_errors):
     model_dir, prompts, expected = model
-    llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},disk={tmp_path}")
+    llm = _llm(model_dir, kv_offload=f"host={16 * CHUNK_BYTES},fs={tmp_path}")
     try:
         _generate_one_by_one(llm, prompts, expected)
         _damage_files(tmp_path, how)

@@ -59,6 +59,8 @@ class TierContext:
     namespace: bytes
     # The engine's MetricsRegistry (counter/gauge/histogram) or None; tiers may register theirs.
     metrics: Any = None
+    # Bytes of the largest chunk a job can carry (the host slot size); None: not known.
+    max_chunk_bytes: int | None = None
 
 
 class SecondaryTier(ABC):

@@ -4,28 +4,24 @@ Files are content-addressed (`<root>/<namespace>/<aa>/<sha256(key)>.kvc`), so in
 the same KV geometry share a cache and others never see each other's files. Writes go to a temp
 file that is renamed into place, so a reader sees a whole file or none, and concurrent writers
 of one chunk (threads or processes) simply race to rename identical bytes. Lookups are one stat
-on the caller's thread; reads and writes run on two separate thread pools so a burst of stores
-never delays a promotion. The byte budget is kept by deleting the least recently used files
-(mtime, which loads bump), scanned on the write pool.
+on the caller's thread; reads and writes run on the thread pools of `ThreadedTier`. The byte
+budget is kept by deleting the least recently used files (mtime, which loads bump), scanned on
+the write pool. One instance's private overflow is cheaper in the disk tier (tiers/disk.py).
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import sys
 import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Iterable
+from typing import Any, ClassVar
 
 from kvtier.offload.keys import ChunkKey, key_digest
-from kvtier.offload.options import is_positive_int, require
+from kvtier.offload.options import require
 from kvtier.offload.sizes import parse_size
-from kvtier.offload.tiers.base import (JobResult, LookupResult, SecondaryTier, TierContext,
-                                       TransferJob)
+from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.fs_format import ChunkFileError, file_size, read_chunk_into, write_chunk
+from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
 
 _SUFFIX = ".kvc"
 # After an eviction pass the directory is brought down to this share of the budget, so that
@@ -40,9 +36,7 @@ class FsTierOptions:
     max_bytes: int | str | None = None
     num_read_threads: int = 2
     num_write_threads: int = 2
-    # Niceness added to the write threads (Linux; elsewhere ignored). Writes are background
-    # work: niced, they run in the CPU time the forward pass leaves idle instead of taking
-    # turns with it. Reads stay at the engine's priority: a request waits for them.
+    # Niceness added to the write threads (Linux; elsewhere ignored), see ThreadedTier.
     write_nice: int = 10
 
     def __post_init__(self) -> None:
@@ -51,26 +45,15 @@ class FsTierOptions:
         if self.max_bytes is not None:
             object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, "fs.max_bytes"))
             require(self.max_bytes > 0, "fs.max_bytes", "must be > 0", self.max_bytes)
-        for name in ("num_read_threads", "num_write_threads"):
-            require(is_positive_int(getattr(self, name)), f"fs.{name}", "must be an integer >= 1",
-                    getattr(self, name))
-        require(isinstance(self.write_nice, int) and not isinstance(self.write_nice, bool)
-                and 0 <= self.write_nice <= 19, "fs.write_nice", "must be an integer in 0..19",
-                self.write_nice)
+        check_thread_options(self, "fs")
 
 
-class FsTier(SecondaryTier):
+class FsTier(ThreadedTier):
     options_cls: ClassVar[type] = FsTierOptions
 
     def __init__(self, options: FsTierOptions, context: TierContext) -> None:
         super().__init__(options, context)
         self.directory = os.path.join(options.root_dir, context.namespace.hex())
-        self._file_bytes: int | None = None  # size of one chunk file, known from the first key
-        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self._readers = ThreadPoolExecutor(options.num_read_threads, "kvtier-fs-read")
-        self._writers = ThreadPoolExecutor(options.num_write_threads, "kvtier-fs-write",
-                                           initializer=_lower_priority,
-                                           initargs=(options.write_nice,))
         self._evict_lock = threading.Lock()
         # Bytes this instance believes are in the directory; None until the first scan.
         self._used_bytes: int | None = None
@@ -92,39 +75,6 @@ class FsTier(SecondaryTier):
         if os.path.exists(self.path_for(key)):
             return LookupResult.FOUND
         return LookupResult.NOT_FOUND
-
-    def submit_store(self, job: TransferJob) -> None:
-        self._writers.submit(self._run, job, self._store)
-
-    def submit_load(self, job: TransferJob) -> None:
-        self._readers.submit(self._run, job, self._load)
-
-    def get_finished_jobs(self) -> Iterable[JobResult]:
-        finished = []
-        while True:
-            try:
-                finished.append(self._finished.get_nowait())
-            except queue.Empty:
-                return finished
-
-    def shutdown(self) -> None:
-        self._readers.shutdown(wait=True, cancel_futures=True)
-        self._writers.shutdown(wait=True, cancel_futures=True)
-
-    def _run(self, job: TransferJob, action: Callable[[TransferJob], None]) -> None:
-        """Run one job on a pool thread; every outcome becomes exactly one JobResult."""
-        if time.monotonic() > job.deadline:
-            self._finished.put(JobResult(job.job_id, ok=False, error="deadline passed in queue"))
-            return
-        start = time.monotonic()
-        try:
-            action(job)
-        except Exception as exc:  # any tier failure is a failed job, never a lost one
-            self._finished.put(JobResult(job.job_id, ok=False, error=f"{type(exc).__name__}: "
-                                                                     f"{exc}"))
-        else:
-            ended = time.monotonic()
-            self._finished.put(JobResult(job.job_id, ok=True, seconds=ended - start, ended=ended))
 
     def _store(self, job: TransferJob) -> None:
         path = self.path_for(job.key)
@@ -194,16 +144,6 @@ class FsTier(SecondaryTier):
                     continue  # deleted by another instance meanwhile
                 found.append((path, st.st_size, st.st_mtime))
         return found
-
-
-def _lower_priority(nice: int) -> None:
-    """Add `nice` to the calling thread's niceness (Linux keeps one per thread)."""
-    if nice == 0 or not sys.platform.startswith("linux"):
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
-    except OSError:
-        pass  # the thread runs at the engine's priority: slower under load, still correct
 
 
 def _listdir(path: str) -> list[str]:

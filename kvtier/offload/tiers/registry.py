@@ -23,6 +23,7 @@ class TierLookupError(ValueError):
 _BUILTIN_TIERS: dict[str, str] = {
     "memory": "kvtier.offload.tiers.memory:MemoryTier",
     "fs": "kvtier.offload.tiers.fs:FsTier",
+    "disk": "kvtier.offload.tiers.disk:DiskTier",
 }
 
 
