@@ -54,7 +54,7 @@ _DIRECTIONS = ("device_to_host", "host_to_device", "host_to_fs", "fs_to_host")
 def main() -> None:
     args = _parse_args()
     disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="kvtier-offload-ttft-")
-    offload = f"host={args.host},disk={disk_dir}:{args.disk}"
+    offload = f"host={args.host},fs={disk_dir}:{args.disk}"  # the fs tier: a file per chunk
     engine_args = dict(dtype=args.dtype, device=args.device, kv_offload=offload,
                        kv_cache_memory_bytes=args.device_kv, max_num_batched_tokens=args.chunk,
                        max_model_len=max(args.lengths) + 1)
