@@ -224,8 +224,15 @@ def test_broken_tier_costs_errors_not_output(model, tier):
         assert _generate(llm, prompts)[0] == expected
         _wait_for_cascade(llm)
         assert _generate(llm, prompts[:2]) == (expected[:2], [0, 0])
+        _wait_for_cascade(llm)
         metrics = llm.get_metrics()
-        assert _tier(metrics, "errors", tier["type"]) >= 8 * 7  # every store failed
+        # Every chunk that reached host memory went on to the tier and failed there. (Not a
+        # fixed count: under CPU load a store finding every host slot pinned by a cascade is
+        # skipped, so fewer than all 8 x 7 chunks may reach host memory.)
+        in_host = _bytes(metrics, "device_to_host") / CHUNK_BYTES
+        assert in_host >= 7
+        assert _tier(metrics, "errors", tier["type"]) >= in_host
+        assert _bytes(metrics, f"host_to_{tier['type']}") == 0
         assert _tier(metrics, "hits", tier["type"]) == 0
     finally:
         llm.engine.shutdown()
