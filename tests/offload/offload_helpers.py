@@ -1,10 +1,12 @@
 """Chunks, keys and configs for the tiering tests, and the worker's side of a store."""
 
+import itertools
 import time
 
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.keys import make_chunk_key
 from kvtier.offload.manager import Lookup, TieringManager
+from kvtier.offload.tiers.base import TransferJob
 
 NAMESPACE = bytes(range(32))
 CHUNK = 64
@@ -50,3 +52,45 @@ def read_host(manager: TieringManager, n: int) -> bytes:
     data = bytes(manager.area.slot_view(slot, CHUNK))
     manager.complete_load(key(n), ok=True)
     return data
+
+
+# Job ids for the tier tests' jobs, unique across tests.
+_job_ids = itertools.count()
+
+
+def tier_job(n: int, buffer=None) -> TransferJob:
+    """A job for chunk n; a store job carries its bytes unless `buffer` is given."""
+    buffer = memoryview(bytearray(chunk_bytes(n))) if buffer is None else buffer
+    return TransferJob(next(_job_ids), key(n), buffer, time.monotonic() + 10)
+
+
+def wait_jobs(tier, job_ids, timeout=10.0):
+    """{job_id: ok} once every job in `job_ids` is reported."""
+    deadline, results = time.monotonic() + timeout, {}
+    while set(results) != set(job_ids):
+        assert time.monotonic() < deadline, f"tier jobs {set(job_ids) - set(results)} hang"
+        results.update((r.job_id, r.ok) for r in tier.get_finished_jobs())
+        time.sleep(0.002)
+    return results
+
+
+def tier_store(tier, n) -> bool:
+    job = tier_job(n)
+    tier.submit_store(job)
+    return wait_jobs(tier, [job.job_id])[job.job_id]
+
+
+def tier_load(tier, n) -> tuple[bool, bytes]:
+    out = memoryview(bytearray(CHUNK))
+    job = tier_job(n, out)
+    tier.submit_load(job)
+    return wait_jobs(tier, [job.job_id])[job.job_id], bytes(out)
+
+
+def drain(manager: TieringManager, timeout: float = 10.0) -> None:
+    """Poll until the manager has no tier job in flight."""
+    deadline = time.monotonic() + timeout
+    while manager.num_jobs_in_flight():
+        assert time.monotonic() < deadline, "tier jobs hang"
+        manager.poll()
+        time.sleep(0.002)

@@ -3,18 +3,16 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
-from kvtier.offload.manager import Lookup
 from kvtier.offload.options import parse_options
-from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
+from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.disk import (DiskTier, DiskTierInUseError, DiskTierOptions,
                                       DiskTierSetupError)
 
-from .offload_helpers import (CHUNK, NAMESPACE, chunk_bytes, key, offload_config, read_host,
-                              store_from_device)
+from .offload_helpers import (CHUNK, NAMESPACE, chunk_bytes, key, tier_job, tier_load,
+                              tier_store, wait_jobs)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = 4096
@@ -49,31 +47,10 @@ def _close(tier):
     tier.shutdown()
 
 
-_ids = iter(range(10**9))
 
 
-def _wait(tier, job_ids, timeout=10.0):
-    """{job_id: ok} once every job in `job_ids` is reported."""
-    deadline, results = time.monotonic() + timeout, {}
-    while set(results) != set(job_ids):
-        assert time.monotonic() < deadline, f"tier jobs {set(job_ids) - set(results)} hang"
-        results.update((r.job_id, r.ok) for r in tier.get_finished_jobs())
-        time.sleep(0.002)
-    return results
 
 
-def _store(tier, n):
-    job = TransferJob(next(_ids), key(n), memoryview(bytearray(chunk_bytes(n))),
-                      time.monotonic() + 10)
-    tier.submit_store(job)
-    return _wait(tier, [job.job_id])[job.job_id]
-
-
-def _load(tier, n):
-    out = memoryview(bytearray(CHUNK))
-    job = TransferJob(next(_ids), key(n), out, time.monotonic() + 10)
-    tier.submit_load(job)
-    return _wait(tier, [job.job_id])[job.job_id], bytes(out)
 
 
 def _present(tier, numbers):
@@ -87,73 +64,73 @@ def test_store_then_load_round_trip_in_a_preallocated_file(make_tier, tmp_path):
     assert os.path.getsize(tier.path) == _budget(8)
     assert os.stat(tier.path).st_blocks * 512 >= _budget(8)  # space reserved up front
     assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
-    assert _store(tier, 1) and _store(tier, 2)
+    assert tier_store(tier, 1) and tier_store(tier, 2)
     assert _present(tier, [1, 2, 3]) == [1, 2]
-    assert _load(tier, 1) == (True, chunk_bytes(1))
-    assert _load(tier, 2) == (True, chunk_bytes(2))
-    assert _load(tier, 3)[0] is False  # never stored: a failed job, not an exception
+    assert tier_load(tier, 1) == (True, chunk_bytes(1))
+    assert tier_load(tier, 2) == (True, chunk_bytes(2))
+    assert tier_load(tier, 3)[0] is False  # never stored: a failed job, not an exception
 
 
 def test_storing_a_present_chunk_again_takes_no_slot(make_tier, tmp_path):
     tier = make_tier(tmp_path, num_slots=2)
     for n in (1, 1, 1, 2):
-        assert _store(tier, n)
+        assert tier_store(tier, n)
     assert _present(tier, [1, 2]) == [1, 2]
 
 
 def test_full_file_overwrites_the_least_recently_used_chunk(make_tier, tmp_path):
     tier = make_tier(tmp_path, num_slots=3)
     for n in (0, 1, 2):
-        assert _store(tier, n)
-    assert _load(tier, 0)[0]  # 0 becomes the most recently used
-    assert _store(tier, 3)  # overwrites 1
+        assert tier_store(tier, n)
+    assert tier_load(tier, 0)[0]  # 0 becomes the most recently used
+    assert tier_store(tier, 3)  # overwrites 1
     assert _present(tier, range(4)) == [0, 2, 3]
-    assert _store(tier, 4)  # overwrites 2
+    assert tier_store(tier, 4)  # overwrites 2
     assert _present(tier, range(5)) == [0, 3, 4]
     for n in (0, 3, 4):
-        assert _load(tier, n) == (True, chunk_bytes(n))
+        assert tier_load(tier, n) == (True, chunk_bytes(n))
 
 
 def test_a_slot_being_read_is_not_overwritten(make_tier, tmp_path):
     tier = make_tier(tmp_path, num_slots=2)
-    assert _store(tier, 0) and _store(tier, 1)
+    assert tier_store(tier, 0) and tier_store(tier, 1)
     tier._readers_of[tier._index[key(0)]] = 1  # a load of 0, the oldest, is in progress
-    assert _store(tier, 2)
+    assert tier_store(tier, 2)
     assert _present(tier, range(3)) == [0, 2]
     tier._readers_of[tier._index[key(2)]] = 1
-    assert _store(tier, 3) is False  # every slot is being read: the store fails, nothing lost
+    assert tier_store(tier, 3) is False  # every slot is being read: the store fails, nothing lost
     assert _present(tier, range(4)) == [0, 2]
 
 
 def test_restart_finds_every_chunk_and_the_store_order(make_tier, tmp_path):
     tier = make_tier(tmp_path, num_slots=3)
     for n in (5, 6, 7):
-        assert _store(tier, n)
+        assert tier_store(tier, n)
     _close(tier)
     again = make_tier(tmp_path, num_slots=3)
     assert _present(again, range(10)) == [5, 6, 7]
-    assert [_load(again, n) for n in (5, 6, 7)] == [(True, chunk_bytes(n)) for n in (5, 6, 7)]
+    assert [tier_load(again, n) for n in (5, 6, 7)] == [(True, chunk_bytes(n)) for n in (5, 6, 7)]
     _close(again)
     # Store order survives (not load order, which lives in memory only): 5 is overwritten first.
     third = make_tier(tmp_path, num_slots=3)
-    assert _store(third, 8)
+    assert tier_store(third, 8)
     assert _present(third, range(10)) == [6, 7, 8]
 
 
 def test_restart_with_a_smaller_file_keeps_the_chunks_that_fit(make_tier, tmp_path):
     tier = make_tier(tmp_path, num_slots=4)
     for n in range(4):
-        assert _store(tier, n)
+        assert tier_store(tier, n)
     _close(tier)
     smaller = make_tier(tmp_path, num_slots=2)
     assert os.path.getsize(smaller.path) == _budget(2)
     assert _present(smaller, range(4)) == [0, 1]  # slots 0 and 1, filled first
-    assert _load(smaller, 1) == (True, chunk_bytes(1))
+    assert tier_load(smaller, 1) == (True, chunk_bytes(1))
 
 
 def test_a_file_of_another_slot_size_starts_afresh(make_tier, tmp_path):
     tier = make_tier(tmp_path)
-    assert _store(tier, 1)
+    assert tier_store(tier, 1)
     _close(tier)
     bigger_slots = make_tier(tmp_path, max_chunk_bytes=3 * PAGE)
     assert bigger_slots.stride == 4 * PAGE
@@ -162,7 +139,7 @@ def test_a_file_of_another_slot_size_starts_afresh(make_tier, tmp_path):
 
 def test_other_namespace_uses_its_own_file(make_tier, tmp_path):
     tier = make_tier(tmp_path)
-    assert _store(tier, 1)
+    assert tier_store(tier, 1)
     other = make_tier(tmp_path, namespace=b"other-model" * 3)
     assert other.path != tier.path
     assert other.lookup(key(1)) is LookupResult.NOT_FOUND
@@ -187,20 +164,20 @@ def _flip(path, offset):
 @pytest.mark.parametrize("where", ["payload", "checksum", "key", "magic"])
 def test_damaged_slot_is_a_miss_never_data_and_is_reused(make_tier, tmp_path, where):
     tier = make_tier(tmp_path, num_slots=2)
-    assert _store(tier, 1)
+    assert tier_store(tier, 1)
     slot_start = PAGE + tier._index[key(1)] * STRIDE
     offset = {"payload": PAGE + CHUNK - 1, "checksum": 32, "key": 60, "magic": 0}[where]
     _flip(tier.path, slot_start + offset)
-    assert _load(tier, 1)[0] is False
+    assert tier_load(tier, 1)[0] is False
     assert tier.lookup(key(1)) is LookupResult.NOT_FOUND  # the failed load dropped the slot
-    assert _store(tier, 1) and _store(tier, 2)  # both fit: the damaged slot was freed
-    assert _load(tier, 1) == (True, chunk_bytes(1))
+    assert tier_store(tier, 1) and tier_store(tier, 2)  # both fit: the damaged slot was freed
+    assert tier_load(tier, 1) == (True, chunk_bytes(1))
 
 
 def test_torn_slot_after_a_crash_is_dropped_at_load(make_tier, tmp_path):
     # A crash between the header and the payload reaching the disk: 2's header, 1's payload.
     tier = make_tier(tmp_path, num_slots=2)
-    assert _store(tier, 1) and _store(tier, 2)
+    assert tier_store(tier, 1) and tier_store(tier, 2)
     slot1, slot2 = tier._index[key(1)], tier._index[key(2)]
     _close(tier)
     with open(tier.path, "r+b") as f:
@@ -210,9 +187,9 @@ def test_torn_slot_after_a_crash_is_dropped_at_load(make_tier, tmp_path):
         f.write(payload1)
     again = make_tier(tmp_path, num_slots=2)
     assert _present(again, [1, 2]) == [1, 2]  # headers are whole
-    assert _load(again, 2)[0] is False
+    assert tier_load(again, 2)[0] is False
     assert _present(again, [1, 2]) == [1]
-    assert _load(again, 1) == (True, chunk_bytes(1))
+    assert tier_load(again, 1) == (True, chunk_bytes(1))
 
 
 def test_concurrent_stores_and_loads_never_return_wrong_bytes(make_tier, tmp_path):
@@ -222,16 +199,14 @@ def test_concurrent_stores_and_loads_never_return_wrong_bytes(make_tier, tmp_pat
     for _ in range(400):
         n = rng.randrange(12)
         if rng.random() < 0.5:
-            job = TransferJob(next(_ids), key(n), memoryview(bytearray(chunk_bytes(n))),
-                              time.monotonic() + 30)
+            job = tier_job(n)
             tier.submit_store(job)
         else:
-            job = TransferJob(next(_ids), key(n), memoryview(bytearray(CHUNK)),
-                              time.monotonic() + 30)
+            job = tier_job(n, memoryview(bytearray(CHUNK)))
             expected[job.job_id] = (n, job.buffer)
             tier.submit_load(job)
         jobs.append(job.job_id)
-    results = _wait(tier, jobs, timeout=30)
+    results = wait_jobs(tier, jobs, timeout=30)
     loaded = [(n, bytes(buffer)) for job_id, (n, buffer) in expected.items() if results[job_id]]
     assert loaded, "no load succeeded: the test proves nothing"
     assert all(data == chunk_bytes(n) for n, data in loaded)
@@ -282,28 +257,3 @@ def test_unwritable_directory_is_a_clear_start_up_error(tmp_path):
                                                   "choose a writable directory"):
         DiskTier(DiskTierOptions(root_dir=str(blocker / "cache"), max_bytes="1MiB"),
                  TierContext("disk", NAMESPACE, max_chunk_bytes=CHUNK))
-
-
-def _drain(manager, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while manager.num_jobs_in_flight():
-        assert time.monotonic() < deadline, "tier jobs hang"
-        manager.poll()
-        time.sleep(0.002)
-
-
-def test_manager_promotes_from_the_disk_tier_after_host_eviction(make_manager, tmp_path):
-    manager = make_manager(offload_config(2, [{"type": "disk", "root_dir": str(tmp_path),
-                                               "max_bytes": "1MiB"}]))
-    for n in (1, 2, 3):  # 3 evicts 1 from the two host slots; 1 lives on in the disk tier
-        store_from_device(manager, n)
-        _drain(manager)
-    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY
-    _drain(manager)
-    assert manager.lookup(key(1), CHUNK) is Lookup.HIT
-    assert read_host(manager, 1) == chunk_bytes(1)
-    stats = manager.metrics.snapshot()
-    assert stats['kvtier:offload_tier_hits_total{tier="disk"}'] == 1
-    assert stats['kvtier:offload_bytes_total{direction="host_to_disk"}'] == 3 * CHUNK
-    assert stats['kvtier:offload_bytes_total{direction="disk_to_host"}'] == CHUNK
-

@@ -3,16 +3,14 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import pytest
 
-from kvtier.offload.manager import Lookup
-from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
+from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.fs import FsTier, FsTierOptions
 
-from .offload_helpers import (CHUNK, NAMESPACE, chunk_bytes, key, offload_config, read_host,
-                              store_from_device)
+from .offload_helpers import (NAMESPACE, chunk_bytes, key, tier_job, tier_load, tier_store,
+                              wait_jobs)
 
 # The scripts below run with `python -c` in the repository root, so they import kvtier and the
 # helpers as this module does.
@@ -34,50 +32,27 @@ def make_tier():
         tier.shutdown()
 
 
-_ids = iter(range(10**9))
 
 
-def _job(n: int, buffer=None) -> TransferJob:
-    buffer = memoryview(bytearray(chunk_bytes(n))) if buffer is None else buffer
-    return TransferJob(next(_ids), key(n), buffer, time.monotonic() + 10)
 
 
-def _wait(tier, job_ids, timeout=10.0):
-    """{job_id: ok} once every job in `job_ids` is reported."""
-    deadline, results = time.monotonic() + timeout, {}
-    while set(results) != set(job_ids):
-        assert time.monotonic() < deadline, f"tier jobs {set(job_ids) - set(results)} hang"
-        results.update((r.job_id, r.ok) for r in tier.get_finished_jobs())
-        time.sleep(0.002)
-    return results
 
 
-def _store(tier, n):
-    job = _job(n)
-    tier.submit_store(job)
-    return _wait(tier, [job.job_id])[job.job_id]
-
-
-def _load(tier, n):
-    out = memoryview(bytearray(CHUNK))
-    job = _job(n, out)
-    tier.submit_load(job)
-    return _wait(tier, [job.job_id])[job.job_id], bytes(out)
 
 
 def test_store_then_load_round_trip(make_tier, tmp_path):
     tier = make_tier(tmp_path)
     assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
-    assert _store(tier, 1)
+    assert tier_store(tier, 1)
     assert tier.lookup(key(1)) is LookupResult.FOUND
-    assert _load(tier, 1) == (True, chunk_bytes(1))
+    assert tier_load(tier, 1) == (True, chunk_bytes(1))
     path = tier.path_for(key(1))
     assert path.startswith(os.path.join(str(tmp_path), NAMESPACE.hex()))
     assert [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")] == []
 
 
 def test_other_namespace_never_sees_the_files(make_tier, tmp_path):
-    assert _store(make_tier(tmp_path), 1)
+    assert tier_store(make_tier(tmp_path), 1)
     other = FsTier(FsTierOptions(root_dir=str(tmp_path)),
                    TierContext("fs", b"other-model" * 3))
     assert other.lookup(key(1)) is LookupResult.NOT_FOUND
@@ -87,7 +62,7 @@ def test_other_namespace_never_sees_the_files(make_tier, tmp_path):
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "swap_key"])
 def test_damaged_file_is_a_miss_never_data(make_tier, tmp_path, damage):
     tier = make_tier(tmp_path)
-    assert _store(tier, 1) and _store(tier, 2)
+    assert tier_store(tier, 1) and tier_store(tier, 2)
     path = tier.path_for(key(1))
     if damage == "flip":
         with open(path, "r+b") as f:
@@ -101,17 +76,17 @@ def test_damaged_file_is_a_miss_never_data(make_tier, tmp_path, damage):
         os.unlink(path)
     else:  # a whole, valid file of another chunk under this chunk's name
         os.replace(tier.path_for(key(2)), path)
-    ok, data = _load(tier, 1)
+    ok, data = tier_load(tier, 1)
     assert not ok
     if damage in ("flip", "swap_key"):
         assert not os.path.exists(path)  # dropped, so a later store writes a good one
     assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
-    assert _store(tier, 1) and _load(tier, 1) == (True, chunk_bytes(1))
+    assert tier_store(tier, 1) and tier_load(tier, 1) == (True, chunk_bytes(1))
 
 
 def test_concurrent_writers_of_one_chunk_threads(make_tier, tmp_path):
     tiers = [make_tier(tmp_path, num_write_threads=4) for _ in range(2)]
-    jobs = [(tier, _job(5)) for tier in tiers for _ in range(16)]
+    jobs = [(tier, tier_job(5)) for tier in tiers for _ in range(16)]
     barrier = threading.Barrier(len(tiers))
 
     def submit_all(tier):
@@ -126,8 +101,8 @@ def test_concurrent_writers_of_one_chunk_threads(make_tier, tmp_path):
     for thread in threads:
         thread.join(timeout=10)
     for tier in tiers:
-        assert all(_wait(tier, [j.job_id for o, j in jobs if o is tier]).values())
-    assert _load(tiers[0], 5) == (True, chunk_bytes(5))
+        assert all(wait_jobs(tier, [j.job_id for o, j in jobs if o is tier]).values())
+    assert tier_load(tiers[0], 5) == (True, chunk_bytes(5))
 
 
 _WRITER = textwrap.dedent("""
@@ -159,7 +134,7 @@ def test_concurrent_writers_of_one_chunk_two_processes(tmp_path):
     tier = FsTier(FsTierOptions(root_dir=str(tmp_path)), TierContext("fs", NAMESPACE))
     try:
         for n in [9] + list(range(20, 30)):
-            assert _load(tier, n) == (True, chunk_bytes(n))
+            assert tier_load(tier, n) == (True, chunk_bytes(n))
     finally:
         tier.shutdown()
 
@@ -168,10 +143,10 @@ def test_byte_budget_evicts_least_recently_used_files(make_tier, tmp_path):
     file_bytes = os.path.getsize(_stored_path(make_tier(tmp_path / "probe"), 0))
     tier = make_tier(tmp_path / "cache", max_bytes=4 * file_bytes)
     for n in range(4):
-        assert _store(tier, n)
+        assert tier_store(tier, n)
         os.utime(tier.path_for(key(n)), (1000 + n, 1000 + n))  # distinct access times
-    assert _load(tier, 0)[0]  # loading bumps 0 to most recent
-    assert _store(tier, 4)  # 5 files > budget: evict down to 90% = 3 files
+    assert tier_load(tier, 0)[0]  # loading bumps 0 to most recent
+    assert tier_store(tier, 4)  # 5 files > budget: evict down to 90% = 3 files
     present = [n for n in range(5) if tier.lookup(key(n)) is LookupResult.FOUND]
     assert present == [0, 3, 4]
 
@@ -180,7 +155,7 @@ def test_byte_budget_evicts_least_recently_used_files(make_tier, tmp_path):
 def test_write_threads_yield_the_cpu_and_read_threads_do_not(make_tier, tmp_path):
     base = os.getpriority(os.PRIO_PROCESS, 0)
     tier = make_tier(tmp_path, write_nice=5)
-    assert _store(tier, 1)  # the pool's threads start with the first job
+    assert tier_store(tier, 1)  # the pool's threads start with the first job
     in_writer = tier._writers.submit(os.getpriority, os.PRIO_PROCESS, 0).result(timeout=10)
     in_reader = tier._readers.submit(os.getpriority, os.PRIO_PROCESS, 0).result(timeout=10)
     assert (in_writer, in_reader) == (min(19, base + 5), base)
@@ -194,7 +169,7 @@ def test_write_nice_out_of_range_is_refused(tmp_path, bad):
 
 
 def _stored_path(tier, n):
-    assert _store(tier, n)
+    assert tier_store(tier, n)
     return tier.path_for(key(n))
 
 
@@ -202,9 +177,9 @@ def test_unwritable_directory_fails_jobs_without_raising(make_tier, tmp_path):
     blocker = tmp_path / "file"
     blocker.write_bytes(b"not a directory")
     tier = make_tier(blocker / "cache")
-    assert _store(tier, 1) is False
+    assert tier_store(tier, 1) is False
     assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
-    assert _load(tier, 1)[0] is False
+    assert tier_load(tier, 1)[0] is False
 
 
 def test_read_only_filesystem_fails_jobs_without_raising(make_tier):
@@ -216,7 +191,7 @@ def test_read_only_filesystem_fails_jobs_without_raising(make_tier):
         os.rmdir("/sys/kvtier-offload-test")
         pytest.skip("/sys is writable here; no read-only file system to test against")
     tier = make_tier("/sys/kvtier-offload-test")
-    assert _store(tier, 1) is False
+    assert tier_store(tier, 1) is False
 
 
 _FULL_DISK = textwrap.dedent("""
@@ -245,26 +220,3 @@ def test_full_disk_fails_the_store_and_leaves_no_file(tmp_path):
     assert out.stdout.split() == ["False", "OSError", "NOT_FOUND"], out.stderr
     leftovers = [f for _, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []
-
-
-def _drain(manager, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while manager.num_jobs_in_flight():
-        assert time.monotonic() < deadline, "tier jobs hang"
-        manager.poll()
-        time.sleep(0.002)
-
-
-def test_manager_promotes_from_disk_after_host_eviction(make_manager, tmp_path):
-    manager = make_manager(offload_config(2, [{"type": "fs", "root_dir": str(tmp_path)}]))
-    for n in (1, 2, 3):  # 3 evicts 1 from the two host slots; 1 lives on on disk
-        store_from_device(manager, n)
-        _drain(manager)
-    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY
-    _drain(manager)
-    assert manager.lookup(key(1), CHUNK) is Lookup.HIT
-    assert read_host(manager, 1) == chunk_bytes(1)
-    stats = manager.metrics.snapshot()
-    assert stats['kvtier:offload_tier_hits_total{tier="fs"}'] == 1
-    assert stats['kvtier:offload_bytes_total{direction="host_to_fs"}'] == 3 * CHUNK
-    assert stats['kvtier:offload_bytes_total{direction="fs_to_host"}'] == CHUNK

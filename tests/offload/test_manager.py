@@ -1,8 +1,10 @@
+import pytest
+
 from kvtier.offload.events import TierMoveEvent
 from kvtier.offload.manager import Lookup
 
-from .offload_helpers import (CHUNK, FAULTY_TIERS, NAMESPACE, chunk_bytes, key, offload_config,
-                              poll_until, read_host, store_from_device)
+from .offload_helpers import (CHUNK, FAULTY_TIERS, NAMESPACE, chunk_bytes, drain, key,
+                              offload_config, poll_until, read_host, store_from_device)
 
 MEMORY = {"type": "memory"}
 RAISING = {"type": "RaisingTier", "module_path": FAULTY_TIERS}
@@ -197,3 +199,21 @@ def test_write_back_keeps_the_eviction_order(make_manager):
     manager.poll()  # the reserve (1 slot) forces chunk 1 out to the tier
     assert manager.tiers[0].lookup(key(1)).name == "FOUND"
     assert list(manager.host.policy.t1) == [key(1), key(2)] and not manager.host.policy.t2
+
+
+@pytest.mark.parametrize("tier", [{"type": "fs"}, {"type": "disk", "max_bytes": "1MiB"}],
+                         ids=["fs", "disk"])
+def test_manager_promotes_from_a_file_tier_after_host_eviction(make_manager, tmp_path, tier):
+    name = tier["type"]
+    manager = make_manager(offload_config(2, [{**tier, "root_dir": str(tmp_path)}]))
+    for n in (1, 2, 3):  # 3 evicts 1 from the two host slots; 1 lives on in the file tier
+        store_from_device(manager, n)
+        drain(manager)
+    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY
+    drain(manager)
+    assert manager.lookup(key(1), CHUNK) is Lookup.HIT
+    assert read_host(manager, 1) == chunk_bytes(1)
+    stats = manager.metrics.snapshot()
+    assert stats[f'kvtier:offload_tier_hits_total{{tier="{name}"}}'] == 1
+    assert stats[f'kvtier:offload_bytes_total{{direction="host_to_{name}"}}'] == 3 * CHUNK
+    assert stats[f'kvtier:offload_bytes_total{{direction="{name}_to_host"}}'] == CHUNK

@@ -30,7 +30,7 @@ import struct
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import xxhash
 
@@ -281,23 +281,23 @@ def _open_locked(path: str) -> int:
 
 
 def _pwrite_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        written = os.pwritev(fd, views, offset)
-        if written == 0:
-            raise OSError(f"pwritev wrote nothing at offset {offset}")
-        offset += written
-        views = _advance(views, written)
+    _whole(os.pwritev, fd, buffers, offset, OSError)
 
 
 def _pread_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
+    _whole(os.preadv, fd, buffers, offset, DiskTierError)
+
+
+def _whole(io: Callable[[int, list[memoryview], int], int], fd: int, buffers: Sequence[Any],
+           offset: int, error: type[Exception]) -> None:
+    """Repeat a vectored read or write (`io`) until every byte of `buffers` is moved."""
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
-        num_read = os.preadv(fd, views, offset)
-        if num_read == 0:
-            raise DiskTierError(f"slot file ends at offset {offset}")
-        offset += num_read
-        views = _advance(views, num_read)
+        moved = io(fd, views, offset)
+        if moved == 0:
+            raise error(f"{io.__name__} moved nothing at offset {offset} of the slot file")
+        offset += moved
+        views = _advance(views, moved)
 
 
 def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
