@@ -167,12 +167,17 @@ class DiskTier(ThreadedTier):
                 raise DiskTierError("chunk not in the disk tier (overwritten since its lookup)")
             self._index.move_to_end(job.key)
             self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
+        problem = None
         try:
             header = bytearray(_PAGE)
             _pread_all(self._fd, [header, job.buffer], self._offset(slot))
             problem = _slot_problem(header, job.key, job.buffer)
         finally:
             with self._lock:
+                if problem is not None and self._index.get(job.key) == slot:
+                    del self._index[job.key]  # a bad slot: free it once no load reads it
+                    self._orphans.add(slot)
+                    self._set_used_gauge()
                 self._readers_of[slot] -= 1
                 if not self._readers_of[slot]:
                     del self._readers_of[slot]
@@ -180,11 +185,6 @@ class DiskTier(ThreadedTier):
                         self._orphans.discard(slot)
                         self._free.append(slot)
         if problem is not None:
-            with self._lock:
-                if self._index.get(job.key) == slot:
-                    del self._index[job.key]
-                    self._release(slot)
-                    self._set_used_gauge()
             raise DiskTierError(f"slot {slot}: {problem}")
 
     def _take_slot(self) -> int:
@@ -199,12 +199,6 @@ class DiskTier(ThreadedTier):
                 return slot
         raise DiskTierError("no slot to write into: every slot is being read")
 
-    def _release(self, slot: int) -> None:
-        if slot in self._readers_of:
-            self._orphans.add(slot)
-        else:
-            self._free.append(slot)
-
     def _offset(self, slot: int) -> int:
         return _PAGE + slot * self.stride
 
@@ -215,11 +209,10 @@ class DiskTier(ThreadedTier):
     def _prepare_file(self) -> None:
         """Make the file the configured size, with this stride's header; its space reserved."""
         size = _PAGE + self.num_slots * self.stride
-        header = os.pread(self._fd, _FILE_HEADER.size, 0)
-        if header != _FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, self.stride):
+        header = _FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, self.stride)
+        if os.pread(self._fd, _FILE_HEADER.size, 0) != header:
             os.ftruncate(self._fd, 0)  # new, or of another format or stride: start afresh
-            _pwrite_all(self._fd, [_FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0,
-                                                     self.stride)], 0)
+            _pwrite_all(self._fd, [header], 0)
         try:
             if os.fstat(self._fd).st_size != size:
                 os.ftruncate(self._fd, size)  # a smaller budget drops the slots past its end

@@ -12,6 +12,7 @@ import os
 import queue
 import sys
 import time
+from abc import abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -58,11 +59,11 @@ class ThreadedTier(SecondaryTier):
         self._readers.shutdown(wait=True, cancel_futures=True)
         self._writers.shutdown(wait=True, cancel_futures=True)
 
-    def _store(self, job: TransferJob) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _store(self, job: TransferJob) -> None: ...
 
-    def _load(self, job: TransferJob) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def _load(self, job: TransferJob) -> None: ...
 
     def _run(self, job: TransferJob, action: Callable[[TransferJob], None]) -> None:
         """Run one job on a pool thread; every outcome becomes exactly one JobResult."""
