@@ -29,7 +29,6 @@ import os
 import random
 import statistics
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -66,8 +65,14 @@ class KvtierBackend:
     name = "kvtier"
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from kvtier.kv import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                               KVCacheManager, Request, RequestStatus)
+        from kvtier.kv import (
+            FullAttentionSpec,
+            KVCacheConfig,
+            KVCacheGroupSpec,
+            KVCacheManager,
+            Request,
+            RequestStatus,
+        )
         spec = FullAttentionSpec(block_size=args.block_size, num_kv_heads=8, head_size=64)
         config = KVCacheConfig(num_blocks=args.num_blocks,
                                kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)])

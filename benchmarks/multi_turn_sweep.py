@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's 
 from server_process import ServerProcess, free_port  # noqa: E402
 from vllm_server import PeerServerConfig, peer_server  # noqa: E402
 
-from kvtier.bench import MultiTurnConfig, ServerTarget, run_multi_turn  # noqa: E402
+from kvtier.entrypoints.bench import MultiTurnConfig, ServerTarget, run_multi_turn  # noqa: E402
 
 CONFIGS = ("prefix", "host", "host+disk", "vllm-cpu")
 # Not swept by default: the shared fs tier in the disk tier's place, for an A/B of the two.

@@ -43,7 +43,6 @@ from kvtier.connector.offloading.metadata import ChunkTransfer
 from kvtier.connector.offloading.transfer import ChunkCopier
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.keys import make_chunk_key
-from kvtier.offload.layout import ChunkLayout
 from kvtier.offload.tiers.base import TierContext, TransferJob
 from kvtier.offload.tiers.fs import FsTier, FsTierOptions
 
@@ -159,7 +158,8 @@ def _component_throughput(llm: LLM, directory: str) -> tuple[dict[str, float], _
     keys = [make_chunk_key(b"component-bench", 0, i.to_bytes(32, "big"))
             for i in range(num_chunks)]
     for direction, submit in (("host_to_fs", tier.submit_store), ("fs_to_host", tier.submit_load)):
-        rates[direction] = num_bytes / _seconds(lambda: _run_jobs(tier, submit, keys, area))
+        rates[direction] = num_bytes / _seconds(
+            lambda submit=submit: _run_jobs(tier, submit, keys, area))
     tier.shutdown()
     shutil.rmtree(os.path.join(directory, "component"))
     return rates, _Shape(num_bytes, layout.chunk_bytes, options.num_read_threads,

@@ -105,7 +105,7 @@ class EngineConfig:
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulingConfig = field(default_factory=SchedulingConfig)
-    kv_transfer_config: "KVTransferConfig | None" = None
+    kv_transfer_config: KVTransferConfig | None = None
     # One-flag offloading form ("host=4GiB,disk=/path:50GiB"); parsed by kvtier.offload.config.
     kv_offload: str | None = None
 
@@ -114,7 +114,7 @@ class EngineConfig:
                  "give kv_transfer_config or kv_offload, not both")
 
     @classmethod
-    def create(cls, **options: Any) -> "EngineConfig":
+    def create(cls, **options: Any) -> EngineConfig:
         """Build from flat keyword options (the LLM() and CLI surface); unknown names are an
         error listing the valid ones."""
         sections = {"model": ModelLoadConfig, "cache": CacheConfig,
@@ -137,7 +137,7 @@ class EngineConfig:
         return cls(**{s: sections[s](**grouped[s]) for s in sections}, **top)
 
 
-def _parse_transfer_config(value: Any) -> "KVTransferConfig | None":
+def _parse_transfer_config(value: Any) -> KVTransferConfig | None:
     """Accept a KVTransferConfig, a dict, or a JSON string (the CLI form)."""
     if value is None or not isinstance(value, (dict, str)):
         return value

@@ -5,7 +5,7 @@ script in benchmarks/:
 
     from peer.vllm_server import PeerServerConfig, peer_server
     with peer_server(PeerServerConfig(kv_cache_memory_bytes=256 << 20)) as peer:
-        ...  # drive peer.url with kvtier.bench
+        ...  # drive peer.url with kvtier.entrypoints.bench
 
 By hand: `python benchmarks/peer/vllm_server.py --check` starts it, asks for one greedy
 completion of "The capital of France is", prints the answer, the startup time and the command.

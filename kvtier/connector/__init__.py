@@ -4,12 +4,22 @@ Connector authors subclass `KVConnectorScheduler`, `KVConnectorWorker` and `KVCo
 (see docs/connectors.md). Importing this package never imports torch.
 """
 
-from kvtier.connector.base import (ConnectorContext, KVConnectorBase, KVConnectorMetadata,
-                                   KVConnectorOutput, KVConnectorRole, KVConnectorScheduler,
-                                   KVConnectorWorker)
+from kvtier.connector.base import (
+                                   ConnectorContext,
+                                   KVConnectorBase,
+                                   KVConnectorMetadata,
+                                   KVConnectorOutput,
+                                   KVConnectorRole,
+                                   KVConnectorScheduler,
+                                   KVConnectorWorker,
+)
 from kvtier.connector.config import KVTransferConfig, parse_options
-from kvtier.connector.registry import (ConnectorLookupError, create_connector,
-                                       get_connector_class, register_connector)
+from kvtier.connector.registry import (
+                                   ConnectorLookupError,
+                                   create_connector,
+                                   get_connector_class,
+                                   register_connector,
+)
 
 __all__ = [
     "ConnectorContext",

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from kvtier.connector.config import KVTransferConfig
@@ -69,19 +70,19 @@ class ConnectorContext:
 class KVConnectorScheduler(ABC):
     """Scheduler half. Lives in the scheduler; sees requests and block ids, never tensors."""
 
-    def __init__(self, config: "KVTransferConfig", context: ConnectorContext) -> None:
+    def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
         self.config = config
         self.context = context
 
     @abstractmethod
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         """Tokens beyond the local hit that this connector can provide, and whether the load is
         asynchronous. `None` means "cannot tell yet": the scheduler skips the request this step
         and asks again next step. Must have no side effects."""
 
     @abstractmethod
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Blocks were allocated for the request: remember which ones to fill."""
 
@@ -92,7 +93,7 @@ class KVConnectorScheduler(ABC):
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """The worker half's report for the last step."""
 
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """The request finished. Returning True keeps its blocks allocated until the worker lists
         the request in `finished_sending`. The dict is returned to the client as
@@ -113,7 +114,7 @@ class KVConnectorWorker(ABC):
     connector is configured, so an engine without one pays nothing.
     """
 
-    def __init__(self, config: "KVTransferConfig", context: ConnectorContext) -> None:
+    def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
         self.config = config
         self.context = context
         self._metadata: KVConnectorMetadata | None = None
@@ -170,7 +171,7 @@ class KVConnectorBase:
     worker_cls: ClassVar[type[KVConnectorWorker]]
 
     @classmethod
-    def create(cls, role: KVConnectorRole, config: "KVTransferConfig",
+    def create(cls, role: KVConnectorRole, config: KVTransferConfig,
                context: ConnectorContext) -> KVConnectorScheduler | KVConnectorWorker:
         half = cls.scheduler_cls if role is KVConnectorRole.SCHEDULER else cls.worker_cls
         return half(config, context)

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, TypeVar, get_args
+from typing import Any, Literal, get_args
+
+from kvtier.common.options import parse_options
 
 KVRole = Literal["kv_both", "kv_producer", "kv_consumer"]
 KVLoadFailurePolicy = Literal["recompute", "fail"]
 
 _ROLES: tuple[str, ...] = get_args(KVRole)
 _FAILURE_POLICIES: tuple[str, ...] = get_args(KVLoadFailurePolicy)
-
-OptionsT = TypeVar("OptionsT")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class KVTransferConfig:
                  timeout)
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> "KVTransferConfig":
+    def from_dict(cls, raw: Mapping[str, Any]) -> KVTransferConfig:
         if not isinstance(raw, Mapping):
             raise ValueError(f"kv_transfer_config must be a JSON object, got {raw!r}")
         if "kv_connector" not in raw:
@@ -65,7 +66,7 @@ class KVTransferConfig:
         return parse_options(cls, raw, "kv_transfer_config")
 
     @classmethod
-    def from_json(cls, text: str) -> "KVTransferConfig":
+    def from_json(cls, text: str) -> KVTransferConfig:
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -85,28 +86,6 @@ class KVTransferConfig:
     def is_consumer(self) -> bool:
         """This instance loads KV that others saved."""
         return self.kv_role in ("kv_both", "kv_consumer")
-
-
-def parse_options(options_cls: type[OptionsT], raw: Mapping[str, Any], where: str) -> OptionsT:
-    """Build the frozen dataclass `options_cls` from a user dict, rejecting unknown keys.
-
-    `where` names the dict in error messages (e.g. "ExampleConnector extra config"). Value
-    checks belong in `options_cls.__post_init__`.
-    """
-    if not isinstance(raw, Mapping):
-        raise ValueError(f"{where} must be a JSON object, got {raw!r}")
-    fields = {f.name: f for f in dataclasses.fields(options_cls)}
-    unknown = sorted(set(raw) - set(fields))
-    if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r}; valid keys are {sorted(fields)}")
-    missing = [name for name, f in fields.items() if name not in raw and _is_required(f)]
-    if missing:
-        raise ValueError(f"{where}: missing required key {missing[0]!r}")
-    return options_cls(**raw)
-
-
-def _is_required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
 def _require(ok: bool, name: str, rule: str, value: Any) -> None:

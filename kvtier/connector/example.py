@@ -34,10 +34,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from kvtier.connector.base import (ConnectorContext, KVConnectorBase, KVConnectorMetadata,
-                                   KVConnectorScheduler, KVConnectorWorker)
+from kvtier.common.cpu_threads import use_one_cpu_thread
+from kvtier.connector.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
 from kvtier.connector.config import KVTransferConfig, parse_options
-from kvtier.worker.cpu_threads import use_one_cpu_thread
 
 if TYPE_CHECKING:
     from kvtier.kv import KVCacheBlocks, Request
@@ -101,13 +106,13 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
         super().__init__(config, context)
         self.files = BlockFiles(_parse_options(config).shared_storage_path, context.namespace)
-        self._requests: dict[str, "Request"] = {}
+        self._requests: dict[str, Request] = {}
         self._block_ids: dict[str, list[int]] = {}
         self._num_saved_blocks: dict[str, int] = {}
         # request id -> number of blocks to load, set at allocation, sent at the next build.
         self._pending_loads: dict[str, int] = {}
 
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         if not self.config.is_consumer:
             return 0, False
@@ -121,7 +126,7 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
             num_hits += 1
         return num_hits * block_size, num_hits > 0
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()
         if len(block_ids) != 1:
@@ -133,7 +138,7 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
         if num_external_tokens > 0:
             self._pending_loads[request.request_id] = num_external_tokens // self.context.block_size
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> ExampleConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
         meta = ExampleConnectorMetadata(loads=self._take_loads())
         for new_req in scheduler_output.scheduled_new_reqs:
             self._block_ids[new_req.req_id] = list(new_req.block_ids[0])
@@ -154,7 +159,7 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
         self._pending_loads.clear()
         return loads
 
-    def _collect_saves(self, scheduler_output: "SchedulerOutput") -> list[BlockTransfer]:
+    def _collect_saves(self, scheduler_output: SchedulerOutput) -> list[BlockTransfer]:
         saves: dict[bytes, BlockTransfer] = {}
         for data in [*scheduler_output.scheduled_new_reqs,
                      *scheduler_output.scheduled_cached_reqs]:
@@ -177,7 +182,7 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
         return [BlockTransfer(block_ids[i], request.block_hashes[i]) for i in range(start, end)
                 if not self.files.exists(request.block_hashes[i])]
 
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out in wait_for_save, so the blocks can be freed at once.
         for state in (self._requests, self._block_ids, self._num_saved_blocks,

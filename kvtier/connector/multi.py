@@ -13,12 +13,19 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
-from kvtier.connector.base import (ConnectorContext, KVConnectorBase, KVConnectorMetadata,
-                                   KVConnectorOutput, KVConnectorRole, KVConnectorScheduler,
-                                   KVConnectorWorker)
+from kvtier.connector.base import (
+    ConnectorContext,
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
 from kvtier.connector.config import KVTransferConfig, parse_options
 from kvtier.connector.registry import create_connector
 
@@ -69,7 +76,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         self._load_child: dict[str, int] = {}
         self._pending_sends: dict[str, int] = {}
 
-    def get_num_new_matched_tokens(self, request: "Request",
+    def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         self._load_child.pop(request.request_id, None)
         for index, child in enumerate(self.children):
@@ -82,7 +89,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
                 return num_tokens, is_async
         return 0, False
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks",
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         loader = self._load_child.pop(request.request_id, None)
         for index, child in enumerate(self.children):
@@ -100,7 +107,7 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         for child in self.children:
             child.update_connector_output(output)
 
-    def request_finished(self, request: "Request",
+    def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._load_child.pop(request.request_id, None)
         results = [child.request_finished(request, block_ids) for child in self.children]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from kvtier.common.sizes import parse_size
 from kvtier.config import DTYPES, EngineConfig
-from kvtier.offload.sizes import parse_size
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:

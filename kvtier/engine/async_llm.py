@@ -20,8 +20,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any
 
 from kvtier.engine.kv_events import EventPublisher
 
@@ -61,7 +62,7 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
-    def put(self, item: "RequestOutput | BaseException") -> None:
+    def put(self, item: RequestOutput | BaseException) -> None:
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
         except RuntimeError:
@@ -73,7 +74,7 @@ class _Stream:
 class _AddCommand:
     request_id: str
     prompt: str | list[int]
-    params: "SamplingParams"
+    params: SamplingParams
     options: dict[str, Any]
     stream: _Stream
     accepted: concurrent.futures.Future
@@ -123,8 +124,8 @@ class AsyncLLM:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, prompt: str | list[int], params: "SamplingParams",
-                       request_id: str, **options: Any) -> AsyncIterator["RequestOutput"]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str, **options: Any) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes.
 
         options go to Engine.add_request (priority, cache_salt, kv_transfer_params, ...); its

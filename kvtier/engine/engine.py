@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from kvtier.config import EngineConfig
 from kvtier.connector.base import ConnectorContext
@@ -15,8 +16,13 @@ from kvtier.engine.errors import EngineQueueFullError
 from kvtier.engine.metrics import MetricsRegistry
 from kvtier.engine.output_processor import ChildState, OutputProcessor, ParentState
 from kvtier.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvtier.engine.runtime import (build_connectors, derive_runtime, resolve_device,
-                                   resolve_dtype, transfer_config)
+from kvtier.engine.runtime import (
+    build_connectors,
+    derive_runtime,
+    resolve_device,
+    resolve_dtype,
+    transfer_config,
+)
 from kvtier.engine.stats import EngineStats
 from kvtier.kv import KVCacheManager, Request, RequestStatus
 from kvtier.models.detokenizer import IncrementalDetokenizer

@@ -25,8 +25,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 import zmq
@@ -96,7 +97,7 @@ class KVEventsConfig:
         return self.enable_kv_cache_events and self.publisher == "zmq"
 
     @classmethod
-    def from_json(cls, text: str) -> "KVEventsConfig":
+    def from_json(cls, text: str) -> KVEventsConfig:
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -106,7 +107,7 @@ class KVEventsConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "KVEventsConfig":
+    def from_dict(cls, data: dict[str, Any]) -> KVEventsConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:

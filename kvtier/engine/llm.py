@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence, Union
+from collections.abc import Sequence
+from typing import Any
 
+from kvtier.common.sizes import parse_size
 from kvtier.config import EngineConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.outputs import RequestOutput
-from kvtier.offload.sizes import parse_size
 from kvtier.sampling_params import SamplingParams
 
 # A text prompt, or {"prompt_token_ids": [...]} (optionally with "prompt" for display).
-PromptType = Union[str, dict[str, Any]]
+PromptType = str | dict[str, Any]
 Messages = list[dict[str, Any]]
 
 
@@ -38,7 +39,7 @@ class LLM:
         self._start(config)
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_config(cls, config: EngineConfig) -> LLM:
         llm = cls.__new__(cls)
         llm._start(config)
         return llm

@@ -8,7 +8,7 @@ Connectors and tiers receive the registry (ConnectorContext.metrics) and registe
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

@@ -8,8 +8,12 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.config import DEFAULT_KV_CACHE_MEMORY_BYTES, EngineConfig
-from kvtier.connector.base import (ConnectorContext, KVConnectorRole, KVConnectorScheduler,
-                                   KVConnectorWorker)
+from kvtier.connector.base import (
+    ConnectorContext,
+    KVConnectorRole,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
 from kvtier.connector.config import KVTransferConfig
 from kvtier.kv import KVCacheConfig, SlidingWindowSpec, namespace_digest
 from kvtier.models.config import ModelConfig

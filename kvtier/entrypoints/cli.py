@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import NoReturn, Sequence
+from collections.abc import Sequence
+from typing import NoReturn
 
 # name -> (module exposing add_arguments(parser) and run(args), one-line help)
 SUBCOMMANDS = {
     "generate": ("kvtier.entrypoints.generate", "generate text offline for one or more prompts"),
     "serve": ("kvtier.entrypoints.serve", "run the OpenAI-compatible server"),
-    "bench": ("kvtier.entrypoints.bench", "run a benchmark client"),
+    "bench": ("kvtier.entrypoints.bench.cli", "run a benchmark client"),
 }
 USAGE_ERROR = 2
 

@@ -49,12 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvtier.common.cpu_threads import use_one_cpu_thread
     from kvtier.engine.async_llm import AsyncLLM
     from kvtier.engine.engine import Engine
     from kvtier.engine.kv_events import KVEventsConfig, make_event_publisher
     from kvtier.entrypoints.openai.app import build_app
     from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
-    from kvtier.worker.cpu_threads import use_one_cpu_thread
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")

@@ -2,14 +2,32 @@
 scheduler-facing KVCacheManager. Pure Python: importing it never imports torch."""
 
 from kvtier.kv.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
-from kvtier.kv.events import (MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored,
-                              KVCacheEvent)
-from kvtier.kv.hashing import (HASH_ALGOS, BlockHash, hash_block_tokens, make_block_hasher,
-                               namespace_digest, seed_hash)
+from kvtier.kv.events import (
+                              MEDIUM_DEVICE,
+                              AllBlocksCleared,
+                              BlockRemoved,
+                              BlockStored,
+                              KVCacheEvent,
+)
+from kvtier.kv.hashing import (
+                              HASH_ALGOS,
+                              BlockHash,
+                              hash_block_tokens,
+                              make_block_hasher,
+                              namespace_digest,
+                              seed_hash,
+)
 from kvtier.kv.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from kvtier.kv.request import MultiModalFeature, Request, RequestStatus
-from kvtier.kv.specs import (AttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
-                             KVCacheSpec, MambaSpec, SlidingWindowSpec)
+from kvtier.kv.specs import (
+                              AttentionSpec,
+                              FullAttentionSpec,
+                              KVCacheConfig,
+                              KVCacheGroupSpec,
+                              KVCacheSpec,
+                              MambaSpec,
+                              SlidingWindowSpec,
+)
 from kvtier.kv.stats import PrefixCacheStats
 
 __all__ = [

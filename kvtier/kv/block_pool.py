@@ -5,10 +5,16 @@ Eviction is lazy: a freed block keeps its hash (and stays findable) until it is 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
-from kvtier.kv.events import (MEDIUM_DEVICE, AllBlocksCleared, BlockRemoved, BlockStored,
-                              KVCacheEvent)
+from kvtier.kv.events import (
+    MEDIUM_DEVICE,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+)
 from kvtier.kv.kv_cache_block import BlockHashWithGroupId, FreeKVCacheBlockQueue, KVCacheBlock
 
 if TYPE_CHECKING:
@@ -41,7 +47,7 @@ class BlockPool:
 
     # ---- prefix-cache map ------------------------------------------------------------------
 
-    def get_cached_block(self, block_hash: "BlockHash",
+    def get_cached_block(self, block_hash: BlockHash,
                          kv_cache_group_ids: Sequence[int]) -> list[KVCacheBlock] | None:
         """One cached block per group for `block_hash`, or None if any group misses."""
         found = []
@@ -52,14 +58,14 @@ class BlockPool:
             found.append(block)
         return found
 
-    def get_one_cached_block(self, block_hash: "BlockHash",
+    def get_one_cached_block(self, block_hash: BlockHash,
                              group_id: int) -> KVCacheBlock | None:
         entry = self.cached_block_hash_to_block.get((block_hash, group_id))
         if entry is None or isinstance(entry, KVCacheBlock):
             return entry
         return next(iter(entry.values()))
 
-    def cache_full_blocks(self, request: "Request", blocks: Sequence[KVCacheBlock],
+    def cache_full_blocks(self, request: Request, blocks: Sequence[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int, block_size: int,
                           kv_cache_group_id: int, hash_stride: int = 1) -> None:
         """Put blocks[num_cached_blocks:num_full_blocks] of `request` into the prefix map.
@@ -83,7 +89,7 @@ class BlockPool:
             self._record_stored(request, stored, num_cached_blocks, num_full_blocks, block_size,
                                 kv_cache_group_id, hash_stride)
 
-    def _record_stored(self, request: "Request", stored: list["BlockHash"], first: int,
+    def _record_stored(self, request: Request, stored: list[BlockHash], first: int,
                        end: int, block_size: int, group_id: int, hash_stride: int) -> None:
         parent = request.block_hashes[first * hash_stride - 1] if first > 0 else None
         self.kv_event_queue.append(BlockStored(

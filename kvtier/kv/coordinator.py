@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.kv.block_pool import BlockPool, KVCacheBlock
 from kvtier.kv.managers import SingleTypeKVCacheManager, get_manager_for_kv_cache_spec
@@ -44,7 +45,7 @@ class KVCacheCoordinator(ABC):
         self.empty_blocks: BlocksPerGroup = tuple(() for _ in self.managers)
 
     @abstractmethod
-    def find_longest_cache_hit(self, block_hashes: Sequence["BlockHash"],
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_length: int) -> tuple[BlocksPerGroup, int]:
         """Per-group hit blocks and the hit length in tokens, at most `max_length`."""
 
@@ -78,7 +79,7 @@ class KVCacheCoordinator(ABC):
         return tuple([m.allocate_new_blocks(request_id, num_tokens, num_computed_tokens)
                       for m in self.managers])
 
-    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         for manager in self.managers:
             manager.cache_blocks(request, num_tokens)
 
@@ -105,17 +106,17 @@ class KVCacheCoordinator(ABC):
 
 class KVCacheCoordinatorNoPrefixCache(KVCacheCoordinator):
 
-    def find_longest_cache_hit(self, block_hashes: Sequence["BlockHash"],
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_length: int) -> tuple[BlocksPerGroup, int]:
         return self.empty_blocks, 0
 
-    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         return None
 
 
 class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
-    def find_longest_cache_hit(self, block_hashes: Sequence["BlockHash"],
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_length: int) -> tuple[BlocksPerGroup, int]:
         manager = self.managers[0]
         hits = manager.find_longest_cache_hit(block_hashes, max_length, manager.block_size)
@@ -124,7 +125,7 @@ class UnitaryKVCacheCoordinator(KVCacheCoordinator):
 
 class HybridKVCacheCoordinator(KVCacheCoordinator):
 
-    def find_longest_cache_hit(self, block_hashes: Sequence["BlockHash"],
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash],
                                max_length: int) -> tuple[BlocksPerGroup, int]:
         alignment = self.alignment_tokens
         hit_length = max_length - max_length % alignment

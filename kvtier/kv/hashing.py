@@ -8,7 +8,8 @@ PYTHONHASHSEED, process, or machine can change a key.
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Any, Callable, NewType, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, NewType
 
 import cbor2
 import xxhash
@@ -64,7 +65,7 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
     return get_hash_function(hash_algo)(parent, list(token_ids), extra_keys)
 
 
-def block_extra_keys(request: "Request", start: int, end: int) -> tuple[Any, ...] | None:
+def block_extra_keys(request: Request, start: int, end: int) -> tuple[Any, ...] | None:
     """Everything besides the tokens of [start, end) that changes their KV; None when nothing."""
     keys: list[Any] = []
     if request.lora_name is not None:
@@ -79,7 +80,7 @@ def block_extra_keys(request: "Request", start: int, end: int) -> tuple[Any, ...
 
 
 def make_block_hasher(block_size: int,
-                      hash_algo: str = "sha256_cbor") -> "Callable[[Request], list[BlockHash]]":
+                      hash_algo: str = "sha256_cbor") -> Callable[[Request], list[BlockHash]]:
     """Build the function a Request calls to hash its newly full blocks.
 
     The returned function hashes the blocks of `request.all_token_ids` that are full but not yet
@@ -90,7 +91,7 @@ def make_block_hasher(block_size: int,
     hash_fn = get_hash_function(hash_algo)
     seed = seed_hash(hash_algo)
 
-    def hash_new_full_blocks(request: "Request") -> list[BlockHash]:
+    def hash_new_full_blocks(request: Request) -> list[BlockHash]:
         known = request.block_hashes
         start = len(known) * block_size
         token_ids = request.all_token_ids

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvtier.kv.coordinator import KVCacheCoordinator
 
 
-def check_manager_invariants(coordinator: "KVCacheCoordinator", detached_blocks: Counter[int],
+def check_manager_invariants(coordinator: KVCacheCoordinator, detached_blocks: Counter[int],
                              active_request_ids: set[str] | None) -> None:
     pool = coordinator.block_pool
     _check_null_block(pool)
@@ -28,7 +28,7 @@ def _fail(message: str) -> None:
     raise AssertionError(f"KV cache invariant broken: {message}")
 
 
-def _check_null_block(pool: "BlockPool") -> None:
+def _check_null_block(pool: BlockPool) -> None:
     null = pool.null_block
     if null.block_id != 0 or not null.is_null:
         _fail(f"the null block must be block 0, got {null}")
@@ -41,7 +41,7 @@ def _check_null_block(pool: "BlockPool") -> None:
         _fail(f"blocks {others} are marked null; only block 0 may be")
 
 
-def _check_free_queue(pool: "BlockPool") -> None:
+def _check_free_queue(pool: BlockPool) -> None:
     queue = pool.free_block_queue
     walked = queue.get_all_free_blocks()
     if len(walked) != queue.num_free_blocks:
@@ -59,12 +59,12 @@ def _check_free_queue(pool: "BlockPool") -> None:
         _fail(f"free queue {sorted(walked_ids)} != blocks with ref_cnt 0 {sorted(zero_ref)}")
 
 
-def _check_ref_counts(coordinator: "KVCacheCoordinator", detached: Counter[int]) -> None:
+def _check_ref_counts(coordinator: KVCacheCoordinator, detached: Counter[int]) -> None:
     holders: Counter[int] = Counter(detached)
     owner_group: dict[int, int] = {}
     for manager in coordinator.managers:
         group_id = manager.kv_cache_group_id
-        for request_id, blocks in manager.req_to_blocks.items():
+        for blocks in manager.req_to_blocks.values():
             for block in blocks:
                 if block.is_null:
                     continue
@@ -78,7 +78,7 @@ def _check_ref_counts(coordinator: "KVCacheCoordinator", detached: Counter[int])
                   f"{holders[block.block_id]} holders")
 
 
-def _check_cache_map(pool: "BlockPool") -> None:
+def _check_cache_map(pool: BlockPool) -> None:
     num_mapped = 0
     for key, entry in pool.cached_block_hash_to_block.items():
         blocks = [entry] if not isinstance(entry, dict) else list(entry.values())
@@ -93,7 +93,7 @@ def _check_cache_map(pool: "BlockPool") -> None:
         _fail(f"{num_hashed} blocks carry a hash but {num_mapped} are in the cache map")
 
 
-def _check_request_state(coordinator: "KVCacheCoordinator",
+def _check_request_state(coordinator: KVCacheCoordinator,
                          active_request_ids: set[str] | None) -> None:
     first_ids = set(coordinator.managers[0].req_to_blocks)
     for manager in coordinator.managers:

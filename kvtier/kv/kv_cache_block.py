@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvtier.kv.hashing import BlockHash
@@ -28,7 +29,7 @@ class KVCacheBlock:
         self.is_null = False
 
     @property
-    def block_hash(self) -> "BlockHash | None":
+    def block_hash(self) -> BlockHash | None:
         return None if self.cache_key is None else self.cache_key[0]
 
     def __repr__(self) -> str:

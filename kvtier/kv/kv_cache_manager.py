@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.kv.block_pool import BlockPool, KVCacheBlock
 from kvtier.kv.coordinator import get_kv_cache_coordinator
@@ -35,7 +36,7 @@ class KVCacheBlocks:
 
     blocks: tuple[Sequence[KVCacheBlock], ...]
 
-    def __add__(self, other: "KVCacheBlocks") -> "KVCacheBlocks":
+    def __add__(self, other: KVCacheBlocks) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(list(a) + list(b) for a, b in zip(self.blocks, other.blocks)))
 
     def get_block_ids(self) -> tuple[list[int], ...]:
@@ -45,7 +46,7 @@ class KVCacheBlocks:
         """Ids of group 0's blocks that are not in the prefix map (e.g. to be filled by a load)."""
         return [block.block_id for block in self.blocks[0] if block.cache_key is None]
 
-    def new_empty(self) -> "KVCacheBlocks":
+    def new_empty(self) -> KVCacheBlocks:
         return KVCacheBlocks(tuple(() for _ in self.blocks))
 
     def is_empty(self) -> bool:
@@ -94,13 +95,13 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()
 
-    def make_block_hasher(self) -> "Callable[[Request], list[BlockHash]]":
+    def make_block_hasher(self) -> Callable[[Request], list[BlockHash]]:
         """The block hasher the engine passes to every Request it builds for this manager."""
         return make_block_hasher(self.block_size, self.hash_algo)
 
     # ---- prefix hits -------------------------------------------------------------------------
 
-    def get_computed_blocks(self, request: "Request") -> tuple[KVCacheBlocks, int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """Longest cached prefix of `request` and its length in tokens.
 
         Capped at num_tokens - 1: the last token is always recomputed to produce logits.
@@ -117,7 +118,7 @@ class KVCacheManager:
 
     # ---- allocation --------------------------------------------------------------------------
 
-    def allocate_slots(self, request: "Request", num_new_tokens: int,
+    def allocate_slots(self, request: Request, num_new_tokens: int,
                        num_new_computed_tokens: int = 0,
                        new_computed_blocks: KVCacheBlocks | None = None,
                        num_lookahead_tokens: int = 0, num_external_computed_tokens: int = 0,
@@ -157,7 +158,7 @@ class KVCacheManager:
                                      min(num_computed + num_new_tokens, request.num_tokens))
         return self.create_kv_cache_blocks(new_blocks)
 
-    def _fits(self, request: "Request", num_slots: int,
+    def _fits(self, request: Request, num_slots: int,
               hit_blocks: tuple[Sequence[KVCacheBlock], ...], num_computed: int,
               full_sequence_must_fit: bool, reserved_blocks: int) -> bool:
         """Whether the allocation fits, counting blocks the window skip will free as free."""
@@ -187,7 +188,7 @@ class KVCacheManager:
             num_required_full += self.watermark_blocks
         return num_required_full <= available
 
-    def cache_blocks(self, request: "Request", num_computed_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Put the request's blocks that are full within `num_computed_tokens` into the prefix
         map (after a delayed load landed)."""
         if self.enable_caching:
@@ -195,11 +196,11 @@ class KVCacheManager:
 
     # ---- release -----------------------------------------------------------------------------
 
-    def free(self, request: "Request") -> None:
+    def free(self, request: Request) -> None:
         """Release all blocks of `request`, last block first, so its tail is evicted first."""
         self.coordinator.free(request.request_id)
 
-    def pop_blocks_for_free(self, request: "Request") -> list[KVCacheBlock]:
+    def pop_blocks_for_free(self, request: Request) -> list[KVCacheBlock]:
         """Forget `request` but keep its blocks allocated (a transfer still reads them).
 
         Returns the blocks already in free order; the caller must later pass them, unchanged,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.kv.hashing import BlockHash
@@ -25,11 +26,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ERROR = enum.auto()
 
     @staticmethod
-    def is_finished(status: "RequestStatus") -> bool:
+    def is_finished(status: RequestStatus) -> bool:
         return status > RequestStatus.PREEMPTED
 
     @staticmethod
-    def get_finished_reason(status: "RequestStatus") -> str | None:
+    def get_finished_reason(status: RequestStatus) -> str | None:
         return _FINISHED_REASONS.get(status)
 
 
@@ -71,7 +72,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: "SamplingParams | None" = None,
+        sampling_params: SamplingParams | None = None,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -81,7 +82,7 @@ class Request:
         skip_reading_prefix_cache: bool = False,
         kv_transfer_params: dict[str, Any] | None = None,
         eos_token_id: int | None = None,
-        block_hasher: "Callable[[Request], list[BlockHash]] | None" = None,
+        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -152,7 +153,7 @@ class Request:
     def get_finished_reason(self) -> str | None:
         return RequestStatus.get_finished_reason(self.status)
 
-    def __lt__(self, other: "Request") -> bool:
+    def __lt__(self, other: Request) -> bool:
         # Lets a priority heap order requests by (priority, arrival_time) with a stable tiebreak.
         return ((self.priority, self.arrival_time, self.request_id)
                 < (other.priority, other.arrival_time, other.request_id))

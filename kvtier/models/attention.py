@@ -22,8 +22,8 @@ per step and group and shared by all layers of the group.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -256,7 +256,6 @@ def _attend_decodes_torch(query: torch.Tensor, kv_cache: torch.Tensor, plan: _De
     # (2, B * max_keys, Hkv, D) -> (2, B, max_keys, Hkv * D)
     keys, values = _gather(kv_cache, plan.kv_rows).view(2, num_decodes, -1,
                                                         num_kv_heads * head_dim)
-    num_keys = keys.shape[1]
     q = query if num_decodes == query.shape[0] else query[plan.rows]  # (B, Hq, D)
     # Block-diagonal queries (B, Hkv * D, Hq): kv head h's rows hold only its own query heads.
     block_q = q.new_zeros(num_decodes, num_kv_heads, head_dim, num_kv_heads, group)

@@ -9,8 +9,9 @@ allocate the cache with finite values (torch.zeros).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -8,7 +8,8 @@ rotate-half layout so the same decoder runs both formats.
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Iterable
 
 import torch
 

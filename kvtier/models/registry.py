@@ -5,8 +5,9 @@ The decoder is one class; each architecture only sets flags and says which layer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 # (hf config dict, num_layers) -> per-layer window (None = full attention). Used only when the
 # config has no explicit `layer_types` list (transformers < 5 wrote none).

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open

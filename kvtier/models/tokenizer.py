@@ -67,7 +67,7 @@ class Tokenizer:
 
     @classmethod
     def from_hf_dir(cls, model_dir: str,
-                    extra_eos_token_ids: tuple[int, ...] = ()) -> "Tokenizer | None":
+                    extra_eos_token_ids: tuple[int, ...] = ()) -> Tokenizer | None:
         """The directory's tokenizer, or None if it has no tokenizer.json."""
         path = os.path.join(model_dir, "tokenizer.json")
         if not os.path.isfile(path):

@@ -7,11 +7,12 @@ receives; the flag form (`host=4GiB,disk=/var/cache/kvtier:50GiB`) is expanded b
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
-from kvtier.offload.options import is_positive_int, parse_options, require
-from kvtier.offload.sizes import parse_size
+from kvtier.common.options import is_positive_int, parse_options, require
+from kvtier.common.sizes import parse_size
 
 EvictionPolicyName = Literal["lru", "arc"]
 WritePolicyName = Literal["write_through", "write_back"]
@@ -72,7 +73,7 @@ class OffloadConfig:
                 f"must be one of {list(get_args(WritePolicyName))}", self.write_policy)
 
     @classmethod
-    def from_extra_config(cls, raw: Mapping[str, Any]) -> "OffloadConfig":
+    def from_extra_config(cls, raw: Mapping[str, Any]) -> OffloadConfig:
         """Parse the user's dict; unknown keys and bad values raise ValueError naming them."""
         if not isinstance(raw, Mapping):
             raise ValueError(f"{_WHERE} must be a JSON object, got {raw!r}")

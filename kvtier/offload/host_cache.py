@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable
 
 from kvtier.offload.host_area import HostArea, SlotId
 from kvtier.offload.policies.base import EvictionPolicy

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvtier.offload.options import is_positive_int, require
+from kvtier.common.options import is_positive_int, require
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class ChunkLayout:
 
     @classmethod
     def for_attention(cls, block_size: int, num_kv_heads: int, head_dim: int, dtype_size: int,
-                      num_layers: int, blocks_per_chunk: int) -> "ChunkLayout":
+                      num_layers: int, blocks_per_chunk: int) -> ChunkLayout:
         return cls(page_bytes=2 * block_size * num_kv_heads * head_dim * dtype_size,
                    num_layers=num_layers, blocks_per_chunk=blocks_per_chunk)
 

@@ -21,8 +21,9 @@ import itertools
 import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Literal
 
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
@@ -31,10 +32,14 @@ from kvtier.offload.host_cache import HostCache
 from kvtier.offload.keys import ChunkKey
 from kvtier.offload.metrics import OffloadMetrics
 from kvtier.offload.policies import make_policy
-from kvtier.offload.tiers.base import (JobResult, LookupResult, SecondaryTier, TierContext,
-                                       TransferJob)
+from kvtier.offload.tiers.base import (
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TransferJob,
+)
 from kvtier.offload.tiers.registry import create_tier
-
 
 # Under write_back, the host slots kept free or clean and idle (evictable at once, nothing lost),
 # counting chunks whose write-back is under way: this share of them, and at least twice the most

@@ -2,10 +2,19 @@
 
 from kvtier.sched.config import SchedulerConfig
 from kvtier.sched.errors import SchedulerQueueFullError
-from kvtier.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                 NewRequestData, SchedulerOutput)
-from kvtier.sched.request_queue import (FCFSRequestQueue, PriorityRequestQueue, RequestQueue,
-                                        create_request_queue)
+from kvtier.sched.output import (
+                                 CachedRequestData,
+                                 EngineCoreOutput,
+                                 ModelRunnerOutput,
+                                 NewRequestData,
+                                 SchedulerOutput,
+)
+from kvtier.sched.request_queue import (
+                                 FCFSRequestQueue,
+                                 PriorityRequestQueue,
+                                 RequestQueue,
+                                 create_request_queue,
+)
 from kvtier.sched.scheduler import Scheduler
 from kvtier.sched.stats import SchedulerStats
 

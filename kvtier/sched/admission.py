@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Admission:
     # Local prefix-cache hit (None for a request already holding its blocks).
-    computed_blocks: "KVCacheBlocks | None"
+    computed_blocks: KVCacheBlocks | None
     num_local_tokens: int
     num_external_tokens: int
     # The external tokens arrive asynchronously: compute nothing until they land.
@@ -26,8 +26,8 @@ class Admission:
         return self.num_local_tokens + self.num_external_tokens
 
 
-def plan_admission(request: "Request", kv_cache_manager: "KVCacheManager",
-                   connector: "KVConnectorScheduler | None", token_budget: int, *,
+def plan_admission(request: Request, kv_cache_manager: KVCacheManager,
+                   connector: KVConnectorScheduler | None, token_budget: int, *,
                    enable_chunked_prefill: bool, ask_connector: bool) -> Admission | None:
     """The admission `request` would get now; None when the connector cannot tell yet."""
     if request.num_computed_tokens > 0:

@@ -7,8 +7,8 @@ worker may write into those blocks at any time, so nothing may free or reuse the
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from kvtier.kv import RequestStatus
 

@@ -24,7 +24,7 @@ class NewRequestData:
     # Prompt plus every output token so far (a resumed request recomputes its outputs' KV).
     token_ids: list[int]
     num_prompt_tokens: int
-    sampling_params: "SamplingParams"
+    sampling_params: SamplingParams
     # One list of block ids per KV cache group.
     block_ids: tuple[list[int], ...]
     # Tokens whose KV is already in the paged cache (local prefix hit or external load).
@@ -51,7 +51,7 @@ class SchedulerOutput:
     # Requests that finished or were preempted since the last step: the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
-    kv_connector_metadata: "KVConnectorMetadata | None" = None
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def is_empty(self) -> bool:
@@ -67,7 +67,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # req_id -> per sampled token, {token_id: logprob} of the top-k (only when asked for).
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
-    kv_connector_output: "KVConnectorOutput | None" = None
+    kv_connector_output: KVConnectorOutput | None = None
 
 
 @dataclass

@@ -9,7 +9,8 @@ the waiting queue (SPEC 5 and 6).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from kvtier.kv import Request, RequestStatus
 from kvtier.sched.admission import Admission, plan_admission
@@ -17,8 +18,13 @@ from kvtier.sched.batch import StepBatch
 from kvtier.sched.config import SchedulerConfig
 from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.sched.kv_loads import KVLoadTracker, status_after_load
-from kvtier.sched.output import (CachedRequestData, EngineCoreOutput, ModelRunnerOutput,
-                                 NewRequestData, SchedulerOutput)
+from kvtier.sched.output import (
+    CachedRequestData,
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from kvtier.sched.request_queue import create_request_queue
 from kvtier.sched.stats import SchedulerStats
 from kvtier.sched.stop import check_stop
@@ -33,8 +39,8 @@ if TYPE_CHECKING:
 FETCH_LOOKAHEAD_STEPS = 2
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: "KVCacheManager",
-                 connector: "KVConnectorScheduler | None" = None, *,
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 connector: KVConnectorScheduler | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
@@ -138,7 +144,7 @@ class Scheduler:
             index = self.running.index(request) + 1 if batch.num_preempted else index + 1
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
-                             batch: StepBatch) -> "KVCacheBlocks | None":
+                             batch: StepBatch) -> KVCacheBlocks | None:
         """Blocks for `num_new` more tokens, preempting others until they fit; None when the
         request itself had to be preempted."""
         while True:
@@ -318,7 +324,7 @@ class Scheduler:
             new_logprobs=logprobs[:len(kept)], num_cached_tokens=request.num_cached_tokens or 0,
             kv_transfer_params=kv_transfer_params)
 
-    def _update_from_kv_output(self, kv_output: "KVConnectorOutput") -> None:
+    def _update_from_kv_output(self, kv_output: KVConnectorOutput) -> None:
         for req_id in kv_output.finished_recving:
             orphaned = self.loads.take_orphaned_blocks(req_id)
             if orphaned is not None:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvtier.kv import Request
 
 
-def check_stop(request: "Request", max_model_len: int) -> RequestStatus | None:
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     """The finished status the request has reached after its newest token, or None.
 
     Sets `request.stop_reason` to the stop token id when one ended it. A stop token that is also

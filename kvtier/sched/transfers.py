@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 class TransferFailures:
     """The scheduler's load-failure handling, kept apart from the step pipeline it serves."""
 
-    def __init__(self, scheduler: "Scheduler", policy: str) -> None:
+    def __init__(self, scheduler: Scheduler, policy: str) -> None:
         self._scheduler = scheduler
         self._policy = policy
         kv_cache_config = scheduler.kv_cache_manager.kv_cache_config

@@ -18,7 +18,7 @@ def layer_name(index: int) -> str:
     return f"model.layers.{index}.self_attn"
 
 
-def build_kv_cache_groups(model_config: "ModelConfig", *, block_size: int,
+def build_kv_cache_groups(model_config: ModelConfig, *, block_size: int,
                           dtype_size: int) -> list[KVCacheGroupSpec]:
     """One KV cache group per distinct sliding window, numbered as the model numbers them."""
     groups = []

@@ -9,10 +9,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.connector import (KVConnectorBase, KVConnectorMetadata, KVConnectorScheduler,
-                              KVConnectorWorker, parse_options)
-from kvtier.connector.example import (ExampleConnectorMetadata, ExampleConnectorScheduler,
-                                      ExampleConnectorWorker)
+from kvtier.connector import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+    parse_options,
+)
+from kvtier.connector.example import (
+    ExampleConnectorMetadata,
+    ExampleConnectorScheduler,
+    ExampleConnectorWorker,
+)
 
 # One entry per forward step the RecordingConnector saw: its (hook, layer name) calls in order.
 RECORDED_STEPS: list[dict[str, Any]] = []

@@ -10,9 +10,16 @@ from kvtier.connector.example import BlockFiles, BlockTransfer
 from kvtier.kv.hashing import make_block_hasher
 from kvtier.kv.request import Request
 
-from .connector_testing import (CONTEXT, AllocatedBlocks, decode_output, empty_output,
-                                make_kv_caches, make_request, prefill_output,
-                                wait_finished_recving)
+from .connector_testing import (
+    CONTEXT,
+    AllocatedBlocks,
+    decode_output,
+    empty_output,
+    make_kv_caches,
+    make_request,
+    prefill_output,
+    wait_finished_recving,
+)
 
 
 def make_halves(path, context=CONTEXT, **config_fields):

@@ -9,9 +9,16 @@ from kvtier.connector import KVConnectorRole, KVTransferConfig, create_connector
 from kvtier.connector.example import BlockFiles, BlockTransfer, ExampleConnectorScheduler
 from kvtier.connector.multi import MultiConnectorMetadata, child_configs
 
-from .connector_testing import (CONTEXT, PLUGINS, AllocatedBlocks, empty_output,
-                                make_kv_caches, make_request, prefill_output,
-                                wait_finished_recving)
+from .connector_testing import (
+    CONTEXT,
+    PLUGINS,
+    AllocatedBlocks,
+    empty_output,
+    make_kv_caches,
+    make_request,
+    prefill_output,
+    wait_finished_recving,
+)
 
 
 def example_child(path):

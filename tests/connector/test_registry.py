@@ -6,11 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.connector import (ConnectorLookupError, KVConnectorRole, KVTransferConfig,
-                              create_connector, get_connector_class)
-from kvtier.connector import registry
-from kvtier.connector.example import (ExampleConnector, ExampleConnectorScheduler,
-                                      ExampleConnectorWorker)
+from kvtier.connector import (
+    ConnectorLookupError,
+    KVConnectorRole,
+    KVTransferConfig,
+    create_connector,
+    get_connector_class,
+    registry,
+)
+from kvtier.connector.example import (
+    ExampleConnector,
+    ExampleConnectorScheduler,
+    ExampleConnectorWorker,
+)
 from kvtier.connector.multi import MultiConnector
 
 from . import kvtier_test_connectors as plugins
@@ -90,7 +98,7 @@ def test_module_path_errors():
 
 
 def test_register_connector_is_lazy_and_refuses_duplicates(monkeypatch):
-    monkeypatch.setattr(registry, "_BUILTIN_CONNECTORS", dict(registry._BUILTIN_CONNECTORS))
+    monkeypatch.setattr(registry._REGISTRY, "_targets", dict(registry._REGISTRY._targets))
     registry.register_connector("Recording", f"{PLUGINS}:RecordingConnector")
     assert get_connector_class(KVTransferConfig("Recording")) is plugins.RecordingConnector
     with pytest.raises(ValueError, match="connector 'Recording' is already registered"):

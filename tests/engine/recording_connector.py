@@ -3,8 +3,12 @@ tests through kv_connector_module_path)."""
 
 from __future__ import annotations
 
-from kvtier.connector.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorScheduler,
-                                   KVConnectorWorker)
+from kvtier.connector.base import (
+    KVConnectorBase,
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
 
 # Worker-half calls of the last engine built with this connector, in call order.
 CALLS: list[tuple] = []

@@ -71,7 +71,7 @@ def engine(model_dir):
 
 async def _last(async_llm: AsyncLLM, prompt, params, request_id):
     final = None
-    async for final in async_llm.generate(prompt, params, request_id):
+    async for final in async_llm.generate(prompt, params, request_id):  # noqa: B007
         pass
     return final
 

@@ -8,9 +8,15 @@ import msgpack
 import pytest
 import zmq
 
-from kvtier.engine.kv_events import (END_SEQ, KVEventsConfig, KVEventsConfigError,
-                                     ZmqEventPublisher, encode_batch, encode_event,
-                                     make_event_publisher)
+from kvtier.engine.kv_events import (
+    END_SEQ,
+    KVEventsConfig,
+    KVEventsConfigError,
+    ZmqEventPublisher,
+    encode_batch,
+    encode_event,
+    make_event_publisher,
+)
 from kvtier.kv import AllBlocksCleared, BlockRemoved, BlockStored
 
 from .server_process import free_port

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
-from kvtier.kv import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
-                       KVCacheSpec, MambaSpec, Request, RequestStatus,
-                       SlidingWindowSpec)
+from kvtier.kv import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheManager,
+    KVCacheSpec,
+    MambaSpec,
+    Request,
+    RequestStatus,
+    SlidingWindowSpec,
+)
 
 BLOCK_SIZE = 4
 

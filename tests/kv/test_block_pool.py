@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.kv import (AllBlocksCleared, BlockPool, BlockRemoved, BlockStored,
-                       FreeKVCacheBlockQueue, KVCacheBlock, Request, make_block_hasher)
+from kvtier.kv import (
+    AllBlocksCleared,
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    Request,
+    make_block_hasher,
+)
 
 
 def ids(blocks) -> list[int]:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from kvtier.kv.coordinator import (HybridKVCacheCoordinator, KVCacheCoordinatorNoPrefixCache,
-                                   UnitaryKVCacheCoordinator)
+from kvtier.kv.coordinator import (
+    HybridKVCacheCoordinator,
+    KVCacheCoordinatorNoPrefixCache,
+    UnitaryKVCacheCoordinator,
+)
 
 from .kv_helpers import admit, full_spec, make_request, sliding_spec
 

@@ -10,8 +10,14 @@ import sys
 import cbor2
 import pytest
 
-from kvtier.kv import (MultiModalFeature, Request, hash_block_tokens, make_block_hasher,
-                       namespace_digest, seed_hash)
+from kvtier.kv import (
+    MultiModalFeature,
+    Request,
+    hash_block_tokens,
+    make_block_hasher,
+    namespace_digest,
+    seed_hash,
+)
 from kvtier.kv.hashing import block_extra_keys
 
 _HASH_SCRIPT = """

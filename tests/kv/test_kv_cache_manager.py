@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.kv import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheBlocks, RequestStatus
+
 from .kv_helpers import admit, full_spec, make_request, sliding_spec
 
 

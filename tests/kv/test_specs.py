@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.kv import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
-                       SlidingWindowSpec)
+from kvtier.kv import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
 
 
 def test_page_sizes():

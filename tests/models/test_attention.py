@@ -7,8 +7,14 @@ import shutil
 import pytest
 import torch
 
-from kvtier.models import (attention, build_attention_metadata, cpu_kernels, paged_attention,
-                           reference_paged_attention, write_kv)
+from kvtier.models import (
+    attention,
+    build_attention_metadata,
+    cpu_kernels,
+    paged_attention,
+    reference_paged_attention,
+    write_kv,
+)
 
 from .helpers import PagedDriver
 
@@ -30,7 +36,8 @@ def test_cpu_kernels_build_where_a_compiler_exists():
     """A kernel that silently failed to build would cost a third of the decode speed."""
     kernels = cpu_kernels.ops()
     assert kernels is not None
-    assert kernels.paged_decode_attention is not None and kernels.paged_prefill_attention is not None
+    assert kernels.paged_decode_attention is not None
+    assert kernels.paged_prefill_attention is not None
 
 
 @pytest.mark.usefixtures("attention_path")

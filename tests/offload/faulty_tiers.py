@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
-from kvtier.offload.tiers.base import (JobResult, LookupResult, SecondaryTier, TierContext,
-                                       TransferJob)
+from kvtier.offload.tiers.base import (
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TransferJob,
+)
 
 
 class RaisingTier(SecondaryTier):

@@ -1,7 +1,7 @@
 import pytest
 
+from kvtier.common.sizes import parse_size
 from kvtier.offload.config import OffloadConfig, parse_kv_offload
-from kvtier.offload.sizes import parse_size
 from kvtier.offload.tiers.fs import FsTierOptions
 from kvtier.offload.tiers.memory import MemoryTierOptions
 

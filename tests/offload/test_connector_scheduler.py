@@ -9,8 +9,14 @@ from kvtier.connector.config import KVTransferConfig
 from kvtier.connector.offloading import OffloadingConnectorScheduler
 from kvtier.connector.offloading.metadata import ChunkTransfer
 from kvtier.connector.offloading.session import BatchDone
-from kvtier.kv import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
-                       Request, make_block_hasher)
+from kvtier.kv import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheManager,
+    Request,
+    make_block_hasher,
+)
 from kvtier.offload.tiers.base import JobResult
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import NewRequestData, SchedulerOutput

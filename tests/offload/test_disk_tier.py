@@ -6,13 +6,25 @@ import textwrap
 
 import pytest
 
-from kvtier.offload.options import parse_options
+from kvtier.common.options import parse_options
 from kvtier.offload.tiers.base import LookupResult, TierContext
-from kvtier.offload.tiers.disk import (DiskTier, DiskTierInUseError, DiskTierOptions,
-                                      DiskTierSetupError)
+from kvtier.offload.tiers.disk import (
+    DiskTier,
+    DiskTierInUseError,
+    DiskTierOptions,
+    DiskTierSetupError,
+)
 
-from .offload_helpers import (CHUNK, NAMESPACE, chunk_bytes, key, tier_job, tier_load,
-                              tier_store, wait_jobs)
+from .offload_helpers import (
+    CHUNK,
+    NAMESPACE,
+    chunk_bytes,
+    key,
+    tier_job,
+    tier_load,
+    tier_store,
+    wait_jobs,
+)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PAGE = 4096

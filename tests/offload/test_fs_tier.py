@@ -9,8 +9,7 @@ import pytest
 from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.fs import FsTier, FsTierOptions
 
-from .offload_helpers import (NAMESPACE, chunk_bytes, key, tier_job, tier_load, tier_store,
-                              wait_jobs)
+from .offload_helpers import NAMESPACE, chunk_bytes, key, tier_job, tier_load, tier_store, wait_jobs
 
 # The scripts below run with `python -c` in the repository root, so they import kvtier and the
 # helpers as this module does.

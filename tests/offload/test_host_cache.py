@@ -1,11 +1,11 @@
 import mmap
 import sys
 
+import pytest
+
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.host_cache import ChunkState, HostCache
 from kvtier.offload.policies import LRUPolicy
-
-import pytest
 
 
 def _cache(num_slots=2, slot_bytes=8):

@@ -3,8 +3,18 @@ import pytest
 from kvtier.offload.events import TierMoveEvent
 from kvtier.offload.manager import Lookup
 
-from .offload_helpers import (CHUNK, FAULTY_TIERS, NAMESPACE, chunk_bytes, drain, key,
-                              offload_config, poll_until, read_host, store_from_device)
+from .offload_helpers import (
+    CHUNK,
+    FAULTY_TIERS,
+    NAMESPACE,
+    chunk_bytes,
+    drain,
+    key,
+    offload_config,
+    poll_until,
+    read_host,
+    store_from_device,
+)
 
 MEMORY = {"type": "memory"}
 RAISING = {"type": "RaisingTier", "module_path": FAULTY_TIERS}

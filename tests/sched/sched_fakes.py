@@ -5,10 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.connector.base import (ConnectorContext, KVConnectorMetadata, KVConnectorOutput,
-                                   KVConnectorScheduler)
-from kvtier.kv import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheManager,
-                       Request, RequestStatus, SlidingWindowSpec, make_block_hasher)
+from kvtier.connector.base import (
+    ConnectorContext,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVConnectorScheduler,
+)
+from kvtier.kv import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheManager,
+    Request,
+    RequestStatus,
+    SlidingWindowSpec,
+    make_block_hasher,
+)
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched import ModelRunnerOutput, Scheduler, SchedulerConfig, SchedulerOutput
 

@@ -5,8 +5,16 @@ import pytest
 from kvtier.kv import Request, RequestStatus, make_block_hasher
 from kvtier.sched import SchedulerQueueFullError
 
-from .sched_fakes import (EOS, FakeRunner, assert_all_free, make_request, make_scheduler, prompt,
-                          run_to_completion, step)
+from .sched_fakes import (
+    EOS,
+    FakeRunner,
+    assert_all_free,
+    make_request,
+    make_scheduler,
+    prompt,
+    run_to_completion,
+    step,
+)
 
 
 def new_ids(out):

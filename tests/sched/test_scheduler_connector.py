@@ -3,8 +3,17 @@
 from kvtier.connector.base import KVConnectorOutput
 from kvtier.kv import RequestStatus
 
-from .sched_fakes import (Clock, FakeRunner, ScriptedConnector, StepMeta,
-                          assert_all_free, make_request, make_scheduler, prompt, step)
+from .sched_fakes import (
+    Clock,
+    FakeRunner,
+    ScriptedConnector,
+    StepMeta,
+    assert_all_free,
+    make_request,
+    make_scheduler,
+    prompt,
+    step,
+)
 
 
 def probe_hit(manager, tokens):

@@ -3,13 +3,23 @@ block comes back at the end."""
 
 import random
 from dataclasses import dataclass, field
+
 import pytest
 
 from kvtier.connector.base import KVConnectorOutput
 from kvtier.kv import RequestStatus
 
-from .sched_fakes import (BLOCK_SIZE, Clock, FakeRunner, ScriptedConnector, assert_all_free,
-                          make_manager, make_request, make_scheduler, step)
+from .sched_fakes import (
+    BLOCK_SIZE,
+    Clock,
+    FakeRunner,
+    ScriptedConnector,
+    assert_all_free,
+    make_manager,
+    make_request,
+    make_scheduler,
+    step,
+)
 
 WAITING_STATES = {RequestStatus.WAITING, RequestStatus.PREEMPTED,
                   RequestStatus.WAITING_FOR_REMOTE_KVS}

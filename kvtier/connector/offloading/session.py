@@ -39,7 +39,7 @@ class OffloadSession:
     # One layout per KV cache group, in group order.
     layouts: tuple[ChunkLayout, ...]
     session_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    completions: "queue.SimpleQueue[BatchDone]" = field(default_factory=queue.SimpleQueue)
+    completions: queue.SimpleQueue[BatchDone] = field(default_factory=queue.SimpleQueue)
 
 
 class SessionNotFoundError(LookupError):

@@ -18,11 +18,11 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.common.cpu_threads import use_one_cpu_thread
 from kvtier.connector.base import ConnectorContext, KVConnectorWorker
 from kvtier.connector.offloading.metadata import ChunkTransfer, OffloadingConnectorMetadata
 from kvtier.connector.offloading.session import BatchDone, OffloadSession, find_session
 from kvtier.connector.offloading.transfer import ChunkCopier
-from kvtier.worker.cpu_threads import use_one_cpu_thread
 
 
 @dataclass

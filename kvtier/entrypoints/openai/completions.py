@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -11,17 +11,33 @@ from kvtier.engine.outputs import CompletionOutput, RequestOutput
 from kvtier.entrypoints.openai.connection import REQUEST_ID_HEADER, base_request_id
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError
-from kvtier.entrypoints.openai.generation import (Outputs, engine_options, finals_or_none,
-                                                  merged, open_generations, output_error,
-                                                  to_api_error)
+from kvtier.entrypoints.openai.generation import (
+    Outputs,
+    engine_options,
+    finals_or_none,
+    merged,
+    open_generations,
+    output_error,
+    to_api_error,
+)
 from kvtier.entrypoints.openai.logprobs import completion_logprobs
 from kvtier.entrypoints.openai.prompts import Prompt, check_context, completion_prompts
-from kvtier.entrypoints.openai.protocol import (CompletionChoice, CompletionChunk,
-                                                CompletionRequest, CompletionResponse,
-                                                UsageInfo)
+from kvtier.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
 from kvtier.entrypoints.openai.sampling import completion_sampling_params
-from kvtier.entrypoints.openai.streaming import (DONE, SSE_HEADERS, DeltaTracker, sse,
-                                                 sse_error, usage_info)
+from kvtier.entrypoints.openai.streaming import (
+    DONE,
+    SSE_HEADERS,
+    DeltaTracker,
+    sse,
+    sse_error,
+    usage_info,
+)
 
 router = APIRouter()
 

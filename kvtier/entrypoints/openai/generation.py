@@ -8,7 +8,8 @@ input, full queue) become 400 / 503 instead of a broken 200 stream. Leaving a ge
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import Request
 
@@ -17,8 +18,12 @@ from kvtier.engine.errors import EngineQueueFullError
 from kvtier.engine.outputs import RequestOutput
 from kvtier.entrypoints.openai.connection import cancel_on_disconnect
 from kvtier.entrypoints.openai.context import ServerContext
-from kvtier.entrypoints.openai.errors import (APIError, BadRequestError, InternalServerError,
-                                              ServiceUnavailableError)
+from kvtier.entrypoints.openai.errors import (
+    APIError,
+    BadRequestError,
+    InternalServerError,
+    ServiceUnavailableError,
+)
 from kvtier.entrypoints.openai.prompts import Prompt
 from kvtier.entrypoints.openai.protocol import SamplingFields
 from kvtier.sampling_params import SamplingParams
@@ -114,7 +119,7 @@ async def final_outputs(generations: list[Outputs]) -> list[RequestOutput]:
     async def last(outputs: Outputs) -> RequestOutput:
         final = None
         try:
-            async for final in outputs:
+            async for final in outputs:  # noqa: B007 (keeps the last one)
                 pass
         finally:
             await outputs.aclose()

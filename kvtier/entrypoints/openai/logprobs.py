@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.entrypoints.openai.protocol import (ChatLogProbs, ChatTokenLogProb,
-                                                CompletionLogProbs, TopLogProb)
+from kvtier.entrypoints.openai.protocol import (
+    ChatLogProbs,
+    ChatTokenLogProb,
+    CompletionLogProbs,
+    TopLogProb,
+)
 
 _UNKNOWN_LOGPROB = -9999.0
 

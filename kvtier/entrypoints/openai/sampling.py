@@ -11,8 +11,11 @@ import math
 import re
 
 from kvtier.entrypoints.openai.errors import BadRequestError
-from kvtier.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest,
-                                                SamplingFields)
+from kvtier.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
 from kvtier.sampling_params import SamplingParams
 
 # Completions one request may ask for (prompts x n): each one is a request in the engine.

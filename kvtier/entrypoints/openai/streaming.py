@@ -9,8 +9,12 @@ from pydantic import BaseModel
 
 from kvtier.engine.outputs import CompletionOutput
 from kvtier.entrypoints.openai.errors import APIError
-from kvtier.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                                UsageInfo)
+from kvtier.entrypoints.openai.protocol import (
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokensDetails,
+    UsageInfo,
+)
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -8,7 +8,8 @@ A subclass decides two things: which cached blocks make a usable prefix hit
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.kv.block_pool import BlockPool, KVCacheBlock
 from kvtier.kv.specs import KVCacheSpec
@@ -47,7 +48,7 @@ class SingleTypeKVCacheManager(ABC):
     # ---- spec-specific rules ---------------------------------------------------------------
 
     @abstractmethod
-    def find_longest_cache_hit(self, block_hashes: Sequence["BlockHash"], max_length: int,
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int,
                                alignment_tokens: int) -> list[KVCacheBlock]:
         """Blocks of the longest usable hit of at most `max_length` tokens whose length is a
         multiple of `alignment_tokens` (itself a multiple of this group's block size).
@@ -147,7 +148,7 @@ class SingleTypeKVCacheManager(ABC):
 
     # ---- caching and release -----------------------------------------------------------------
 
-    def cache_blocks(self, request: "Request", num_tokens: int) -> None:
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Put the request's blocks that are full within `num_tokens` into the prefix map."""
         request_id = request.request_id
         num_cached = self.num_cached_block.get(request_id, 0)

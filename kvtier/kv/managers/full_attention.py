@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.kv.block_pool import KVCacheBlock
 from kvtier.kv.managers.base import SingleTypeKVCacheManager
@@ -13,7 +14,7 @@ if TYPE_CHECKING:
 
 class FullAttentionManager(SingleTypeKVCacheManager):
 
-    def find_longest_cache_hit(self, block_hashes: Sequence["BlockHash"], max_length: int,
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int,
                                alignment_tokens: int) -> list[KVCacheBlock]:
         stride = self.hash_stride
         num_blocks = min(max_length // self.block_size, len(block_hashes) // stride)

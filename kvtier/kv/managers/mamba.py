@@ -3,7 +3,8 @@ the latest block is needed and a hit is the single last aligned cached state."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.kv.block_pool import KVCacheBlock
 from kvtier.kv.managers.base import SingleTypeKVCacheManager
@@ -16,7 +17,7 @@ class MambaManager(SingleTypeKVCacheManager):
 
     skips_blocks = True
 
-    def find_longest_cache_hit(self, block_hashes: Sequence["BlockHash"], max_length: int,
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int,
                                alignment_tokens: int) -> list[KVCacheBlock]:
         stride = self.hash_stride
         max_blocks = min(max_length // self.block_size, len(block_hashes) // stride)

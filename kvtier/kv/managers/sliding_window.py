@@ -3,7 +3,8 @@ dropped (replaced by the null block) and a hit needs only the blocks inside the 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvtier.kv.block_pool import BlockPool, KVCacheBlock
 from kvtier.kv.managers.base import SingleTypeKVCacheManager
@@ -25,7 +26,7 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         # window - 1 tokens, which span this many blocks when L is block-aligned.
         self.num_window_blocks = -(-(self.sliding_window - 1) // self.block_size)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence["BlockHash"], max_length: int,
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int,
                                alignment_tokens: int) -> list[KVCacheBlock]:
         """Rightmost aligned run of `num_window_blocks` cached blocks, null blocks before it;
         with no such run, the leading run of cached blocks from block 0."""

@@ -9,7 +9,7 @@ flush the chunks that conversations keep coming back to, which plain LRU lets ha
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 from kvtier.offload.policies.base import EvictionPolicy
 

@@ -7,7 +7,7 @@ now (a chunk under transfer may not). Keys are opaque hashables.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 
 class EvictionPolicy(ABC):

@@ -29,14 +29,15 @@ import os
 import struct
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar
 
 import xxhash
 
+from kvtier.common.options import require
+from kvtier.common.sizes import parse_size
 from kvtier.offload.keys import ChunkKey
-from kvtier.offload.options import require
-from kvtier.offload.sizes import parse_size
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
 

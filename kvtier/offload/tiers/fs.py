@@ -16,9 +16,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from kvtier.common.options import require
+from kvtier.common.sizes import parse_size
 from kvtier.offload.keys import ChunkKey, key_digest
-from kvtier.offload.options import require
-from kvtier.offload.sizes import parse_size
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.fs_format import ChunkFileError, file_size, read_chunk_into, write_chunk
 from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options

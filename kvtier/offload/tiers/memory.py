@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Iterable
+from typing import Any, ClassVar
 
+from kvtier.common.options import require
+from kvtier.common.sizes import parse_size
 from kvtier.offload.keys import ChunkKey
-from kvtier.offload.options import require
-from kvtier.offload.sizes import parse_size
-from kvtier.offload.tiers.base import (JobResult, LookupResult, SecondaryTier, TierContext,
-                                       TransferJob)
+from kvtier.offload.tiers.base import (
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TransferJob,
+)
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ dataclass its options are parsed into (unknown keys are an error); without one i
 
 from __future__ import annotations
 
-import importlib
-import inspect
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-from kvtier.offload.options import parse_options
+from kvtier.common.options import parse_options
+from kvtier.common.plugins import PluginRegistry
 from kvtier.offload.tiers.base import SecondaryTier, TierContext
 
 
@@ -20,31 +20,23 @@ class TierLookupError(ValueError):
     """A tier type, module or class could not be resolved."""
 
 
-_BUILTIN_TIERS: dict[str, str] = {
+_REGISTRY = PluginRegistry("tier", SecondaryTier, TierLookupError, {
     "memory": "kvtier.offload.tiers.memory:MemoryTier",
     "fs": "kvtier.offload.tiers.fs:FsTier",
     "disk": "kvtier.offload.tiers.disk:DiskTier",
-}
+})
 
 
 def get_tier_class(tier_type: str, module_path: str | None) -> type[SecondaryTier]:
     if module_path is not None:
         module_name, class_name = module_path, tier_type
-    elif tier_type in _BUILTIN_TIERS:
-        module_name, class_name = _BUILTIN_TIERS[tier_type].split(":")
+    elif (target := _REGISTRY.target(tier_type)) is not None:
+        module_name, class_name = target
     else:
         raise TierLookupError(f"unknown secondary tier type {tier_type!r}; built-in types are "
-                              f"{sorted(_BUILTIN_TIERS)} (or set module_path to load a tier "
+                              f"{_REGISTRY.names()} (or set module_path to load a tier "
                               f"class named {tier_type!r} from your own module)")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise TierLookupError(f"cannot import tier module {module_name!r}: {exc}") from exc
-    cls = getattr(module, class_name, None)
-    if not (inspect.isclass(cls) and issubclass(cls, SecondaryTier)):
-        raise TierLookupError(f"{module_name}.{class_name} is not a subclass of "
-                              f"kvtier.offload.tiers.base.SecondaryTier")
-    return cls
+    return _REGISTRY.import_class(module_name, class_name)
 
 
 def parse_tier_options(tier_type: str, module_path: str | None, raw: Mapping[str, Any],

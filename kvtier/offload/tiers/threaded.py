@@ -13,10 +13,11 @@ import queue
 import sys
 import time
 from abc import abstractmethod
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from kvtier.offload.options import is_positive_int, require
+from kvtier.common.options import is_positive_int, require
 from kvtier.offload.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 
 

@@ -5,8 +5,12 @@ import sys
 
 import pytest
 
-from kvtier.bench.config import MultiTurnConfig, ServerTarget
-from kvtier.bench.workload import build_conversations, make_text, render_completion_prompt
+from kvtier.entrypoints.bench.config import MultiTurnConfig, ServerTarget
+from kvtier.entrypoints.bench.workload import (
+    build_conversations,
+    make_text,
+    render_completion_prompt,
+)
 
 SMALL = MultiTurnConfig(num_conversations=2, num_turns=2, system_prompt_tokens=4,
                         context_tokens=3, user_tokens=2)
@@ -21,8 +25,8 @@ def test_seed_zero_gives_the_recorded_text():
 
 
 def test_same_text_in_a_fresh_process_with_another_hash_seed():
-    code = ("from kvtier.bench.config import MultiTurnConfig;"
-            "from kvtier.bench.workload import build_conversations;"
+    code = ("from kvtier.entrypoints.bench.config import MultiTurnConfig;"
+            "from kvtier.entrypoints.bench.workload import build_conversations;"
             "c = build_conversations(MultiTurnConfig(num_conversations=2, num_turns=2,"
             " system_prompt_tokens=4, context_tokens=3, user_tokens=2));"
             "print(repr([(s.system_prompt, s.user_messages) for s in c]))")

@@ -1,10 +1,10 @@
 """Summary statistics of hand-made results: exact percentiles, per-turn rows, throughput."""
 
-from kvtier.bench.client import RequestResult
-from kvtier.bench.config import MultiTurnConfig, ServerTarget
-from kvtier.bench.metrics_scrape import TierHits
-from kvtier.bench.report import REPORT_FIELDS, distribution, summarize
-from kvtier.bench.workload import ConversationId
+from kvtier.entrypoints.bench.client import RequestResult
+from kvtier.entrypoints.bench.config import MultiTurnConfig, ServerTarget
+from kvtier.entrypoints.bench.metrics_scrape import TierHits
+from kvtier.entrypoints.bench.report import REPORT_FIELDS, distribution, summarize
+from kvtier.entrypoints.bench.workload import ConversationId
 
 
 def _result(turn, ttft, latency, out_tokens, prompt_tokens=100, error=None):

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from kvtier.worker.cpu_threads import _torch_openmp, use_one_cpu_thread
+from kvtier.common.cpu_threads import _torch_openmp, use_one_cpu_thread
 
 pytestmark = pytest.mark.skipif(_torch_openmp() is None, reason="torch does not use OpenMP here")
 

@@ -12,14 +12,20 @@ import json
 import pytest
 import torch
 
-from kvtier.bench import REPORT_FIELDS, EngineTarget, MultiTurnConfig, ServerTarget, run_multi_turn
-from kvtier.bench.workload import build_conversations, render_completion_prompt
 from kvtier.config import EngineConfig
 from kvtier.engine.llm import LLM
 from kvtier.entrypoints import cli
+from kvtier.entrypoints.bench import (
+    REPORT_FIELDS,
+    EngineTarget,
+    MultiTurnConfig,
+    ServerTarget,
+    run_multi_turn,
+)
+from kvtier.entrypoints.bench.workload import build_conversations, render_completion_prompt
 from kvtier.sampling_params import SamplingParams
 
-from ..tiny_models import make_hf_model
+from ...tiny_models import make_hf_model
 
 # Tiny models on a shared 2-core machine: extra intra-op threads only spin against each other.
 torch.set_num_threads(1)

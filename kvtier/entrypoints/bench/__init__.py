@@ -1,9 +1,9 @@
 """Benchmark tools: the multi-turn conversation workload (issue 7), its streaming client for
 OpenAI-compatible servers and its in-process engine target."""
 
-from kvtier.bench.config import EngineTarget, MultiTurnConfig, ServerTarget
-from kvtier.bench.report import REPORT_FIELDS
-from kvtier.bench.runner import BenchTimeoutError, run_multi_turn
+from kvtier.entrypoints.bench.config import EngineTarget, MultiTurnConfig, ServerTarget
+from kvtier.entrypoints.bench.report import REPORT_FIELDS
+from kvtier.entrypoints.bench.runner import BenchTimeoutError, run_multi_turn
 
 __all__ = ["MultiTurnConfig", "ServerTarget", "EngineTarget", "REPORT_FIELDS",
            "BenchTimeoutError", "run_multi_turn"]

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from kvtier.bench.words import WORDS
-from kvtier.bench.workload import make_text
+from kvtier.entrypoints.bench.words import WORDS
+from kvtier.entrypoints.bench.workload import make_text
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

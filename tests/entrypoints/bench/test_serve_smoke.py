@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from kvtier.bench import REPORT_FIELDS
+from kvtier.entrypoints.bench import REPORT_FIELDS
 
-from ..entrypoints.server_process import REPO_ROOT, ServerProcess
-from ..tiny_models import make_hf_model
+from ...tiny_models import make_hf_model
+from ..server_process import REPO_ROOT, ServerProcess
 
 
 @pytest.fixture

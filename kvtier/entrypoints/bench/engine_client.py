@@ -12,24 +12,28 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
-from kvtier.bench.client import RequestResult, request_body
-from kvtier.bench.config import EngineTarget
-from kvtier.bench.metrics_scrape import Samples, registry_samples
-from kvtier.bench.workload import ConversationId
-from kvtier.engine.async_llm import (AsyncLLM, EngineDeadError, EngineShuttingDownError,
-                                     EngineStepError)
+from kvtier.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    EngineShuttingDownError,
+    EngineStepError,
+)
 from kvtier.engine.engine import Engine
 from kvtier.engine.errors import EngineQueueFullError
 from kvtier.engine.outputs import RequestOutput
+from kvtier.entrypoints.bench.client import RequestResult, request_body
+from kvtier.entrypoints.bench.config import EngineTarget
+from kvtier.entrypoints.bench.metrics_scrape import Samples, registry_samples
+from kvtier.entrypoints.bench.workload import ConversationId
 from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
 from kvtier.entrypoints.openai.errors import APIError
 from kvtier.entrypoints.openai.generation import engine_options, open_generations, output_error
-from kvtier.entrypoints.openai.prompts import (Prompt, chat_prompt, check_context,
-                                               completion_prompts)
+from kvtier.entrypoints.openai.prompts import Prompt, chat_prompt, check_context, completion_prompts
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from kvtier.entrypoints.openai.sampling import chat_sampling_params, completion_sampling_params
 from kvtier.sampling_params import SamplingParams

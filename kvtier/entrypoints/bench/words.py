@@ -1,7 +1,8 @@
 """The fixed vocabulary the multi-turn workload writes its text from.
 
 Every word, with a leading space, is a single token for the SmolLM2 tokenizer (checked by
-tests/bench/test_words.py), so `n` words joined by spaces are `n` tokens of the default model.
+tests/entrypoints/bench/test_words.py), so `n` words joined by spaces are `n` tokens of the
+default model.
 That is what lets the workload ask for "a 1,000-token context" without loading the server's
 tokenizer; for other models the lengths are approximate, and the report counts the tokens the
 server itself says it processed.

@@ -13,11 +13,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from kvtier.bench.client import BenchSession, RequestResult, TurnClient, open_server_session
-from kvtier.bench.config import BenchTarget, EngineTarget, MultiTurnConfig
-from kvtier.bench.metrics_scrape import tier_hits
-from kvtier.bench.report import summarize
-from kvtier.bench.workload import ConversationScript, build_conversations
+from kvtier.entrypoints.bench.client import (
+    BenchSession,
+    RequestResult,
+    TurnClient,
+    open_server_session,
+)
+from kvtier.entrypoints.bench.config import BenchTarget, EngineTarget, MultiTurnConfig
+from kvtier.entrypoints.bench.metrics_scrape import tier_hits
+from kvtier.entrypoints.bench.report import summarize
+from kvtier.entrypoints.bench.workload import ConversationScript, build_conversations
 
 
 class BenchTimeoutError(TimeoutError):
@@ -46,7 +51,7 @@ def _open_session(target: BenchTarget,
                   config: MultiTurnConfig) -> AbstractAsyncContextManager[BenchSession]:
     if isinstance(target, EngineTarget):
         # Imported here: it loads torch and the server's modules, which a server run never needs.
-        from kvtier.bench.engine_client import open_engine_session
+        from kvtier.entrypoints.bench.engine_client import open_engine_session
         return open_engine_session(target)
     # One connection per conversation: turns of a conversation are sequential, so this is
     # exactly the concurrency the workload asks for.

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Literal
 
 from kvtier.config import EngineConfig
 
@@ -107,4 +107,4 @@ class EngineTarget:
             raise ValueError(f"EngineTarget.run_timeout_s must be > 0, got {self.run_timeout_s}")
 
 
-BenchTarget = Union[ServerTarget, EngineTarget]
+BenchTarget = ServerTarget | EngineTarget

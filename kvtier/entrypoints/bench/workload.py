@@ -6,8 +6,8 @@ import random
 from dataclasses import dataclass
 from typing import NewType
 
-from kvtier.bench.config import MultiTurnConfig
-from kvtier.bench.words import WORDS
+from kvtier.entrypoints.bench.config import MultiTurnConfig
+from kvtier.entrypoints.bench.words import WORDS
 
 ConversationId = NewType("ConversationId", int)
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.bench.client import RequestResult
-from kvtier.bench.config import ApiKind, MultiTurnConfig
-from kvtier.bench.metrics_scrape import TierHits
+from kvtier.entrypoints.bench.client import RequestResult
+from kvtier.entrypoints.bench.config import ApiKind, MultiTurnConfig
+from kvtier.entrypoints.bench.metrics_scrape import TierHits
 
 PERCENTILES = (50, 90, 99)
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol
+from typing import Any, Protocol
 
 import httpx
 
-from kvtier.bench.config import ApiKind, ServerTarget
-from kvtier.bench.metrics_scrape import Samples, scrape
-from kvtier.bench.workload import ConversationId, render_completion_prompt
+from kvtier.entrypoints.bench.config import ApiKind, ServerTarget
+from kvtier.entrypoints.bench.metrics_scrape import Samples, scrape
+from kvtier.entrypoints.bench.workload import ConversationId, render_completion_prompt
 
 
 class BenchClientError(RuntimeError):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier.bench.metrics_scrape import TierHits, parse_samples, tier_hits
+from kvtier.entrypoints.bench.metrics_scrape import TierHits, parse_samples, tier_hits
 
 BEFORE = """\
 # TYPE vllm:prefix_cache_hits counter

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from kvtier.bench import REPORT_FIELDS, MultiTurnConfig, ServerTarget, run_multi_turn
-from kvtier.entrypoints import bench
+from kvtier.entrypoints.bench import REPORT_FIELDS, MultiTurnConfig, ServerTarget, run_multi_turn
+from kvtier.entrypoints.bench import cli as bench
 
 from .fake_server import FIRST_TOKEN_DELAY_S, MODEL_NAME, PER_REQUEST, TOKEN_INTERVAL_S
 

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.config import BenchTarget, EngineTarget, MultiTurnConfig, ServerTarget
 from kvtier.engine.args import add_engine_args, engine_config_from_args
+from kvtier.entrypoints.bench.config import BenchTarget, EngineTarget, MultiTurnConfig, ServerTarget
 
 DEFAULTS = MultiTurnConfig()
 TARGET_DEFAULTS = ServerTarget()
@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> int:
 
     Exit status: 0 when every request succeeded, 1 when some failed or the server was unusable.
     """
-    from kvtier.bench.client import BenchClientError
-    from kvtier.bench.runner import BenchTimeoutError
+    from kvtier.entrypoints.bench.client import BenchClientError
+    from kvtier.entrypoints.bench.runner import BenchTimeoutError
 
     try:
         return _run_multi_turn(args)
@@ -115,9 +115,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_multi_turn(args: argparse.Namespace) -> int:
-    from kvtier.bench.plot import write_plot
-    from kvtier.bench.report import write_json
-    from kvtier.bench.runner import run_multi_turn
+    from kvtier.entrypoints.bench.plot import write_plot
+    from kvtier.entrypoints.bench.report import write_json
+    from kvtier.entrypoints.bench.runner import run_multi_turn
 
     config = MultiTurnConfig(
         num_conversations=args.num_conversations, num_turns=args.num_turns,
@@ -163,7 +163,7 @@ def _engine_only_options() -> dict[str, tuple[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m kvtier.entrypoints.bench multi-turn ...`), same as
+    """Stand-alone entry (`python -m kvtier.entrypoints.bench.cli multi-turn ...`), same as
     `kvtier bench multi-turn ...`."""
     from kvtier.entrypoints.cli import main as cli_main
 
