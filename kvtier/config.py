@@ -59,7 +59,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_device_blocks: int | None = None
     hash_algo: str = "sha256_cbor"
-    # Share of blocks kept free when admitting new requests (see SPEC 4, watermark).
+    # Share of blocks kept free when admitting new requests (the watermark).
     watermark: float = 0.01
     enable_kv_cache_events: bool = False
 

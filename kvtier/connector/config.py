@@ -1,6 +1,6 @@
 """`--kv-transfer-config` / `kv_transfer_config`: which connector to run and how.
 
-The user's dict has the seeds' shape. It is parsed once here into a frozen `KVTransferConfig`;
+The user's dict has vLLM's shape. It is parsed once here into a frozen `KVTransferConfig`;
 the connector's own options (`kv_connector_extra_config`) are parsed by that connector into its
 own typed dataclass with `parse_options`, so a misspelt key fails at start-up, not mid-run.
 """

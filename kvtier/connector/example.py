@@ -152,7 +152,7 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
         loads = {}
         for req_id, num_blocks in self._pending_loads.items():
             request, block_ids = self._requests[req_id], self._block_ids[req_id]
-            # The scheduler has set num_computed_tokens to local hit + external tokens (SPEC 6).
+            # The scheduler has set num_computed_tokens to local hit + external tokens.
             end = request.num_computed_tokens // self.context.block_size
             loads[req_id] = [BlockTransfer(block_ids[i], request.block_hashes[i])
                              for i in range(end - num_blocks, end)]

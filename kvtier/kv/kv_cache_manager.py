@@ -1,4 +1,4 @@
-"""KVCacheManager: the KV cache as the scheduler sees it (SPEC section 4).
+"""KVCacheManager: the KV cache as the scheduler sees it.
 
 A thin facade: per-request block tables live in the per-group managers, blocks in the BlockPool.
 Token layout of a request during `allocate_slots`:

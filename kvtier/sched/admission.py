@@ -1,5 +1,5 @@
 """How a waiting request would start: its prefix hits (local, then external) and its first
-chunk (SPEC 5, last point; SPEC 6)."""
+chunk."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 One step is `schedule()` (a short pipeline of phases, below) followed by
 `update_from_output()` once the model runner has run the batch. Requests whose KV arrives
 asynchronously from a connector wait in WAITING_FOR_REMOTE_KVS while keeping their place in
-the waiting queue (SPEC 5 and 6).
+the waiting queue.
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ class Scheduler:
         return True
 
     def _try_promote(self, request: Request) -> bool:
-        """A request whose load arrived becomes schedulable again (SPEC 6)."""
+        """A request whose load arrived becomes schedulable again."""
         req_id = request.request_id
         if not self.loads.is_received(req_id):
             return False

@@ -1,4 +1,4 @@
-"""What the scheduler does when external KV does not arrive intact (SPEC 6, load failures).
+"""What the scheduler does when external KV does not arrive intact (load failures).
 
 Two ways a load fails: the worker reports some loaded blocks invalid
 (`KVConnectorOutput.invalid_block_ids`), or an asynchronous load misses its deadline. Bad

@@ -62,7 +62,7 @@ class ModelRunner:
         return self.inputs.build(scheduled, self.connector)
 
     def _execute_with_connector(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """The worker half's hook sequence (SPEC 6) around the forward pass."""
+        """The worker half's hook sequence around the forward pass."""
         connector = self.connector
         if scheduler_output.kv_connector_metadata is not None:
             connector.bind_connector_metadata(scheduler_output.kv_connector_metadata)

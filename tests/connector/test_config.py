@@ -1,4 +1,4 @@
-"""KVTransferConfig parsing: the seeds' JSON shape, typed fields, clear errors."""
+"""KVTransferConfig parsing: vLLM's JSON shape, typed fields, clear errors."""
 
 import json
 

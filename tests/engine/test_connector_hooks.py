@@ -1,4 +1,4 @@
-"""The runner calls a connector's worker hooks in SPEC 6's order, every step."""
+"""The runner calls a connector's worker hooks in the connector contract's order, every step."""
 
 from kvtier import LLM, SamplingParams
 

@@ -1,4 +1,4 @@
-"""The asynchronous remote-KV lifecycle (SPEC 6) with a scripted connector."""
+"""The asynchronous remote-KV lifecycle with a scripted connector."""
 
 from kvtier.connector.base import KVConnectorOutput
 from kvtier.kv import RequestStatus
