@@ -19,7 +19,7 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # The engine thread releases the GIL inside every torch op and must take it back after each one
 # (hundreds per step). Under Python's default 5 ms interval, an op ending while the HTTP loop or an
 # offload thread runs Python waits up to 5 ms for the GIL; 0.5 ms cut the median decode step at
-# 128 conversations from 189-214 to 166-171 ms (docs/benchmarks.md, eighth session).
+# 128 conversations from 189-214 to 166-171 ms (on the 2-core VM of docs/benchmarks.md).
 DEFAULT_SWITCH_INTERVAL_S = 0.0005
 
 
