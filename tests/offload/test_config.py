@@ -1,3 +1,7 @@
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from kvtier.common.sizes import parse_size
@@ -130,3 +134,16 @@ def test_bad_tier_policy_names_the_tier_and_key(entry, message):
     with pytest.raises(ValueError, match=message):
         OffloadConfig.from_extra_config({"cpu_bytes_to_use": 1,
                                          "secondary_tiers": [{"type": "memory", **entry}]})
+
+
+def test_per_tier_policy_example_of_the_docs_parses():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "tiers.md").read_text()
+    section = docs.split("### Per-tier policies", 1)[1]
+    fragment = re.search(r"```json\n(.*?)```", section, re.S).group(1)
+    config = OffloadConfig.from_extra_config(
+        json.loads("{" + fragment + ', "cpu_bytes_to_use": "1GiB"}'))
+    disk, shared = config.secondary_tiers
+    assert (config.write_policy, disk.write_policy, disk.admit_after_hits) == \
+        ("write_back", None, 0)
+    assert (shared.write_policy, shared.admit_after_hits, shared.max_pending_stores) == \
+        ("write_through", 2, 16)
