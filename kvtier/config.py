@@ -8,10 +8,10 @@ never written back here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from kvtier.connector.config import KVTransferConfig
+# Imports no torch: a bad transfer config fails before anything heavy loads.
+from kvtier.connector.config import KVTransferConfig
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16",
@@ -105,13 +105,9 @@ class EngineConfig:
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulingConfig = field(default_factory=SchedulingConfig)
+    # The KV connector, its options parsed (see KVTransferConfig.options); the one-flag
+    # offloading form becomes one of these too (`kv_offload_transfer_config`).
     kv_transfer_config: KVTransferConfig | None = None
-    # One-flag offloading form ("host=4GiB,disk=/path:50GiB"); parsed by kvtier.offload.config.
-    kv_offload: str | None = None
-
-    def __post_init__(self) -> None:
-        _require(self.kv_transfer_config is None or self.kv_offload is None,
-                 "give kv_transfer_config or kv_offload, not both")
 
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:
@@ -120,28 +116,38 @@ class EngineConfig:
         sections = {"model": ModelLoadConfig, "cache": CacheConfig,
                     "scheduler": SchedulingConfig}
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
-        top: dict[str, Any] = {}
+        transfer = options.pop("kv_transfer_config", None)
+        flag = options.pop("kv_offload", None)
         for key, value in options.items():
             owner = next((s for s, kls in sections.items()
                           if key in kls.__dataclass_fields__), None)
-            if owner is not None:
-                grouped[owner][key] = value
-            elif key == "kv_transfer_config":
-                top[key] = _parse_transfer_config(value)
-            elif key == "kv_offload":
-                top[key] = value
-            else:
+            if owner is None:
                 valid = sorted(k for kls in sections.values() for k in kls.__dataclass_fields__)
                 raise ValueError(f"unknown engine option {key!r}; valid options: "
                                  f"{', '.join(valid + ['kv_offload', 'kv_transfer_config'])}")
-        return cls(**{s: sections[s](**grouped[s]) for s in sections}, **top)
+            grouped[owner][key] = value
+        _require(transfer is None or flag is None,
+                 "give kv_transfer_config or kv_offload, not both")
+        if flag is not None:
+            transfer = kv_offload_transfer_config(flag, "kv_offload")
+        return cls(**{s: sections[s](**grouped[s]) for s in sections},
+                   kv_transfer_config=parse_transfer_config(transfer, "kv_transfer_config"))
 
 
-def _parse_transfer_config(value: Any) -> KVTransferConfig | None:
-    """Accept a KVTransferConfig, a dict, or a JSON string (the CLI form)."""
-    if value is None or not isinstance(value, (dict, str)):
+def parse_transfer_config(value: Any, where: str) -> KVTransferConfig | None:
+    """A KVTransferConfig from itself, a dict, or a JSON string (the CLI form); `where` names
+    the option in errors."""
+    if value is None or isinstance(value, KVTransferConfig):
         return value
-    from kvtier.connector.config import KVTransferConfig
     if isinstance(value, str):
-        return KVTransferConfig.from_json(value)
+        return KVTransferConfig.from_json(value, where)
     return KVTransferConfig.from_dict(value)
+
+
+def kv_offload_transfer_config(flag: str, where: str) -> KVTransferConfig:
+    """The OffloadingConnector config that the one-flag form `flag` ("host=4GiB,disk=/path:50GiB")
+    stands for, its options parsed; `where` names the option in errors ("--kv-offload")."""
+    # The offload package imports numpy: only when offloading is asked for.
+    from kvtier.offload.config import CONNECTOR_NAME, parse_kv_offload
+    return KVTransferConfig(kv_connector=CONNECTOR_NAME,
+                            kv_connector_extra_config=parse_kv_offload(flag, where))

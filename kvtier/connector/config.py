@@ -1,8 +1,12 @@
 """`--kv-transfer-config` / `kv_transfer_config`: which connector to run and how.
 
-The user's dict has vLLM's shape. It is parsed once here into a frozen `KVTransferConfig`;
-the connector's own options (`kv_connector_extra_config`) are parsed by that connector into its
-own typed dataclass with `parse_options`, so a misspelt key fails at start-up, not mid-run.
+The user's dict has vLLM's shape. It is parsed once here into a frozen `KVTransferConfig`,
+before anything heavy is imported or loaded. The built-in connectors whose options import no
+torch (`OffloadingConnector`, `MultiConnector`) have their `kv_connector_extra_config` parsed
+here too, into `KVTransferConfig.options`, which their halves use as is. Other connectors
+(`ExampleConnector`, whose module imports torch, and out-of-tree ones) parse the dict into their
+own dataclass with `parse_options` when they are created: still at start-up, not mid-run, but
+after the model loads.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ KVLoadFailurePolicy = Literal["recompute", "fail"]
 
 _ROLES: tuple[str, ...] = get_args(KVRole)
 _FAILURE_POLICIES: tuple[str, ...] = get_args(KVLoadFailurePolicy)
+_EXAMPLE = ('{"kv_connector": "OffloadingConnector", '
+            '"kv_connector_extra_config": {"cpu_bytes_to_use": "4GiB"}}')
 
 
 @dataclass(frozen=True)
@@ -28,8 +34,9 @@ class KVTransferConfig:
 
     kv_connector: str
     kv_role: KVRole = "kv_both"
-    # Connector-specific options; the connector parses them (see `parse_options`).
-    # Left out of the hash: a dict is unhashable and the other fields identify the config.
+    # Connector-specific options as the user wrote them (`to_dict` gives them back); `options`
+    # is their parsed form where the connector is known here. Left out of the hash: a dict is
+    # unhashable and the other fields identify the config.
     kv_connector_extra_config: dict[str, Any] = field(default_factory=dict, hash=False)
     # A dotted module name; when set, `kv_connector` names a class in that module.
     kv_connector_module_path: str | None = None
@@ -38,6 +45,19 @@ class KVTransferConfig:
     kv_load_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
+        self._check_fields()
+        # Not a dataclass field: derived from kv_connector_extra_config, so it takes no part in
+        # __init__, equality, hashing or to_dict.
+        object.__setattr__(self, "_options", _parse_connector_options(self))
+
+    @property
+    def options(self) -> Any:
+        """`kv_connector_extra_config` as the connector's typed options (OffloadConfig for the
+        OffloadingConnector, the child configs for the MultiConnector), parsed once at
+        construction; None for connectors that parse the dict themselves."""
+        return self._options
+
+    def _check_fields(self) -> None:
         _require(isinstance(self.kv_connector, str) and self.kv_connector != "",
                  "kv_connector", "must be a non-empty connector name", self.kv_connector)
         _require(self.kv_role in _ROLES, "kv_role", f"must be one of {list(_ROLES)}",
@@ -66,11 +86,14 @@ class KVTransferConfig:
         return parse_options(cls, raw, "kv_transfer_config")
 
     @classmethod
-    def from_json(cls, text: str) -> KVTransferConfig:
+    def from_json(cls, text: str, where: str = "kv_transfer_config") -> KVTransferConfig:
+        """`where` names the option in the error for text that is not JSON (the CLI passes
+        "--kv-transfer-config")."""
         try:
             raw = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_transfer_config is not valid JSON ({exc}): {text!r}") from exc
+            raise ValueError(f"{where} is not valid JSON ({exc}): {text!r}; write it like "
+                             f"{_EXAMPLE}") from exc
         return cls.from_dict(raw)
 
     def to_dict(self) -> dict[str, Any]:
@@ -86,6 +109,20 @@ class KVTransferConfig:
     def is_consumer(self) -> bool:
         """This instance loads KV that others saved."""
         return self.kv_role in ("kv_both", "kv_consumer")
+
+
+def _parse_connector_options(config: KVTransferConfig) -> Any:
+    """The typed options of a built-in connector whose options import no torch, else None."""
+    if config.kv_connector_module_path is not None:
+        return None
+    if config.kv_connector == "OffloadingConnector":
+        from kvtier.offload.config import OffloadConfig
+        return OffloadConfig.from_extra_config(config.kv_connector_extra_config)
+    if config.kv_connector == "MultiConnector":
+        # Each child is a KVTransferConfig itself: its own options are parsed now, too.
+        from kvtier.connector.multi import child_configs
+        return tuple(child_configs(config))
+    return None
 
 
 def _require(ok: bool, name: str, rule: str, value: Any) -> None:

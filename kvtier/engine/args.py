@@ -5,7 +5,12 @@ from __future__ import annotations
 import argparse
 
 from kvtier.common.sizes import parse_size
-from kvtier.config import DTYPES, EngineConfig
+from kvtier.config import (
+    DTYPES,
+    EngineConfig,
+    kv_offload_transfer_config,
+    parse_transfer_config,
+)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
@@ -40,28 +45,36 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                       help="device KV cache budget, e.g. 512MiB or 2GiB")
     size.add_argument("--num-device-blocks", type=int, default=None,
                       help="device KV cache size in blocks")
-    group.add_argument("--kv-transfer-config", default=None,
-                       help="KV connector config as JSON (vLLM's shape)")
-    group.add_argument("--kv-offload", default=None,
-                       help="tiered offloading in one flag, e.g. host=4GiB,disk=/path:50GiB "
-                            "(disk: this instance's preallocated file; fs=DIR[:SIZE]: a file "
-                            "per chunk, shared between instances); "
-                            "optional policy=lru|arc, blocks_per_chunk=N, write=through|back "
-                            "(when chunks go on to disk: at once, or when host memory needs "
-                            "room and at shutdown)")
+    transfer = group.add_mutually_exclusive_group()
+    transfer.add_argument("--kv-transfer-config", default=None,
+                          help="KV connector config as JSON (vLLM's shape); per-tier "
+                               "policies of the OffloadingConnector are set here "
+                               "(docs/tiers.md)")
+    transfer.add_argument("--kv-offload", default=None,
+                          help="tiered offloading in one flag, e.g. host=4GiB,disk=/path:50GiB "
+                               "(disk: this instance's preallocated file; fs=DIR[:SIZE]: a file "
+                               "per chunk, shared between instances); "
+                               "optional policy=lru|arc, blocks_per_chunk=N, write=through|back "
+                               "(when chunks go on to disk: at once, or when host memory needs "
+                               "room and at shutdown)")
     group.add_argument("--enable-kv-cache-events", action="store_true",
                        help="record KV cache block events")
     group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError naming the bad option."""
+    """Raises ValueError naming the bad option. Imports no torch: call it before anything
+    heavy, so that a bad value fails at once."""
     positional = getattr(args, "model_positional", None)
     if positional is not None and args.model is not None and positional != args.model:
         raise ValueError(f"model given twice: {positional!r} and --model {args.model!r}")
     memory = None
     if args.kv_cache_memory_bytes is not None:
         memory = parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")
+    if args.kv_offload is not None:
+        transfer = kv_offload_transfer_config(args.kv_offload, "--kv-offload")
+    else:
+        transfer = parse_transfer_config(args.kv_transfer_config, "--kv-transfer-config")
     return EngineConfig.create(
         model=positional or args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, seed=args.seed, block_size=args.block_size,
@@ -71,4 +84,4 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
         max_waiting_requests=args.max_waiting_requests,
-        kv_transfer_config=args.kv_transfer_config, kv_offload=args.kv_offload)
+        kv_transfer_config=transfer)

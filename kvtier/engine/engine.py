@@ -21,7 +21,6 @@ from kvtier.engine.runtime import (
     derive_runtime,
     resolve_device,
     resolve_dtype,
-    transfer_config,
 )
 from kvtier.engine.stats import EngineStats
 from kvtier.kv import KVCacheManager, Request, RequestStatus
@@ -61,7 +60,7 @@ class Engine:
                                    num_layers=self.model_config.num_layers,
                                    namespace=runtime.namespace, metrics=self.metrics,
                                    kv_cache_config=runtime.kv_cache_config)
-        transfer = transfer_config(config)
+        transfer = config.kv_transfer_config
         scheduler_connector, worker_connector = build_connectors(transfer, context)
         self.kv_cache_manager = KVCacheManager(
             runtime.kv_cache_config, runtime.max_model_len,

@@ -8,6 +8,7 @@ from typing import Any
 
 from kvtier.common.sizes import parse_size
 from kvtier.config import EngineConfig
+from kvtier.connector.config import KVTransferConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.outputs import RequestOutput
 from kvtier.sampling_params import SamplingParams
@@ -22,11 +23,12 @@ class LLM:
                  enable_prefix_caching: bool = True, max_num_batched_tokens: int = 2048,
                  max_num_seqs: int = 128, kv_cache_memory_bytes: int | str | None = None,
                  num_device_blocks: int | None = None,
-                 kv_transfer_config: dict[str, Any] | str | None = None,
+                 kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None,
                  kv_offload: str | None = None, seed: int = 0, device: str | None = None,
                  **engine_options: Any) -> None:
         """`engine_options`: any other EngineConfig field by name (max_model_len,
-        enable_chunked_prefill, policy, hash_algo, watermark, ...)."""
+        enable_chunked_prefill, policy, hash_algo, watermark, ...). Every option is checked
+        before the model loads: a bad one raises ValueError naming it."""
         if kv_cache_memory_bytes is not None:
             kv_cache_memory_bytes = parse_size(kv_cache_memory_bytes, "kv_cache_memory_bytes")
         config = EngineConfig.create(

@@ -87,14 +87,6 @@ def _spec_kind(spec: object) -> str:
     return type(spec).__name__
 
 
-def transfer_config(config: EngineConfig) -> KVTransferConfig | None:
-    """The connector to run: the explicit transfer config, or the one-flag offload form."""
-    if config.kv_offload is None:
-        return config.kv_transfer_config
-    from kvtier.offload.config import parse_kv_offload
-    return KVTransferConfig.from_dict(parse_kv_offload(config.kv_offload))
-
-
 def build_connectors(transfer: KVTransferConfig | None, context: ConnectorContext
                      ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
     if transfer is None:

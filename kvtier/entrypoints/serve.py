@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import sys
 
+from kvtier.config import EngineConfig
 from kvtier.engine.args import add_engine_args, engine_config_from_args
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "long the engine thread can wait for the GIL after a torch op")
 
 
+def _checked_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config, every server option checked; imports no torch, so a bad value fails
+    before the heavy imports."""
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout <= 0:
+        raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
+    if not 0 < args.switch_interval <= 1:
+        raise ValueError(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
+    return engine_config_from_args(args)
+
+
 def run(args: argparse.Namespace) -> int:
+    config = _checked_config(args)
     import uvicorn
 
     from kvtier.common.cpu_threads import use_one_cpu_thread
@@ -56,13 +70,6 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.entrypoints.openai.app import build_app
     from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
 
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.shutdown_timeout <= 0:
-        raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
-    if not 0 < args.switch_interval <= 1:
-        raise ValueError(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
-    config = engine_config_from_args(args)
     events_config = None
     if args.kv_events_config is not None:
         events_config = KVEventsConfig.from_json(args.kv_events_config)

@@ -1,8 +1,10 @@
-"""Offloading options: the seed's `kv_connector_extra_config` and the one-flag `--kv-offload`.
+"""Offloading options: the `kv_connector_extra_config` of `OffloadingConnector` and the
+one-flag `--kv-offload`.
 
-Both forms end up in one frozen `OffloadConfig`. The JSON form is what `OffloadingConnector`
-receives; the flag form (`host=4GiB,disk=/var/cache/kvtier:50GiB`) is expanded by
-`parse_kv_offload` into that same JSON so the engine has one code path.
+Both forms end up in one frozen `OffloadConfig`, parsed once with the engine's config (see
+kvtier.connector.config) and handed to the connector as is. The flag form
+(`host=4GiB,disk=/var/cache/kvtier:50GiB`) is expanded by `parse_kv_offload` into the JSON form,
+so the two take one code path.
 """
 
 from __future__ import annotations
@@ -21,15 +23,41 @@ CONNECTOR_NAME = "OffloadingConnector"
 _WHERE = "kv_connector_extra_config"
 
 
+# Keys of a secondary_tiers entry that the tiering manager reads; the rest are the tier's own.
+TIER_POLICY_KEYS = ("write_policy", "admit_after_hits", "max_pending_stores")
+
+
 @dataclass(frozen=True)
 class TierSpec:
-    """One secondary tier: its `type`, its own parsed options, and a unique label for metrics."""
+    """One secondary tier: its `type`, its own parsed options, a unique label for metrics, and
+    the policies the tiering manager applies to it (so a remote tier can differ from a local
+    one)."""
 
     type: str
     name: str
     # The tier class's own frozen options dataclass (or the raw dict for a tier without one).
     options: Any
     module_path: str | None = None
+    # When chunks from the device go on to this tier; None: the connector's write_policy.
+    write_policy: WritePolicyName | None = None
+    # Store a chunk on this tier only once it has been loaded from host memory into the device
+    # this many times (0: every chunk). Keeps one-off prompts off a slow or paid tier.
+    admit_after_hits: int = 0
+    # Backpressure: with this many stores in flight the tier gets no new ones; they are dropped
+    # (counted) rather than holding host slots while it catches up. None: no limit.
+    max_pending_stores: int | None = None
+
+    def __post_init__(self) -> None:
+        where = f"secondary tier {self.name!r}:"
+        require(self.write_policy is None or self.write_policy in get_args(WritePolicyName),
+                f"{where} write_policy", f"must be one of {list(get_args(WritePolicyName))}",
+                self.write_policy)
+        require(isinstance(self.admit_after_hits, int) and not isinstance(
+            self.admit_after_hits, bool) and self.admit_after_hits >= 0,
+                f"{where} admit_after_hits", "must be an integer >= 0", self.admit_after_hits)
+        require(self.max_pending_stores is None or is_positive_int(self.max_pending_stores),
+                f"{where} max_pending_stores", "must be an integer >= 1 or null",
+                self.max_pending_stores)
 
 
 @dataclass(frozen=True)
@@ -98,12 +126,14 @@ def _parse_tiers(raw_tiers: list[Any] | tuple[Any, ...]) -> tuple[TierSpec, ...]
         where = f"{_WHERE}.secondary_tiers[{index}]"
         require(isinstance(raw, Mapping) and isinstance(raw.get("type"), str), where,
                 "must be an object with a string \"type\"", raw)
-        options = {k: v for k, v in raw.items() if k not in ("type", "module_path", "name")}
+        common = ("type", "module_path", "name", *TIER_POLICY_KEYS)
+        options = {k: v for k, v in raw.items() if k not in common}
         module_path = raw.get("module_path")
         name = raw.get("name") or _unique_name(raw["type"], specs)
-        parsed = parse_tier_options(raw["type"], module_path, options, where)
+        parsed = parse_tier_options(raw["type"], module_path, options, where, common)
+        policies = {k: raw[k] for k in TIER_POLICY_KEYS if k in raw}
         specs.append(TierSpec(type=raw["type"], name=name, options=parsed,
-                              module_path=module_path))
+                              module_path=module_path, **policies))
     return tuple(specs)
 
 
@@ -117,56 +147,62 @@ def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:
     return f"{tier_type}{index}"
 
 
-_FLAG_HELP = ("expected comma-separated key=value pairs such as "
-              "'host=4GiB,disk=/var/cache/kvtier:50GiB' (keys: host, disk, fs, policy, "
-              "blocks_per_chunk, write)")
+_FLAG_KEYS = "host, disk, fs, policy, blocks_per_chunk, write"
+_FLAG_EXAMPLE = "host=4GiB,disk=/var/cache/kvtier:50GiB"
 
 
-def parse_kv_offload(flag: str) -> dict[str, Any]:
-    """`--kv-offload host=4GiB,disk=/var/cache/kvtier:50GiB` -> a KVTransferConfig dict.
+def parse_kv_offload(flag: str, where: str = "--kv-offload") -> dict[str, Any]:
+    """`host=4GiB,disk=/var/cache/kvtier:50GiB` -> the `kv_connector_extra_config` of the
+    OffloadingConnector it stands for. `where` names the option in errors ("--kv-offload" on the
+    command line, "kv_offload" for LLM()).
 
     `host` (required) is the host tier's byte budget. `disk=DIR:SIZE` adds a disk tier (this
     instance's slot file of SIZE bytes in DIR), `fs=DIR[:SIZE]` an fs tier (a file per chunk,
     shared by the instances that mount DIR; SIZE is its byte budget); both may repeat.
-    `policy=lru|arc`, `blocks_per_chunk=N` and
-    `write=through|back` (the write policy) are optional.
-    The returned dict is validated here, so a bad flag fails at start-up.
+    `policy=lru|arc`, `blocks_per_chunk=N` and `write=through|back` (the write policy) are
+    optional. Each value is checked here, so an error names the flag's own key; per-tier
+    policies need the JSON form. `OffloadConfig.from_extra_config` parses the result.
     """
     if not isinstance(flag, str) or not flag.strip():
-        raise ValueError(f"--kv-offload: {_FLAG_HELP}, got {flag!r}")
+        raise ValueError(f"{where}: expected comma-separated key=value pairs such as "
+                         f"{_FLAG_EXAMPLE!r} (keys: {_FLAG_KEYS}), got {flag!r}")
     extra: dict[str, Any] = {"spec_name": SPEC_NAME, "secondary_tiers": []}
     for part in flag.split(","):
         key, sep, value = part.strip().partition("=")
         if not sep or not value:
-            raise ValueError(f"--kv-offload: {_FLAG_HELP}, got {part!r}")
-        _apply_flag_pair(extra, key.strip(), value.strip())
+            raise ValueError(f"{where}: expected comma-separated key=value pairs such as "
+                             f"{_FLAG_EXAMPLE!r} (keys: {_FLAG_KEYS}), got {part!r}")
+        _apply_flag_pair(extra, key.strip(), value.strip(), where)
     if "cpu_bytes_to_use" not in extra:
-        raise ValueError("--kv-offload: 'host=SIZE' is required (e.g. host=4GiB): every "
-                         "offload passes through host memory")
-    OffloadConfig.from_extra_config(extra)
-    return {"kv_connector": CONNECTOR_NAME, "kv_role": "kv_both",
-            "kv_connector_extra_config": extra}
+        raise ValueError(f"{where}: 'host=SIZE' is required (e.g. {_FLAG_EXAMPLE}): every "
+                         f"offload passes through host memory")
+    return extra
 
 
-def _apply_flag_pair(extra: dict[str, Any], key: str, value: str) -> None:
+def _apply_flag_pair(extra: dict[str, Any], key: str, value: str, where: str) -> None:
     if key == "host":
-        extra["cpu_bytes_to_use"] = parse_size(value, "--kv-offload host")
+        extra["cpu_bytes_to_use"] = parse_size(value, f"{where} host")
+        require(extra["cpu_bytes_to_use"] > 0, f"{where} host", "must be > 0, e.g. host=4GiB",
+                value)
     elif key == "disk":
-        extra["secondary_tiers"].append(_parse_disk(value))
+        extra["secondary_tiers"].append(_parse_disk(value, where))
     elif key == "fs":
-        extra["secondary_tiers"].append(_parse_fs(value))
+        extra["secondary_tiers"].append(_parse_fs(value, where))
     elif key == "policy":
+        require(value in get_args(EvictionPolicyName), f"{where} policy",
+                "must be lru or arc, e.g. policy=arc", value)
         extra["eviction_policy"] = value
     elif key == "blocks_per_chunk":
-        require(value.isdigit(), "--kv-offload blocks_per_chunk", "must be an integer >= 1",
-                value)
+        require(value.isdigit() and int(value) >= 1, f"{where} blocks_per_chunk",
+                "must be an integer >= 1, e.g. blocks_per_chunk=4", value)
         extra["blocks_per_chunk"] = int(value)
     elif key == "write":
-        require(value in ("through", "back"), "--kv-offload write", "must be through or back",
-                value)
+        require(value in ("through", "back"), f"{where} write",
+                "must be through or back, e.g. write=back", value)
         extra["write_policy"] = f"write_{value}"
     else:
-        raise ValueError(f"--kv-offload: unknown key {key!r}; {_FLAG_HELP}")
+        raise ValueError(f"{where}: unknown key {key!r}; keys are {_FLAG_KEYS}, e.g. "
+                         f"{_FLAG_EXAMPLE}")
 
 
 def _split_dir_size(value: str) -> tuple[str, str | None]:
@@ -177,17 +213,17 @@ def _split_dir_size(value: str) -> tuple[str, str | None]:
     return value, None
 
 
-def _parse_disk(value: str) -> dict[str, Any]:
+def _parse_disk(value: str, where: str) -> dict[str, Any]:
     root, size = _split_dir_size(value)
     if size is None:
-        raise ValueError(f"--kv-offload disk={value}: the disk tier needs a size, e.g. "
+        raise ValueError(f"{where} disk={value}: the disk tier needs a size, e.g. "
                          f"disk={value}:50GiB (its file is preallocated); for a directory "
                          f"without a budget, shared between instances, use fs={value}")
-    return {"type": "disk", "root_dir": root, "max_bytes": parse_size(size, "--kv-offload disk")}
+    return {"type": "disk", "root_dir": root, "max_bytes": parse_size(size, f"{where} disk")}
 
 
-def _parse_fs(value: str) -> dict[str, Any]:
+def _parse_fs(value: str, where: str) -> dict[str, Any]:
     root, size = _split_dir_size(value)
     if size is None:
         return {"type": "fs", "root_dir": root}
-    return {"type": "fs", "root_dir": root, "max_bytes": parse_size(size, "--kv-offload fs")}
+    return {"type": "fs", "root_dir": root, "max_bytes": parse_size(size, f"{where} fs")}

@@ -1,9 +1,13 @@
 """The tiering manager: the host tier in front of the secondary tiers.
 
 Host-centric: every chunk enters through the host area and leaves through it. A chunk from the
-device is pushed to every secondary tier at once (the cascade): under write_through as soon as
-its device->host store completes; under write_back only once the host tier runs short of clean
-slots (the oldest dirty chunks first) or at `write_back_all` (shutdown).
+device is pushed to the secondary tiers (the cascade), each by its own policies (TierSpec): a
+write_through tier gets it as soon as its device->host store completes; a write_back tier only
+once the host tier runs short of clean slots (the oldest dirty chunks first) or at
+`write_back_all` (shutdown). A tier with `admit_after_hits` N takes a chunk only once it has been
+loaded from host memory N times (a write_through tier at that N-th load), and a tier with
+`max_pending_stores` stores in flight gets no new store: it is dropped and counted, so a slow
+tier never holds host slots.
 A lookup that misses the host asks the secondary tiers in order; the first that has the chunk
 promotes it into the host asynchronously and the answer is RETRY, so the scheduler asks again
 next step instead of waiting. Everything here runs on the engine thread; tiers do their I/O on
@@ -81,6 +85,9 @@ class TieringManager:
                                     self.area.slot_bytes))
             for spec in config.secondary_tiers]
         self.tier_names = [tier.context.name for tier in self.tiers]
+        self._tier_write_back = [(spec.write_policy or config.write_policy) == "write_back"
+                                 for spec in config.secondary_tiers]
+        self._pending_stores = [0] * len(self.tiers)
         self._clock = clock
         self._job_ids = itertools.count()
         self._jobs: dict[int, _TierJob] = {}
@@ -90,8 +97,10 @@ class TieringManager:
         self._max_remembered = 16 * self.area.num_slots
         # Requests seen per chunk, for store_threshold; bounded like _failed.
         self._uses: OrderedDict[ChunkKey, int] = OrderedDict()
+        # Loads from host memory into the device per chunk, for admit_after_hits; bounded too.
+        self._hits: OrderedDict[ChunkKey, int] = OrderedDict()
         self._events: list[TierMoveEvent] = []
-        self._write_back = config.write_policy == "write_back" and bool(self.tiers)
+        self._write_back = any(self._tier_write_back)
         self._reserve = max(1, math.ceil(WRITE_BACK_RESERVE * self.area.num_slots))
         self._slots_taken_at_poll = 0
 
@@ -154,10 +163,7 @@ class TieringManager:
 
     def record_use(self, key: ChunkKey) -> None:
         """A request contains `key` (counts towards store_threshold)."""
-        self._uses[key] = self._uses.get(key, 0) + 1
-        self._uses.move_to_end(key)
-        if len(self._uses) > self._max_remembered:
-            self._uses.popitem(last=False)
+        self._count(self._uses, key)
 
     def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
         """A host slot to copy `key` into from the device, or None: already in host, not used
@@ -167,21 +173,21 @@ class TieringManager:
         return self.host.prepare_store(key, num_bytes)
 
     def complete_store(self, key: ChunkKey, ok: bool) -> None:
-        """The device->host copy of `key` ended; on success, cascade it to every secondary tier
-        (write_through) or keep it dirty until the host needs its slot clean (write_back)."""
+        """The device->host copy of `key` ended; on success, cascade it to the write_through
+        tiers that admit it, and keep it dirty until the host needs its slot clean if there are
+        write_back tiers."""
         self.host.complete_store(key, ok)
         if not ok:
             return
         self._events.append(TierMoveEvent(key, DEVICE, HOST))
+        self._cascade(key, write_back=False)
         if self._write_back:
             self.host.mark_dirty(key)
-        else:
-            self._cascade(key)
 
     def write_back_all(self) -> None:
         """Start the cascade of every dirty chunk (shutdown: keep what this instance computed)."""
         while self.host.num_dirty:
-            self._cascade(self.host.pop_oldest_dirty())
+            self._cascade(self.host.pop_oldest_dirty(), write_back=True)
 
     def _keep_reserve(self) -> None:
         """Write back the oldest dirty chunks until the reserve of evictable slots is met."""
@@ -191,24 +197,49 @@ class TieringManager:
         writing = {job.key for job in self._jobs.values() if job.kind == "cascade"}
         available = self.host.num_evictable_now() + len(writing)
         while available < self._reserve and self.host.num_dirty:
-            self._cascade(self.host.pop_oldest_dirty())
+            self._cascade(self.host.pop_oldest_dirty(), write_back=True)
             available += 1
 
-    def _cascade(self, key: ChunkKey) -> None:
-        for index in range(len(self.tiers)):
-            self.host.prepare_load(key, count_use=False)  # the tier reads the slot: pin it
-            slot = self.host.entries[key].slot
-            if self._submit(index, "cascade", key, self.host.entries[key].num_bytes, slot) is None:
-                self.host.complete_load(key)
+    def _cascade(self, key: ChunkKey, write_back: bool) -> None:
+        """Store `key` on the tiers of that write policy whose admission rule it meets."""
+        hits = self._hits.get(key, 0)
+        for index, spec in enumerate(self.config.secondary_tiers):
+            if self._tier_write_back[index] == write_back and hits >= spec.admit_after_hits:
+                self._store_on(index, key)
+
+    def _store_on(self, index: int, key: ChunkKey) -> None:
+        limit = self.config.secondary_tiers[index].max_pending_stores
+        if limit is not None and self._pending_stores[index] >= limit:
+            self.metrics.dropped_store(self.tier_names[index], "backpressure")
+            return
+        self.host.prepare_load(key, count_use=False)  # the tier reads the slot: pin it
+        entry = self.host.entries[key]
+        if self._submit(index, "cascade", key, entry.num_bytes, entry.slot) is None:
+            self.host.complete_load(key)
 
     def prepare_load(self, key: ChunkKey) -> SlotId:
         """Pin `key` (a HIT) for a host->device copy."""
         return self.host.prepare_load(key)
 
     def complete_load(self, key: ChunkKey, ok: bool) -> None:
+        """The host->device copy of `key` ended; a success is a hit, which may admit it to
+        write_through tiers with `admit_after_hits`."""
         self.host.complete_load(key)
-        if ok:
-            self._events.append(TierMoveEvent(key, HOST, DEVICE))
+        if not ok:
+            return
+        self._events.append(TierMoveEvent(key, HOST, DEVICE))
+        hits = self._count(self._hits, key)
+        for index, spec in enumerate(self.config.secondary_tiers):
+            if not self._tier_write_back[index] and spec.admit_after_hits == hits:
+                self._store_on(index, key)
+
+    def _count(self, counts: OrderedDict[ChunkKey, int], key: ChunkKey) -> int:
+        """Add one to `key`'s count (the least recently counted are forgotten) and return it."""
+        counts[key] = counts.get(key, 0) + 1
+        counts.move_to_end(key)
+        if len(counts) > self._max_remembered:
+            counts.popitem(last=False)
+        return counts[key]
 
     # ---- tier jobs --------------------------------------------------------------------------
 
@@ -228,6 +259,8 @@ class TieringManager:
             del self._jobs[job_id]
             self.metrics.error(self.tier_names[index])
             return None
+        if kind == "cascade":
+            self._pending_stores[index] += 1
         return job_id
 
     def poll(self) -> None:
@@ -262,6 +295,7 @@ class TieringManager:
                 self._mark_failed(job.tier, job.key)
         else:
             self.host.complete_load(job.key)
+            self._pending_stores[job.tier] -= 1
             if ok:
                 self._failed.pop((job.tier, job.key), None)
         if ok:

@@ -51,6 +51,10 @@ class OffloadMetrics:
             "kvtier:offload_writeback_dropped",
             "Dirty chunks evicted from the host tier before their write-back (write_back: the "
             "writes fall behind the stores)")
+        self._dropped_stores = registry.counter(
+            "kvtier:offload_tier_dropped_stores",
+            "Chunks not stored on a secondary tier (reason backpressure: the tier had "
+            "max_pending_stores stores in flight)", ["tier", "reason"])
         self._errors = registry.counter("kvtier:offload_tier_errors",
                                         "Failed tier operations (I/O errors, corrupt data, "
                                         "deadlines, exceptions)", ["tier"])
@@ -83,6 +87,12 @@ class OffloadMetrics:
         self._inc("kvtier:offload_tier_errors", tier, 1)
         if self._registry is not None:
             self._errors.labels(tier=tier).inc()
+
+    def dropped_store(self, tier: str, reason: str) -> None:
+        self.values[f'kvtier:offload_tier_dropped_stores_total{{tier="{tier}",'
+                    f'reason="{reason}"}}'] += 1
+        if self._registry is not None:
+            self._dropped_stores.labels(tier=tier, reason=reason).inc()
 
     def transfer(self, direction: str, num_bytes: int, seconds: float,
                  ended: float | None = None) -> None:

@@ -7,6 +7,7 @@ import pytest
 from kvtier.connector import KVTransferConfig
 from kvtier.connector.config import parse_options
 from kvtier.connector.example import ExampleConnectorOptions
+from kvtier.offload.config import OffloadConfig
 
 
 def test_from_json_reads_every_field():
@@ -89,3 +90,53 @@ def test_connector_options_parse_into_their_dataclass():
     with pytest.raises(ValueError, match="flush_timeout_s must be a number of seconds > 0"):
         parse_options(ExampleConnectorOptions,
                       {"shared_storage_path": "/tmp/kv", "flush_timeout_s": -1}, "Ex")
+
+
+def test_offloading_options_are_parsed_once_at_construction():
+    config = KVTransferConfig.from_json(json.dumps({
+        "kv_connector": "OffloadingConnector",
+        "kv_connector_extra_config": {"cpu_bytes_to_use": "1MiB", "blocks_per_chunk": 2}}))
+    assert config.options == OffloadConfig(cpu_bytes_to_use=2**20, blocks_per_chunk=2)
+    # The user's dict is kept as written: it is what to_dict gives back.
+    assert config.to_dict()["kv_connector_extra_config"] == {"cpu_bytes_to_use": "1MiB",
+                                                             "blocks_per_chunk": 2}
+    assert KVTransferConfig.from_dict(config.to_dict()).options == config.options
+    with pytest.raises(ValueError, match=r"^kv_connector_extra_config\.eviction_policy must be "):
+        KVTransferConfig("OffloadingConnector",
+                         kv_connector_extra_config={"cpu_bytes_to_use": 1,
+                                                    "eviction_policy": "fifo"})
+
+
+def test_multi_connector_children_are_parsed_with_their_own_options():
+    config = KVTransferConfig("MultiConnector", kv_role="kv_consumer",
+                              kv_connector_extra_config={"connectors": [
+                                  {"kv_connector": "OffloadingConnector",
+                                   "kv_connector_extra_config": {"cpu_bytes_to_use": 4096}},
+                                  {"kv_connector": "ExampleConnector"}]})
+    offloading, example = config.options
+    assert offloading.kv_role == "kv_consumer"  # inherited
+    assert offloading.options == OffloadConfig(cpu_bytes_to_use=4096)
+    assert example.options is None  # parses its own options when created
+    with pytest.raises(ValueError, match="^kv_connector_extra_config: unknown key 'cpu'"):
+        KVTransferConfig("MultiConnector", kv_connector_extra_config={"connectors": [
+            {"kv_connector": "OffloadingConnector",
+             "kv_connector_extra_config": {"cpu": 4096}}]})
+
+
+def test_connectors_parsing_their_own_options_get_none():
+    assert KVTransferConfig("ExampleConnector").options is None
+    # An out-of-tree class of that name is not the built-in one: its module parses its options.
+    assert KVTransferConfig("OffloadingConnector", kv_connector_module_path="my.pkg",
+                            kv_connector_extra_config={"anything": 1}).options is None
+
+
+def test_bad_json_names_the_option_and_shows_an_example():
+    with pytest.raises(ValueError) as err:
+        KVTransferConfig.from_json("{bad", "--kv-transfer-config")
+    assert str(err.value) == (
+        "--kv-transfer-config is not valid JSON (Expecting property name enclosed in double "
+        "quotes: line 1 column 2 (char 1)): '{bad'; write it like {\"kv_connector\": "
+        "\"OffloadingConnector\", \"kv_connector_extra_config\": {\"cpu_bytes_to_use\": "
+        "\"4GiB\"}}")
+    example = str(err.value).split("write it like ", 1)[1]
+    assert KVTransferConfig.from_json(example).options.cpu_bytes_to_use == 4 * 2**30

@@ -31,8 +31,12 @@ def test_builtin_names_resolve():
     assert registry.registered_connectors() == ["ExampleConnector", "MultiConnector",
                                                 "OffloadingConnector"]
     assert get_connector_class(KVTransferConfig("ExampleConnector")) is ExampleConnector
-    assert get_connector_class(KVTransferConfig("MultiConnector")) is MultiConnector
-    offloading = get_connector_class(KVTransferConfig("OffloadingConnector"))
+    # These two parse their options with the config: it must be a valid one.
+    multi = KVTransferConfig("MultiConnector", kv_connector_extra_config={
+        "connectors": [{"kv_connector": "ExampleConnector"}]})
+    assert get_connector_class(multi) is MultiConnector
+    offloading = get_connector_class(KVTransferConfig(
+        "OffloadingConnector", kv_connector_extra_config={"cpu_bytes_to_use": "1MiB"}))
     assert (offloading.__module__, offloading.__name__) == ("kvtier.connector.offloading",
                                                             "OffloadingConnector")
 

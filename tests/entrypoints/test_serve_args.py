@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 from kvtier.entrypoints.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HEAVY = ("torch", "fastapi", "uvicorn")
+_TIER_TYPO = json.dumps({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+    "cpu_bytes_to_use": "1GiB", "secondary_tiers": [{"type": "fs", "rootdir": "/tmp"}]}})
 
 
 @pytest.mark.parametrize("value", ["0", "-0.001", "2"])
@@ -13,3 +23,44 @@ def test_switch_interval_out_of_range_is_a_one_line_error(value, capsys):
     err = capsys.readouterr().err.strip()
     assert err == ("kvtier serve: error: --switch-interval must be in (0, 1] seconds, "
                    f"got {float(value)}")
+
+
+def run_serve(*args: str) -> tuple[int, list[str], set[str]]:
+    """`kvtier serve ARGS` in a fresh interpreter: (exit code, stderr lines that are not
+    import timings, top-level packages it imported)."""
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "kvtier.entrypoints.cli", "serve", *args],
+        env={**os.environ, "PYTHONPATH": REPO}, capture_output=True, text=True, timeout=120)
+    lines = result.stderr.splitlines()
+    # `-X importtime` writes a header, then "import time: self | cumulative | module" for every
+    # module imported.
+    timings = [line for line in lines if line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in timings
+                if not line.endswith("imported package")}
+    return result.returncode, [line for line in lines if line not in timings], imported
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kv-offload", "host=2XiB"],
+     "--kv-offload host must be a byte size such as 4GiB, 512MiB or 1073741824, got '2XiB'"),
+    (["--kv-offload", "host=1GiB,fs=/tmp,write=soon"],
+     "--kv-offload write must be through or back, e.g. write=back, got 'soon'"),
+    (["--kv-transfer-config", "{bad"],
+     "--kv-transfer-config is not valid JSON (Expecting property name enclosed in double "
+     "quotes: line 1 column 2 (char 1)): '{bad'; write it like {\"kv_connector\": "
+     "\"OffloadingConnector\", \"kv_connector_extra_config\": {\"cpu_bytes_to_use\": "
+     "\"4GiB\"}}"),
+    (["--kv-transfer-config", _TIER_TYPO],
+     "kv_connector_extra_config.secondary_tiers[0]: unknown key 'rootdir'; valid keys are "
+     "['admit_after_hits', 'max_bytes', 'max_pending_stores', 'module_path', 'name', "
+     "'num_read_threads', 'num_write_threads', 'root_dir', 'type', 'write_nice', "
+     "'write_policy']"),
+    (["--kv-offload", "host=1GiB", "--kv-transfer-config", "{}"],
+     "argument --kv-transfer-config: not allowed with argument --kv-offload"),
+])
+def test_bad_offload_option_fails_in_one_line_before_any_heavy_import(args, message):
+    code, errors, imported = run_serve(*args)
+    assert code == 2
+    assert errors == [f"kvtier serve: error: {message}"]
+    assert "kvtier" in imported  # the import listing works: the check below can fail
+    assert imported.isdisjoint(_HEAVY), imported & set(_HEAVY)

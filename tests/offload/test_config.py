@@ -1,7 +1,11 @@
+import json
+import re
+from pathlib import Path
+
 import pytest
 
 from kvtier.common.sizes import parse_size
-from kvtier.offload.config import OffloadConfig, parse_kv_offload
+from kvtier.offload.config import OffloadConfig, TierSpec, parse_kv_offload
 from kvtier.offload.tiers.fs import FsTierOptions
 from kvtier.offload.tiers.memory import MemoryTierOptions
 
@@ -54,16 +58,14 @@ def test_bad_extra_config_names_the_problem(extra, message):
 
 def test_one_flag_form_expands_to_the_json_form():
     assert parse_kv_offload("host=4GiB,disk=/var/cache/kvtier:50GiB") == {
-        "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 * 2**30,
-            "secondary_tiers": [{"type": "disk", "root_dir": "/var/cache/kvtier",
-                                 "max_bytes": 50 * 2**30}]}}
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 4 * 2**30,
+        "secondary_tiers": [{"type": "disk", "root_dir": "/var/cache/kvtier",
+                             "max_bytes": 50 * 2**30}]}
 
 
 def test_one_flag_form_options():
     extra = parse_kv_offload("host=1MiB,disk=/d:1GiB,fs=/a:b/c,fs=/nfs:2GiB,policy=arc,"
-                             "blocks_per_chunk=4,write=back")["kv_connector_extra_config"]
+                             "blocks_per_chunk=4,write=back")
     assert extra["secondary_tiers"] == [
         {"type": "disk", "root_dir": "/d", "max_bytes": 2**30},
         {"type": "fs", "root_dir": "/a:b/c"},
@@ -76,14 +78,72 @@ def test_one_flag_form_options():
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("disk=/x:1GiB", "'host=SIZE' is required"),
+    ("disk=/x:1GiB", r"^--kv-offload: 'host=SIZE' is required \(e\.g\. host=4GiB,"),
     ("host=4GiB,disk=/x", r"disk tier needs a size, e\.g\. disk=/x:50GiB .*use fs=/x"),
-    ("host=4GiB,ssd=/x", "unknown key 'ssd'"),
-    ("host", "expected comma-separated key=value"),
-    ("host=lots", "--kv-offload host must be a byte size"),
-    ("host=1MiB,policy=mru", "eviction_policy must be one of"),
-    ("host=1MiB,write=later", "--kv-offload write must be through or back"),
+    ("host=4GiB,ssd=/x", "^--kv-offload: unknown key 'ssd'; keys are host, disk, fs, policy, "
+                         "blocks_per_chunk, write, e.g. host=4GiB,disk=/var/cache/kvtier:50GiB$"),
+    ("host", "^--kv-offload: expected comma-separated key=value pairs such as "),
+    ("host=lots", "^--kv-offload host must be a byte size such as 4GiB, 512MiB or 1073741824, "
+                  "got 'lots'$"),
+    ("host=0", r"^--kv-offload host must be > 0, e\.g\. host=4GiB, got '0'$"),
+    ("host=1MiB,policy=mru", r"^--kv-offload policy must be lru or arc, e\.g\. policy=arc, "
+                             "got 'mru'$"),
+    ("host=1MiB,blocks_per_chunk=0", "^--kv-offload blocks_per_chunk must be an integer >= 1"),
+    ("host=1MiB,write=later", "^--kv-offload write must be through or back"),
 ])
 def test_bad_flag_names_the_problem(flag, message):
     with pytest.raises(ValueError, match=message):
         parse_kv_offload(flag)
+
+
+def test_bad_flag_names_the_option_the_caller_gives():
+    with pytest.raises(ValueError, match="^kv_offload host must be a byte size"):
+        parse_kv_offload("host=bad", "kv_offload")
+
+
+def test_tier_policies_parse_into_the_tier_spec(tmp_path):
+    config = OffloadConfig.from_extra_config({
+        "cpu_bytes_to_use": "1MiB", "write_policy": "write_back",
+        "secondary_tiers": [
+            {"type": "memory"},
+            {"type": "fs", "root_dir": str(tmp_path), "write_policy": "write_through",
+             "admit_after_hits": 2, "max_pending_stores": 8, "name": "shared"}]})
+    local, shared = config.secondary_tiers
+    assert local == TierSpec(type="memory", name="memory", options=MemoryTierOptions())
+    assert (local.write_policy, local.admit_after_hits, local.max_pending_stores) == \
+        (None, 0, None)
+    assert shared == TierSpec(type="fs", name="shared",
+                              options=FsTierOptions(root_dir=str(tmp_path)),
+                              write_policy="write_through", admit_after_hits=2,
+                              max_pending_stores=8)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ({"write_policy": "back"}, "^secondary tier 'memory': write_policy must be one of "
+                               r"\['write_through', 'write_back'\], got 'back'$"),
+    ({"admit_after_hits": -1}, "^secondary tier 'memory': admit_after_hits must be an integer "
+                               ">= 0, got -1$"),
+    ({"max_pending_stores": 0}, "^secondary tier 'memory': max_pending_stores must be an "
+                                "integer >= 1 or null, got 0$"),
+    ({"admit_after_hit": 2}, r"^kv_connector_extra_config\.secondary_tiers\[0\]: unknown key "
+                             r"'admit_after_hit'; valid keys are \['admit_after_hits', "
+                             r"'max_bytes', 'max_pending_stores', 'module_path', 'name', "
+                             r"'type', 'write_policy'\]$"),
+])
+def test_bad_tier_policy_names_the_tier_and_key(entry, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig.from_extra_config({"cpu_bytes_to_use": 1,
+                                         "secondary_tiers": [{"type": "memory", **entry}]})
+
+
+def test_per_tier_policy_example_of_the_docs_parses():
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "tiers.md").read_text()
+    section = docs.split("### Per-tier policies", 1)[1]
+    fragment = re.search(r"```json\n(.*?)```", section, re.S).group(1)
+    config = OffloadConfig.from_extra_config(
+        json.loads("{" + fragment + ', "cpu_bytes_to_use": "1GiB"}'))
+    disk, shared = config.secondary_tiers
+    assert (config.write_policy, disk.write_policy, disk.admit_after_hits) == \
+        ("write_back", None, 0)
+    assert (shared.write_policy, shared.admit_after_hits, shared.max_pending_stores) == \
+        ("write_through", 2, 16)

@@ -1,5 +1,6 @@
 import pytest
 
+from kvtier.engine.metrics import MetricsRegistry
 from kvtier.offload.events import TierMoveEvent
 from kvtier.offload.manager import Lookup
 
@@ -227,3 +228,109 @@ def test_manager_promotes_from_a_file_tier_after_host_eviction(make_manager, tmp
     assert stats[f'kvtier:offload_tier_hits_total{{tier="{name}"}}'] == 1
     assert stats[f'kvtier:offload_bytes_total{{direction="host_to_{name}"}}'] == 3 * CHUNK
     assert stats[f'kvtier:offload_bytes_total{{direction="{name}_to_host"}}'] == CHUNK
+
+
+# ---- per-tier policies ------------------------------------------------------------------------
+
+def stored_bytes(manager, tier):
+    name = f'kvtier:offload_bytes_total{{direction="host_to_{tier}"}}'
+    return manager.metrics.snapshot().get(name, 0)
+
+
+def test_write_back_and_write_through_tiers_in_one_config(make_manager):
+    # Connector-level write_back: "far" inherits it, "near" overrides it. 40 slots: the
+    # write-back reserve (4 evictable slots) stays met.
+    manager = make_manager(offload_config(40, [
+        {"type": "memory", "name": "near", "write_policy": "write_through"},
+        {"type": "memory", "name": "far"}], write_policy="write_back"))
+    for n in (1, 2):
+        store_from_device(manager, n)
+    manager.poll()
+    assert stored_bytes(manager, "near") == 2 * CHUNK  # at once
+    assert stored_bytes(manager, "far") == 0
+    assert manager.host.num_dirty == 2  # still owed to "far"
+    manager.write_back_all()
+    manager.poll()
+    assert stored_bytes(manager, "near") == 2 * CHUNK  # not written twice
+    assert stored_bytes(manager, "far") == 2 * CHUNK
+    assert manager.host.num_dirty == 0
+    assert [e.destination for e in manager.take_events() if e.source == "host"] == \
+        ["near", "near", "far", "far"]
+
+
+def test_write_back_tier_is_written_when_host_memory_needs_room(make_manager):
+    manager = make_manager(offload_config(4, [
+        {"type": "memory", "name": "near"},
+        {"type": "memory", "name": "far", "write_policy": "write_back"}]))
+    for n in (1, 2):
+        store_from_device(manager, n)
+        manager.poll()  # one slot taken per poll: the reserve is 2 free or clean slots
+    assert stored_bytes(manager, "far") == 0
+    store_from_device(manager, 3)
+    manager.poll()  # 1 free slot left: the oldest dirty chunk goes to "far"
+    manager.poll()
+    assert stored_bytes(manager, "near") == 3 * CHUNK
+    assert stored_bytes(manager, "far") == CHUNK
+    assert [e.key for e in manager.take_events() if e.destination == "far"] == [key(1)]
+    assert manager.host.num_dirty == 2
+
+
+def test_admit_after_hits_stores_a_chunk_on_its_nth_load(make_manager):
+    manager = make_manager(offload_config(4, [
+        {"type": "memory", "name": "all"},
+        {"type": "memory", "name": "popular", "admit_after_hits": 2}]))
+    store_from_device(manager, 1)
+    store_from_device(manager, 2)
+    manager.poll()
+    assert stored_bytes(manager, "all") == 2 * CHUNK
+    assert stored_bytes(manager, "popular") == 0
+    read_host(manager, 1)
+    manager.prepare_load(key(1))
+    manager.complete_load(key(1), ok=False)  # a failed load is no hit
+    manager.poll()
+    assert stored_bytes(manager, "popular") == 0
+    read_host(manager, 1)  # the second hit
+    manager.poll()
+    assert stored_bytes(manager, "popular") == CHUNK
+    read_host(manager, 1)
+    read_host(manager, 2)
+    manager.poll()
+    assert stored_bytes(manager, "popular") == CHUNK  # 1 is there already, 2 has one hit
+    assert stored_bytes(manager, "all") == 2 * CHUNK
+
+
+def test_admit_after_hits_on_a_write_back_tier_is_checked_at_write_back(make_manager):
+    manager = make_manager(offload_config(4, [
+        {"type": "memory", "write_policy": "write_back", "admit_after_hits": 1}]))
+    for n in (1, 2, 3):
+        store_from_device(manager, n)
+    read_host(manager, 2)
+    manager.write_back_all()
+    manager.poll()
+    assert stored_bytes(manager, "memory") == CHUNK  # only 2 was hit
+    assert manager.host.num_dirty == 0  # 1 and 3 are not owed to any tier
+
+
+def test_a_tier_with_max_pending_stores_in_flight_drops_new_stores(make_manager):
+    registry = MetricsRegistry()
+    manager = make_manager(offload_config(5, [{**STUCK, "max_pending_stores": 2}, MEMORY]),
+                           metrics_registry=registry)
+    stuck = manager.tiers[0]
+    for n in (1, 2, 3, 4, 5):
+        store_from_device(manager, n)
+    manager.poll()
+    assert [job.key for job in stuck.held] == [key(1), key(2)]
+    dropped = 'kvtier:offload_tier_dropped_stores_total{tier="StuckTier",reason="backpressure"}'
+    assert manager.metrics.snapshot()[dropped] == 3
+    assert registry.snapshot()[dropped] == 3
+    assert stored_bytes(manager, "memory") == 5 * CHUNK  # the other tier is not held back
+    # Only the two stores in flight pin their slots: a new chunk evicts one of the others.
+    assert [manager.host.entries[key(n)].num_readers for n in (1, 2, 3, 4, 5)] == \
+        [1, 1, 0, 0, 0]
+    store_from_device(manager, 6)
+    assert key(3) not in manager.host.entries
+    stuck.release(ok=True)
+    manager.poll()
+    store_from_device(manager, 7)
+    assert [job.key for job in stuck.held] == [key(7)]
+    assert manager.metrics.snapshot()[dropped] == 4  # 6 arrived with two stores in flight

@@ -60,7 +60,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if context.kv_cache_config is None:
             raise ValueError("OffloadingConnector needs ConnectorContext.kv_cache_config (the "
                              "engine passes its KVCacheConfig)")
-        self.options = OffloadConfig.from_extra_config(config.kv_connector_extra_config)
+        self.options: OffloadConfig = config.options  # parsed with the engine's config
         self.groups = [g.kv_cache_spec for g in context.kv_cache_config.kv_cache_groups]
         self.layouts = tuple(
             ChunkLayout(spec.page_size_bytes, len(g.layer_names), self.options.blocks_per_chunk)

@@ -8,7 +8,8 @@ dataclass its options are parsed into (unknown keys are an error); without one i
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.common.options import parse_options
@@ -40,10 +41,17 @@ def get_tier_class(tier_type: str, module_path: str | None) -> type[SecondaryTie
 
 
 def parse_tier_options(tier_type: str, module_path: str | None, raw: Mapping[str, Any],
-                       where: str) -> Any:
+                       where: str, common_keys: Sequence[str] = ()) -> Any:
+    """The tier's own keys `raw` as its `options_cls`. `common_keys` (type, name, policies:
+    already taken out of `raw`) are listed with the tier's own in an unknown-key error."""
     options_cls = getattr(get_tier_class(tier_type, module_path), "options_cls", None)
     if options_cls is None:
         return dict(raw)
+    valid = {f.name for f in dataclasses.fields(options_cls)}
+    unknown = sorted(set(raw) - valid)
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; valid keys are "
+                         f"{sorted(valid.union(common_keys))}")
     return parse_options(options_cls, raw, where)
 
 
