@@ -78,6 +78,8 @@ def test_process_a_writes_one_file_per_computed_full_block(saved):
         computed = Request("r", prompt + output[:-1], block_hasher=hasher)
         expected |= {block_hash.hex() + ".kv" for block_hash in computed.block_hashes}
     assert len(expected) == 21
+    # And the description of the namespace, for operators.
+    expected.add(namespace.hex() + ".json")
     assert set(os.listdir(BlockFiles(str(store), namespace).directory)) == expected
 
 
