@@ -49,6 +49,7 @@ from kvtier.connector.config import KVTransferConfig, parse_options
 from kvtier.offload.chunk_format import (
     FORMAT_NAME,
     ChunkFormatError,
+    drop_bad_file,
     read_chunk_into,
     write_chunk,
     write_description,
@@ -249,9 +250,15 @@ class ExampleConnectorWorker(KVConnectorWorker):
             num_bytes = sum(cache[:, 0].nbytes for cache in self.kv_caches.values())
             self._load_buffer = torch.empty(num_bytes, dtype=torch.uint8)
         buffer = self._load_buffer
+        path = self.files.path(block.block_hash)
         try:
-            with open(self.files.path(block.block_hash), "rb") as f:
-                read_chunk_into(f, self.files.key(block.block_hash), memoryview(buffer.numpy()))
+            with open(path, "rb") as f:
+                try:
+                    read_chunk_into(f, self.files.key(block.block_hash),
+                                    memoryview(buffer.numpy()))
+                except ChunkFormatError:
+                    drop_bad_file(f, path)  # else no save would ever replace it
+                    raise
         except (OSError, ChunkFormatError):
             return False  # missing, unreadable, damaged, or another block's or model's file
         start = 0

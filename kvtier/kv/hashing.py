@@ -28,6 +28,8 @@ HashFunction = Callable[[bytes, Sequence[int], "tuple[Any, ...] | None"], BlockH
 _SEED_TEXT = b"kvtier/block-hash-seed/v1"
 _XXHASH_SEED = 0x6B76_7469_6572  # "kvtier"
 _NAMESPACE_VERSION = "kvtier/namespace/v2"
+# Keys of KVIdentity.describe() that are not field names.
+_DESCRIBED_AS = frozenset({"namespace", "version", "model"})
 
 
 def _sha256_cbor(parent: bytes, token_ids: Sequence[int], extra_keys: Any) -> BlockHash:
@@ -128,7 +130,7 @@ class KVIdentity:
     dtype: str
     block_size: int
     kv_layout: str
-    # One kind per KV cache group, in group order (KVCacheConfig.spec_kinds()).
+    # One kind per KV cache group, in group order (a sliding window with its size).
     spec_kinds: tuple[str, ...]
     # (name, value) facts a connector adds about how it lays KV out outside the process
     # (e.g. blocks_per_chunk), sorted by name; see `extended`.
@@ -142,7 +144,8 @@ class KVIdentity:
 
     def extended(self, **facts: int | str) -> KVIdentity:
         """This identity plus `facts` that change what a connector writes for the same KV."""
-        clash = facts.keys() & ({f.name for f in fields(self)} | dict(self.extra).keys())
+        taken = {f.name for f in fields(self)} | dict(self.extra).keys() | _DESCRIBED_AS
+        clash = facts.keys() & taken
         if clash:
             raise ValueError(f"identity facts {sorted(clash)} are already set")
         return replace(self, extra=tuple(sorted((*self.extra, *facts.items()))))

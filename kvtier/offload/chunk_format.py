@@ -103,6 +103,16 @@ def read_chunk_into(f: BinaryIO, key: bytes, out: memoryview) -> None:
     check_payload(header, out)
 
 
+def drop_bad_file(f: BinaryIO, path: str) -> None:
+    """Delete `path`, which failed its check, so that a later store writes a good copy; only if
+    it is still the file `f` read (another process may have replaced it meanwhile)."""
+    try:
+        if os.path.samestat(os.fstat(f.fileno()), os.stat(path)):
+            os.unlink(path)
+    except OSError:
+        pass  # gone already
+
+
 def write_description(directory: str, namespace: bytes, description: Mapping[str, Any]) -> None:
     """Write `<directory>/<namespace hex>.json` once (temp file + rename), for operators: it says
     what the namespace covers, so they can see why two instances do not share. Nothing reads it

@@ -116,6 +116,8 @@ def test_damaged_files_are_recomputed_with_counted_errors(saved, tmp_path):
     assert [out.num_cached_tokens for out in outputs] == [16, 4, 12, 8, 4]
     assert metrics["kvtier:example_connector_load_errors"] == 2
     assert metrics["kvtier:example_connector_blocks_loaded"] == 14
+    # Dropped, so that a later save writes good copies.
+    assert not os.path.exists(files.path(second[1])) and not os.path.exists(path)
 
 
 def faulty_config(store, policy):

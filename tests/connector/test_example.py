@@ -180,6 +180,9 @@ def test_a_damaged_or_foreign_file_is_a_counted_load_error(tmp_path, how):
     assert matched == (4 + 4 * num_good, True)
     assert wait_finished_recving(worker, "b") == {4}
     assert all(torch.count_nonzero(cache[:, 4]) == 0 for cache in caches_b.values())
+    # Dropped, so that the next save of the block writes a good copy.
+    assert not os.path.exists(BlockFiles(str(tmp_path), CONTEXT.namespace)
+                              .path(request.block_hashes[0]))
     expected = {"example_connector_load_errors": 1}
     if num_good:
         expected["example_connector_blocks_loaded"] = 1

@@ -141,6 +141,8 @@ def test_extended_facts_are_order_free_and_never_overwrite():
         one.extended(blocks_per_chunk=1)
     with pytest.raises(ValueError, match=r"\['dtype'\] are already set"):
         _IDENTITY.extended(dtype="float32")
+    with pytest.raises(ValueError, match=r"\['model', 'namespace'\] are already set"):
+        _IDENTITY.extended(namespace="x", model="y")  # keys describe() uses
 
 
 def test_describe_lists_what_the_namespace_covers():

@@ -23,6 +23,7 @@ from kvtier.common.sizes import parse_size
 from kvtier.offload.chunk_format import (
     FORMAT_NAME,
     ChunkFormatError,
+    drop_bad_file,
     file_size,
     read_chunk_into,
     write_chunk,
@@ -112,10 +113,7 @@ class FsTier(ThreadedTier):
             try:
                 read_chunk_into(f, job.key, job.buffer)
             except ChunkFormatError:
-                # Drop the bad file so that a later store can write a good one; only if it is
-                # still the file we read (another instance may have replaced it meanwhile).
-                if _same_file(f.fileno(), path):
-                    _unlink_quietly(path)
+                drop_bad_file(f, path)
                 raise
         os.utime(path)  # the access time the budget's LRU eviction goes by
 
@@ -165,13 +163,6 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except OSError:
-        return False
 
 
 def _unlink_quietly(path: str) -> bool:
