@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,10 @@ logger = logging.getLogger(__name__)
 CACHE_FILE_NAME = "weight_digests.json"
 _CACHE_VERSION = 1
 _READ_BYTES = 16 * 1024 * 1024
+# A file changed this recently may change again within one tick of the file system's clock
+# (coarse on Linux, up to seconds on network file systems) without a new mtime: its digest is
+# used but not remembered.
+RACY_NS = 2_000_000_000
 
 
 def model_files(model: str | None) -> list[str]:
@@ -72,7 +77,7 @@ class FileDigestCache:
             before = _stamp(os.fstat(f.fileno()))
             digest = _hash_stream(f)
             # A file rewritten while it was read has no digest worth remembering.
-            if _stamp(os.fstat(f.fileno())) == before:
+            if _stamp(os.fstat(f.fileno())) == before and not _is_racy(before):
                 self._entries[real] = {"stat": before, "xxh3_128": digest}
                 self._changed = True
         logger.info("hashed %s (%d bytes) in %.2f s for the KV namespace", real, before[0],
@@ -84,7 +89,7 @@ class FileDigestCache:
         if not self._changed:
             return
         entries = {path: e for path, e in self._entries.items() if os.path.exists(path)}
-        tmp = f"{self.path}.{os.getpid()}.tmp"
+        tmp = f"{self.path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             os.makedirs(os.path.dirname(self.path), exist_ok=True)
             with open(tmp, "w") as f:
@@ -99,6 +104,10 @@ class FileDigestCache:
 
 def _stamp(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _is_racy(stamp: list[int]) -> bool:
+    return time.time_ns() - max(stamp[1], stamp[2]) < RACY_NS
 
 
 def _hash_stream(f: Any) -> str:

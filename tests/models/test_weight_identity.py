@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 
+from kvtier.models import weight_identity
 from kvtier.models.weight_identity import (
     CACHE_FILE_NAME,
     default_cache_dir,
@@ -17,6 +18,12 @@ from kvtier.models.weight_identity import (
 )
 
 from ..tiny_models import make_hf_model
+
+
+@pytest.fixture(autouse=True)
+def no_racy_window(monkeypatch):
+    """Files written by a test are seconds old at most: remember their digests anyway."""
+    monkeypatch.setattr(weight_identity, "RACY_NS", 0)
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +79,7 @@ def test_a_cached_digest_is_not_recomputed_until_the_file_changes(model_dir, tmp
     assert planted != digest
     # A new mtime (same size, same bytes) invalidates the entry: the file is read again.
     st = os.stat(shard)
-    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns - 1_000_000_000))
     assert weights_digest(files, cache) == digest
     assert _cache_entries(cache)[shard]["xxh3_128"] != "0" * 32
 
@@ -99,3 +106,14 @@ def test_the_cache_lives_under_the_user_cache_directory(monkeypatch, tmp_path):
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert default_cache_dir() == os.path.join(str(tmp_path), "home", ".cache", "kvtier")
+
+
+def test_a_file_changed_just_now_is_hashed_but_not_remembered(model_dir, tmp_path, monkeypatch):
+    # Within one tick of the file system's clock a rewrite may keep the mtime: do not trust it.
+    monkeypatch.setattr(weight_identity, "RACY_NS", 3600 * 10**9)
+    fresh = shutil.copytree(model_dir, tmp_path / "fresh")  # new ctimes
+    cache = str(tmp_path / "cache")
+    files = model_files(str(fresh))
+    assert weights_digest(files, cache) == weights_digest(model_files(model_dir),
+                                                          str(tmp_path / "other"))
+    assert not os.path.exists(os.path.join(cache, CACHE_FILE_NAME))
