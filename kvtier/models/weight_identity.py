@@ -4,8 +4,9 @@ It enters the KV namespace (kvtier.kv.hashing.KVIdentity), so weights replaced a
 give a new namespace and no tier serves the old model's KV, while the same weights at two paths
 share one. Hashing gigabytes at every start would be slow, so each file's digest is cached by
 (real path, size, mtime_ns, ctime_ns) in a small JSON file under the user's cache directory; the
-ctime also catches a copy that kept the old file's size and mtime (cp -p, tar). A cache that
-cannot be read or written costs a rehash, never a failed start.
+ctime also catches a copy that kept the old file's size and mtime (cp -p, tar), and a file
+changed in the last RACY_NS is not remembered. A cache that cannot be read or written costs a
+rehash, never a failed start.
 """
 
 from __future__ import annotations
