@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 
+from kvtier.offload.chunk_format import file_size
 from kvtier.offload.keys import make_chunk_key
 from kvtier.offload.tiers.base import TierContext, TransferJob
 from kvtier.offload.tiers.disk import DiskTier, DiskTierOptions
 from kvtier.offload.tiers.fs import FsTier, FsTierOptions
-from kvtier.offload.tiers.fs_format import file_size
 
 NAMESPACE = bytes(32)
 # One block of SmolLM2-135M in bf16 with 16 tokens per block: the sweep's chunk.

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from kvtier.connector.config import KVTransferConfig
-    from kvtier.kv import KVCacheBlocks, Request
+    from kvtier.kv import KVCacheBlocks, KVIdentity, Request
 
 
 class KVConnectorRole(enum.Enum):
@@ -58,13 +58,19 @@ class ConnectorContext:
 
     block_size: int
     num_layers: int
-    # Prefixes every key written outside the process (model, dtype, block size, layout).
-    namespace: bytes
+    # What the engine's KV bytes depend on (weights, dtype, block size, layout, spec kinds). A
+    # connector that writes KV in a shape of its own adds its facts (`kv_identity.extended`).
+    kv_identity: KVIdentity
     # Engine metrics registry (kvtier.engine.metrics.MetricsRegistry) or None.
     metrics: Any = None
     # The device KV cache geometry (kvtier.kv.KVCacheConfig: groups, layer names, specs) or
     # None; connectors that lay KV out in their own memory (offloading) need it.
     kv_cache_config: Any = None
+
+    @property
+    def namespace(self) -> bytes:
+        """Prefixes every key written outside the process: the digest of `kv_identity`."""
+        return self.kv_identity.namespace
 
 
 class KVConnectorScheduler(ABC):

@@ -13,8 +13,13 @@ Read this file to write your own connector. It shows the whole lifecycle:
 
 A block's file is named by its chained block hash (which covers the whole prefix) under a
 directory named by the engine's namespace digest, so any later request or any other process
-running the same model with the same prefix finds it. Writes go to a temporary file renamed
-into place, so a reader never sees half a block.
+running the same weights with the same prefix finds it; `<namespace hex>.json` in that directory
+says what the namespace covers. Each file is a checked chunk (offload/chunk_format.py: header
+with the namespace and block hash as its key, length and checksum) whose payload is the block of
+every layer in turn, each (2, block_size, kv_heads, head_dim) in the cache's dtype. A file that
+fails the check is a failed load (counted, and recomputed per kv_load_failure_policy), never
+data; nothing is unpickled. Writes go to a temporary file renamed into place, so a reader never
+sees half a block.
 
 Extra config: {"shared_storage_path": DIR, "flush_timeout_s": 30.0}. Models with one KV cache
 group only (all layers full attention, or all the same sliding window).
@@ -23,9 +28,7 @@ group only (all layers full attention, or all the same sliding window).
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import os
-import pickle
 import threading
 import time
 from collections import Counter
@@ -43,14 +46,18 @@ from kvtier.connector.base import (
     KVConnectorWorker,
 )
 from kvtier.connector.config import KVTransferConfig, parse_options
+from kvtier.offload.chunk_format import (
+    FORMAT_NAME,
+    ChunkFormatError,
+    drop_bad_file,
+    read_chunk_into,
+    write_chunk,
+    write_description,
+)
 
 if TYPE_CHECKING:
     from kvtier.kv import KVCacheBlocks, Request
     from kvtier.sched.output import SchedulerOutput
-
-# What torch.load raises on a truncated or garbled file.
-_CORRUPT_FILE_ERRORS = (OSError, EOFError, RuntimeError, ValueError, pickle.UnpicklingError)
-
 
 @dataclass(frozen=True)
 class ExampleConnectorOptions:
@@ -73,13 +80,18 @@ def _parse_options(config: KVTransferConfig) -> ExampleConnectorOptions:
 
 
 class BlockFiles:
-    """Names the file of each block: <root>/<namespace digest>/<block hash>.kv."""
+    """Names the file of each block, <root>/<namespace hex>/<block hash>.kv, and its key."""
 
     def __init__(self, root: str, namespace: bytes) -> None:
-        self.directory = os.path.join(root, hashlib.sha256(namespace).hexdigest()[:32])
+        self.namespace = namespace
+        self.directory = os.path.join(root, namespace.hex())
 
     def path(self, block_hash: bytes) -> str:
         return os.path.join(self.directory, block_hash.hex() + ".kv")
+
+    def key(self, block_hash: bytes) -> bytes:
+        """What a file's header must name: a file never passes for another model's or block's."""
+        return self.namespace + block_hash
 
     def exists(self, block_hash: bytes) -> bool:
         return os.path.exists(self.path(block_hash))
@@ -204,6 +216,9 @@ class ExampleConnectorWorker(KVConnectorWorker):
         self._saver = concurrent.futures.ThreadPoolExecutor(1, "example-connector-save",
                                                             initializer=use_one_cpu_thread)
         self._loads: dict[str, tuple[concurrent.futures.Future, list[BlockTransfer]]] = {}
+        # One block of every layer, as bytes; reused by the single load thread.
+        self._load_buffer: torch.Tensor | None = None
+        self._described = False
         self._saves: list[concurrent.futures.Future] = []
         self._load_errors: set[int] = set()
         self._stats: Counter[str] = Counter()
@@ -231,39 +246,51 @@ class ExampleConnectorWorker(KVConnectorWorker):
         return failed
 
     def _load_block(self, block: BlockTransfer) -> bool:
+        if self._load_buffer is None:
+            num_bytes = sum(cache[:, 0].nbytes for cache in self.kv_caches.values())
+            self._load_buffer = torch.empty(num_bytes, dtype=torch.uint8)
+        buffer = self._load_buffer
+        path = self.files.path(block.block_hash)
         try:
-            stored = torch.load(self.files.path(block.block_hash), map_location="cpu",
-                                weights_only=True)
-        except _CORRUPT_FILE_ERRORS:
-            return False
-        if not self._matches_cache(stored):
-            return False
-        for name, cache in self.kv_caches.items():
-            cache[:, block.block_id].copy_(stored[name])  # (2, block_size, kv_heads, head_dim)
+            with open(path, "rb") as f:
+                try:
+                    read_chunk_into(f, self.files.key(block.block_hash),
+                                    memoryview(buffer.numpy()))
+                except ChunkFormatError:
+                    drop_bad_file(f, path)  # else no save would ever replace it
+                    raise
+        except (OSError, ChunkFormatError):
+            return False  # missing, unreadable, damaged, or another block's or model's file
+        start = 0
+        for cache in self.kv_caches.values():
+            block_kv = cache[:, block.block_id]  # (2, block_size, kv_heads, head_dim)
+            end = start + block_kv.nbytes
+            block_kv.copy_(buffer[start:end].view(cache.dtype).view(block_kv.shape))
+            start = end
         return True
-
-    def _matches_cache(self, stored: Any) -> bool:
-        """A file from another layout or a corrupted one must never reach the cache."""
-        if not isinstance(stored, dict) or stored.keys() != self.kv_caches.keys():
-            return False
-        return all(isinstance(stored[name], torch.Tensor)
-                   and stored[name].shape == cache[:, 0].shape
-                   and stored[name].dtype == cache.dtype
-                   for name, cache in self.kv_caches.items())
 
     def wait_for_save(self) -> None:
         for block in self.connector_metadata.saves:
             # Copy now: once this step ends the scheduler may hand the block to another request.
-            block_kv = {name: cache[:, block.block_id].to("cpu", copy=True)
-                        for name, cache in self.kv_caches.items()}
-            self._saves.append(self._saver.submit(self._write, block.block_hash, block_kv))
+            payload = torch.cat([cache[:, block.block_id].reshape(-1).view(torch.uint8)
+                                 for cache in self.kv_caches.values()]).to("cpu")
+            self._saves.append(self._saver.submit(self._write, block.block_hash, payload))
 
-    def _write(self, block_hash: bytes, block_kv: dict[str, torch.Tensor]) -> None:
+    def _write(self, block_hash: bytes, payload: torch.Tensor) -> None:
         path = self.files.path(block_hash)
         os.makedirs(self.files.directory, exist_ok=True)
+        if not self._described:
+            write_description(self.files.directory, self.files.namespace,
+                              {**self.context.kv_identity.describe(), "format": FORMAT_NAME})
+            self._described = True
         temp_path = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        torch.save(block_kv, temp_path)
-        os.replace(temp_path, path)
+        try:
+            with open(temp_path, "wb") as f:
+                write_chunk(f, self.files.key(block_hash), memoryview(payload.numpy()))
+            os.replace(temp_path, path)
+        except BaseException:
+            _unlink_quietly(temp_path)
+            raise
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished_recving = set()
@@ -302,6 +329,13 @@ class ExampleConnectorWorker(KVConnectorWorker):
         concurrent.futures.wait(self._saves, timeout=self.options.flush_timeout_s)
         self._saver.shutdown(wait=False)
         self._loader.shutdown(wait=False, cancel_futures=True)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class ExampleConnector(KVConnectorBase):

@@ -58,7 +58,7 @@ class Engine:
         config, runtime = self.config, self.runtime
         context = ConnectorContext(block_size=config.cache.block_size,
                                    num_layers=self.model_config.num_layers,
-                                   namespace=runtime.namespace, metrics=self.metrics,
+                                   kv_identity=runtime.kv_identity, metrics=self.metrics,
                                    kv_cache_config=runtime.kv_cache_config)
         transfer = config.kv_transfer_config
         scheduler_connector, worker_connector = build_connectors(transfer, context)

@@ -15,13 +15,14 @@ from kvtier.connector.base import (
     KVConnectorWorker,
 )
 from kvtier.connector.config import KVTransferConfig
-from kvtier.kv import KVCacheConfig, SlidingWindowSpec, namespace_digest
+from kvtier.kv import KVCacheConfig, KVIdentity, SlidingWindowSpec
 from kvtier.models.config import ModelConfig
+from kvtier.models.weight_identity import model_files, weights_digest
 from kvtier.worker.kv_cache import build_kv_cache_groups, plan_num_blocks
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float16": torch.float16}
-# Names the device KV layout; part of the namespace digest of every key written outside.
+# Names the device KV layout; part of the KV identity of every key written outside.
 KV_LAYOUT = "paged:(2,num_blocks,block_size,num_kv_heads,head_dim)"
 
 
@@ -31,12 +32,17 @@ class RuntimeInfo:
     dtype: torch.dtype
     max_model_len: int
     kv_cache_config: KVCacheConfig
-    # Prefixes keys written outside the process (model, dtype, block size, layout, specs).
-    namespace: bytes
+    # What this engine's KV bytes depend on (weights, dtype, block size, layout, specs).
+    kv_identity: KVIdentity
 
     @property
     def num_blocks(self) -> int:
         return self.kv_cache_config.num_blocks
+
+    @property
+    def namespace(self) -> bytes:
+        """Prefixes keys written outside the process."""
+        return self.kv_identity.namespace
 
 
 def resolve_device(name: str | None) -> torch.device:
@@ -69,10 +75,12 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
         num_blocks=cache.num_device_blocks, max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=max_model_len)
     kinds = tuple(_spec_kind(group.kv_cache_spec) for group in groups)
-    namespace = namespace_digest(model_config.name, str(dtype).removeprefix("torch."),
-                                 cache.block_size, KV_LAYOUT, kinds)
+    identity = KVIdentity(model_name=model_config.name,
+                          weights_digest=weights_digest(model_files(config.model.model)),
+                          dtype=str(dtype).removeprefix("torch."), block_size=cache.block_size,
+                          kv_layout=KV_LAYOUT, spec_kinds=kinds)
     return RuntimeInfo(device, dtype, max_model_len, KVCacheConfig(num_blocks, groups),
-                       namespace)
+                       identity)
 
 
 def _memory_budget(config: EngineConfig) -> int | None:

@@ -12,6 +12,7 @@ from kvtier.kv.events import (
 from kvtier.kv.hashing import (
                               HASH_ALGOS,
                               BlockHash,
+                              KVIdentity,
                               hash_block_tokens,
                               make_block_hasher,
                               namespace_digest,
@@ -34,7 +35,7 @@ __all__ = [
     "AllBlocksCleared", "AttentionSpec", "BlockHash", "BlockPool", "BlockRemoved", "BlockStored",
     "FreeKVCacheBlockQueue", "FullAttentionSpec", "HASH_ALGOS", "KVCacheBlock", "KVCacheBlocks",
     "KVCacheConfig", "KVCacheEvent", "KVCacheGroupSpec", "KVCacheManager", "KVCacheSpec",
-    "MEDIUM_DEVICE", "MambaSpec", "MultiModalFeature", "PrefixCacheStats", "Request",
+    "KVIdentity", "MEDIUM_DEVICE", "MambaSpec", "MultiModalFeature", "PrefixCacheStats", "Request",
     "RequestStatus", "SlidingWindowSpec", "hash_block_tokens", "make_block_hasher",
     "namespace_digest", "seed_hash",
 ]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, NewType
 
 import cbor2
@@ -25,7 +27,9 @@ HashFunction = Callable[[bytes, Sequence[int], "tuple[Any, ...] | None"], BlockH
 # Changing either constant changes every key ever written: bump the version instead of editing.
 _SEED_TEXT = b"kvtier/block-hash-seed/v1"
 _XXHASH_SEED = 0x6B76_7469_6572  # "kvtier"
-_NAMESPACE_VERSION = "kvtier/namespace/v1"
+_NAMESPACE_VERSION = "kvtier/namespace/v2"
+# Keys of KVIdentity.describe() that are not field names.
+_DESCRIBED_AS = frozenset({"namespace", "version", "model"})
 
 
 def _sha256_cbor(parent: bytes, token_ids: Sequence[int], extra_keys: Any) -> BlockHash:
@@ -110,19 +114,63 @@ def make_block_hasher(block_size: int,
     return hash_new_full_blocks
 
 
-def namespace_digest(model_id: str, dtype: str, block_size: int, kv_layout: str,
-                     spec_kinds: tuple[str, ...]) -> bytes:
+@dataclass(frozen=True)
+class KVIdentity:
+    """Everything that decides the bytes of a block's KV outside its tokens.
+
+    Two instances with equal identities compute interchangeable KV, so they may share stored
+    chunks; `namespace` (a digest of it) prefixes every key they write outside the process.
+    Instances agree on it without talking: every field is derived from what they run.
+    """
+
+    # Shown to operators only, never hashed: two paths to the same weights share a namespace.
+    model_name: str
+    # Content digest of the weight files and the model's config (hex).
+    weights_digest: str
+    dtype: str
+    block_size: int
+    kv_layout: str
+    # One kind per KV cache group, in group order (a sliding window with its size).
+    spec_kinds: tuple[str, ...]
+    # (name, value) facts a connector adds about how it lays KV out outside the process
+    # (e.g. blocks_per_chunk), sorted by name; see `extended`.
+    extra: tuple[tuple[str, int | str], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if not self.weights_digest:
+            raise ValueError("weights_digest must be a non-empty string")
+
+    def extended(self, **facts: int | str) -> KVIdentity:
+        """This identity plus `facts` that change what a connector writes for the same KV."""
+        taken = {f.name for f in fields(self)} | dict(self.extra).keys() | _DESCRIBED_AS
+        clash = facts.keys() & taken
+        if clash:
+            raise ValueError(f"identity facts {sorted(clash)} are already set")
+        return replace(self, extra=tuple(sorted((*self.extra, *facts.items()))))
+
+    @cached_property
+    def namespace(self) -> bytes:
+        return namespace_digest(self)
+
+    def describe(self) -> dict[str, Any]:
+        """What the namespace covers, as JSON-ready values (description files, logs)."""
+        return {"namespace": self.namespace.hex(), "version": _NAMESPACE_VERSION,
+                "model": self.model_name, "weights_digest": self.weights_digest,
+                "dtype": self.dtype, "block_size": self.block_size, "kv_layout": self.kv_layout,
+                "spec_kinds": list(self.spec_kinds), **dict(self.extra)}
+
+
+def namespace_digest(identity: KVIdentity) -> bytes:
     """Prefix for every key written outside the process.
 
-    Instances whose KV bytes are not interchangeable (other model, dtype, block size, layout or
-    KV spec kinds) get different digests, so they can share a store without reading each
-    other's data.
+    Covers every field of `identity` but the model's name, so instances whose KV bytes are not
+    interchangeable (other weights, dtype, block size, layout, KV spec kinds or connector
+    facts) get different digests and can share a store without reading each other's data.
     """
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
-    if not model_id:
-        raise ValueError("model_id must be a non-empty string")
     payload = cbor2.dumps(
-        (_NAMESPACE_VERSION, model_id, dtype, block_size, kv_layout, list(spec_kinds)),
+        (_NAMESPACE_VERSION, identity.weights_digest, identity.dtype, identity.block_size,
+         identity.kv_layout, list(identity.spec_kinds), [list(f) for f in identity.extra]),
         canonical=True)
     return hashlib.sha256(payload).digest()

@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -73,8 +73,10 @@ class _TierJob:
 class TieringManager:
     def __init__(self, config: OffloadConfig, namespace: bytes, chunk_sizes: Sequence[int],
                  metrics_registry: Any = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """`chunk_sizes`: bytes of one chunk per KV cache group; host slots fit the largest."""
+                 clock: Callable[[], float] = time.monotonic,
+                 description: Mapping[str, Any] | None = None) -> None:
+        """`chunk_sizes`: bytes of one chunk per KV cache group; host slots fit the largest.
+        `description`: what `namespace` covers, handed to the tiers (TierContext)."""
         self.config = config
         self.area = HostArea(config.cpu_bytes_to_use, max(chunk_sizes))
         self.host = HostCache(self.area, make_policy(config.eviction_policy, self.area.num_slots))
@@ -82,7 +84,7 @@ class TieringManager:
         self.tiers: list[SecondaryTier] = [
             create_tier(spec.type, spec.module_path, spec.options,
                         TierContext(spec.name, namespace, metrics_registry,
-                                    self.area.slot_bytes))
+                                    self.area.slot_bytes, description))
             for spec in config.secondary_tiers]
         self.tier_names = [tier.context.name for tier in self.tiers]
         self._tier_write_back = [(spec.write_policy or config.write_policy) == "write_back"

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.connector import ConnectorContext, KVConnectorWorker
-from kvtier.kv.hashing import make_block_hasher
+from kvtier.kv.hashing import KVIdentity, make_block_hasher
 from kvtier.kv.request import Request
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -18,7 +18,9 @@ MAX_TOKENS = 6  # generated per prompt by the end-to-end tests
 NUM_LAYERS = 2
 NUM_BLOCKS = 8
 LAYER_NAMES = [f"model.layers.{i}.self_attn" for i in range(NUM_LAYERS)]
-CONTEXT = ConnectorContext(block_size=BLOCK_SIZE, num_layers=NUM_LAYERS, namespace=b"test-ns")
+IDENTITY = KVIdentity("test-model", "test-weights", "float32", BLOCK_SIZE, "test-layout",
+                      ("full_attention",))
+CONTEXT = ConnectorContext(block_size=BLOCK_SIZE, num_layers=NUM_LAYERS, kv_identity=IDENTITY)
 # The out-of-tree test connectors, as kv_connector_module_path names them.
 PLUGINS = "tests.connector.kvtier_test_connectors"
 

@@ -9,6 +9,7 @@ and one that records the per-layer hooks.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -78,7 +79,45 @@ def test_process_a_writes_one_file_per_computed_full_block(saved):
         computed = Request("r", prompt + output[:-1], block_hasher=hasher)
         expected |= {block_hash.hex() + ".kv" for block_hash in computed.block_hashes}
     assert len(expected) == 21
+    # And the description of the namespace, for operators.
+    expected.add(namespace.hex() + ".json")
     assert set(os.listdir(BlockFiles(str(store), namespace).directory)) == expected
+
+
+def _flip_last_byte(path):
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)[0]
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last ^ 0x01]))
+
+
+def test_damaged_files_are_recomputed_with_counted_errors(saved, tmp_path):
+    model_dir, prompts, tokens, store, namespace = saved
+    copy = shutil.copytree(store, tmp_path / "store")
+    files = BlockFiles(str(copy), namespace)
+    hasher = make_block_hasher(BLOCK_SIZE)
+    # Prompts 1 and 3 share no block with another prompt: each damaged file is read once.
+    second = Request("1", prompts[1], block_hasher=hasher).block_hashes
+    fourth = Request("3", prompts[3], block_hasher=hasher).block_hashes
+    _flip_last_byte(files.path(second[1]))  # a payload byte
+    path = files.path(fourth[2])
+    os.truncate(path, os.path.getsize(path) - 1)
+    llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
+              kv_transfer_config=example_config(copy, kv_role="kv_consumer"))
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        metrics = llm.get_metrics()
+        llm.engine.check_invariants()
+    finally:
+        llm.engine.shutdown()
+    assert [out.outputs[0].token_ids for out in outputs] == tokens
+    # Only the blocks before each damaged one stay loaded; the rest is computed here.
+    assert [out.num_cached_tokens for out in outputs] == [16, 4, 12, 8, 4]
+    assert metrics["kvtier:example_connector_load_errors"] == 2
+    assert metrics["kvtier:example_connector_blocks_loaded"] == 14
+    # Dropped, so that a later save writes good copies.
+    assert not os.path.exists(files.path(second[1])) and not os.path.exists(path)
 
 
 def faulty_config(store, policy):

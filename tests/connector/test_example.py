@@ -1,17 +1,22 @@
 """ExampleConnector on real tensors: both halves driven step by step as the engine drives them."""
 
+import json
 import os
+import pickle
+from dataclasses import replace
 
 import pytest
 import torch
 
-from kvtier.connector import ConnectorContext, KVConnectorRole, KVTransferConfig, create_connector
+from kvtier.connector import KVConnectorRole, KVTransferConfig, create_connector
 from kvtier.connector.example import BlockFiles, BlockTransfer
 from kvtier.kv.hashing import make_block_hasher
 from kvtier.kv.request import Request
+from kvtier.offload.chunk_format import read_chunk_into, write_chunk
 
 from .connector_testing import (
     CONTEXT,
+    IDENTITY,
     AllocatedBlocks,
     decode_output,
     empty_output,
@@ -90,11 +95,22 @@ def test_block_files_are_content_addressed_in_the_namespace(tmp_path):
     request = make_request("a", num_tokens=9)
     save_prompt(tmp_path, request, [1, 2, 3], make_kv_caches(seed=0))
     files = BlockFiles(str(tmp_path), CONTEXT.namespace)
-    assert sorted(os.listdir(files.directory)) == sorted(h.hex() + ".kv"
-                                                          for h in request.block_hashes)
-    other_model = ConnectorContext(block_size=4, num_layers=2, namespace=b"other-ns")
-    _, _, _, matched = start_load(tmp_path, make_request("b", 9), [1, 2, 3], context=other_model)
+    assert files.directory == os.path.join(str(tmp_path), CONTEXT.namespace.hex())
+    assert sorted(os.listdir(files.directory)) == sorted(
+        [h.hex() + ".kv" for h in request.block_hashes] + [CONTEXT.namespace.hex() + ".json"])
+    other_weights = replace(CONTEXT, kv_identity=replace(IDENTITY, weights_digest="other"))
+    _, _, _, matched = start_load(tmp_path, make_request("b", 9), [1, 2, 3],
+                                  context=other_weights)
     assert matched == (0, False)
+
+
+def test_the_namespace_directory_describes_what_it_covers(tmp_path):
+    save_prompt(tmp_path, make_request("a", num_tokens=5), [1, 2], make_kv_caches(seed=0))
+    path = os.path.join(BlockFiles(str(tmp_path), CONTEXT.namespace).directory,
+                        CONTEXT.namespace.hex() + ".json")
+    with open(path) as f:
+        assert json.load(f) == {**IDENTITY.describe(), "format": "KVTC/1"}
+    assert IDENTITY.describe()["namespace"] == CONTEXT.namespace.hex()
 
 
 def test_lookup_keeps_the_last_token_and_starts_after_the_local_hit(tmp_path):
@@ -133,16 +149,44 @@ def test_partial_load_keeps_going_and_reports_bad_blocks(tmp_path):
     worker.shutdown()
 
 
-def test_a_file_with_another_shape_is_a_load_error(tmp_path):
-    request = make_request("a", num_tokens=5)
-    save_prompt(tmp_path, request, [1, 2], make_kv_caches(seed=0))
-    files = BlockFiles(str(tmp_path), CONTEXT.namespace)
-    wrong = {name: torch.zeros(2, 4, 2, 5) for name in make_kv_caches(None)}
-    torch.save(wrong, files.path(request.block_hashes[0]))
-    worker, caches_b, _, matched = start_load(tmp_path, make_request("b", 5), [3, 4])
-    assert matched == (4, True)
-    assert wait_finished_recving(worker, "b") == {3}
-    assert all(torch.count_nonzero(cache) == 0 for cache in caches_b.values())
+def _damage(files, block_hashes, how):
+    path = files.path(block_hashes[0])
+    if how == "flip_payload":
+        with open(path, "r+b") as f:
+            f.seek(-3, os.SEEK_END)
+            byte = f.read(1)[0]
+            f.seek(-3, os.SEEK_END)
+            f.write(bytes([byte ^ 0x01]))
+    elif how == "truncate":
+        os.truncate(path, os.path.getsize(path) - 1)
+    elif how == "other_block":  # a whole, valid file of another block under this one's name
+        os.replace(files.path(block_hashes[1]), path)
+    elif how == "other_size":  # this block's key, a payload of another layout
+        with open(path, "wb") as f:
+            write_chunk(f, files.key(block_hashes[0]), memoryview(bytes(64)))
+    else:  # a pickle, as this connector once wrote: never unpickled, only refused
+        with open(path, "wb") as f:
+            pickle.dump({"model.layers.0.self_attn": [0.0] * 8}, f)
+
+
+@pytest.mark.parametrize("how", ["flip_payload", "truncate", "other_block", "other_size",
+                                 "pickle"])
+def test_a_damaged_or_foreign_file_is_a_counted_load_error(tmp_path, how):
+    request = make_request("a", num_tokens=9)
+    save_prompt(tmp_path, request, [1, 2, 3], make_kv_caches(seed=0))
+    _damage(BlockFiles(str(tmp_path), CONTEXT.namespace), request.block_hashes, how)
+    num_good = 0 if how == "other_block" else 1  # other_block moved the second file away
+    worker, caches_b, _, matched = start_load(tmp_path, make_request("b", 9), [4, 5, 6])
+    assert matched == (4 + 4 * num_good, True)
+    assert wait_finished_recving(worker, "b") == {4}
+    assert all(torch.count_nonzero(cache[:, 4]) == 0 for cache in caches_b.values())
+    # Dropped, so that the next save of the block writes a good copy.
+    assert not os.path.exists(BlockFiles(str(tmp_path), CONTEXT.namespace)
+                              .path(request.block_hashes[0]))
+    expected = {"example_connector_load_errors": 1}
+    if num_good:
+        expected["example_connector_blocks_loaded"] = 1
+    assert worker.get_stats() == expected
     worker.shutdown()
 
 
@@ -174,8 +218,11 @@ def test_decode_saves_each_block_once_when_it_fills(tmp_path):
     run_step(worker, meta)
     worker.shutdown()
     files = BlockFiles(str(tmp_path), CONTEXT.namespace)
-    stored = torch.load(files.path(request.block_hashes[1]), weights_only=True)
-    assert all(torch.equal(stored[name], cache[:, 4]) for name, cache in caches.items())
+    block = torch.cat([cache[:, 4].reshape(-1).view(torch.uint8) for cache in caches.values()])
+    stored = bytearray(block.numel())
+    with open(files.path(request.block_hashes[1]), "rb") as f:
+        read_chunk_into(f, files.key(request.block_hashes[1]), memoryview(stored))
+    assert stored == block.numpy().tobytes()
 
 
 @pytest.mark.parametrize("role, saves, matched", [("kv_producer", 1, (0, False)),

@@ -48,7 +48,9 @@ def run_step(worker, meta, finished_req_ids=frozenset()):
 
 
 def files_in(path):
-    return sorted(os.listdir(BlockFiles(str(path), CONTEXT.namespace).directory))
+    """The block files (not the namespace description) under `path`."""
+    directory = BlockFiles(str(path), CONTEXT.namespace).directory
+    return sorted(name for name in os.listdir(directory) if name.endswith(".kv"))
 
 
 def test_children_inherit_role_and_failure_policy():

@@ -6,11 +6,13 @@ import hashlib
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import cbor2
 import pytest
 
 from kvtier.kv import (
+    KVIdentity,
     MultiModalFeature,
     Request,
     hash_block_tokens,
@@ -109,14 +111,51 @@ def test_unknown_hash_algorithm_and_bad_block_size_are_rejected():
         make_block_hasher(0)
 
 
+_IDENTITY = KVIdentity(model_name="SmolLM2-135M", weights_digest="ab" * 16, dtype="float16",
+                       block_size=16, kv_layout="host-page-v1", spec_kinds=("full_attention",))
+
+
 def test_namespace_digest_separates_incompatible_kv():
-    base = ("SmolLM2-135M", "float16", 16, "host-page-v1", ("full_attention",))
-    digest = namespace_digest(*base)
-    assert digest == namespace_digest(*base)
+    digest = namespace_digest(_IDENTITY)
+    assert digest == _IDENTITY.namespace == namespace_digest(replace(_IDENTITY))
     assert len(digest) == 32
-    variants = [("other", *base[1:]), (base[0], "bfloat16", *base[2:]),
-                (*base[:2], 32, *base[3:]), (*base[:3], "other", base[4]),
-                (*base[:4], ("full_attention", "sliding_window"))]
-    assert len({digest, *(namespace_digest(*v) for v in variants)}) == 6
+    variants = [replace(_IDENTITY, weights_digest="cd" * 16),
+                replace(_IDENTITY, dtype="bfloat16"), replace(_IDENTITY, block_size=32),
+                replace(_IDENTITY, kv_layout="other"),
+                replace(_IDENTITY, spec_kinds=("full_attention", "sliding_window")),
+                _IDENTITY.extended(blocks_per_chunk=1), _IDENTITY.extended(blocks_per_chunk=2)]
+    assert len({digest, *(v.namespace for v in variants)}) == 8
+
+
+def test_the_model_name_is_not_part_of_the_namespace():
+    # The same weights loaded from another path (or under another name) share their KV.
+    assert replace(_IDENTITY, model_name="/elsewhere/model").namespace == _IDENTITY.namespace
+
+
+def test_extended_facts_are_order_free_and_never_overwrite():
+    one = _IDENTITY.extended(blocks_per_chunk=2, chunk_format="KVTC/1")
+    assert one == _IDENTITY.extended(chunk_format="KVTC/1").extended(blocks_per_chunk=2)
+    assert one.namespace == _IDENTITY.extended(chunk_format="KVTC/1",
+                                               blocks_per_chunk=2).namespace
+    with pytest.raises(ValueError, match=r"\['blocks_per_chunk'\] are already set"):
+        one.extended(blocks_per_chunk=1)
+    with pytest.raises(ValueError, match=r"\['dtype'\] are already set"):
+        _IDENTITY.extended(dtype="float32")
+    with pytest.raises(ValueError, match=r"\['model', 'namespace'\] are already set"):
+        _IDENTITY.extended(namespace="x", model="y")  # keys describe() uses
+
+
+def test_describe_lists_what_the_namespace_covers():
+    described = _IDENTITY.extended(blocks_per_chunk=2).describe()
+    assert described == {
+        "namespace": _IDENTITY.extended(blocks_per_chunk=2).namespace.hex(),
+        "version": "kvtier/namespace/v2", "model": "SmolLM2-135M", "weights_digest": "ab" * 16,
+        "dtype": "float16", "block_size": 16, "kv_layout": "host-page-v1",
+        "spec_kinds": ["full_attention"], "blocks_per_chunk": 2}
+
+
+def test_identity_rejects_a_bad_block_size_or_no_weights_digest():
     with pytest.raises(ValueError, match="block_size"):
-        namespace_digest("m", "float16", 0, "l", ())
+        replace(_IDENTITY, block_size=0)
+    with pytest.raises(ValueError, match="weights_digest"):
+        replace(_IDENTITY, weights_digest="")

@@ -14,6 +14,7 @@ from kvtier.kv import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    KVIdentity,
     Request,
     make_block_hasher,
 )
@@ -23,8 +24,9 @@ from kvtier.sched.output import NewRequestData, SchedulerOutput
 
 from .offload_helpers import FAULTY_TIERS
 
-NAMESPACE = b"connector-test".ljust(32, b"\0")
 BLOCK = 4
+IDENTITY = KVIdentity("connector-test", "test-weights", "float32", BLOCK, "test-layout",
+                      ("full_attention",))
 SPEC = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype_size=4)
 KV_CONFIG = KVCacheConfig(num_blocks=32, kv_cache_groups=[
     KVCacheGroupSpec(["model.layers.0.self_attn", "model.layers.1.self_attn"], SPEC)])
@@ -40,7 +42,7 @@ def make_connector():
                    **extra}
         config = KVTransferConfig.from_dict({"kv_connector": "OffloadingConnector",
                                              "kv_connector_extra_config": options})
-        context = ConnectorContext(block_size=BLOCK, num_layers=2, namespace=NAMESPACE,
+        context = ConnectorContext(block_size=BLOCK, num_layers=2, kv_identity=IDENTITY,
                                    kv_cache_config=KV_CONFIG)
         connector = OffloadingConnectorScheduler(config, context)
         made.append(connector)

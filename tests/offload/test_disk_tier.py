@@ -1,3 +1,4 @@
+import json
 import os
 import random
 import subprocess
@@ -147,6 +148,18 @@ def test_a_file_of_another_slot_size_starts_afresh(make_tier, tmp_path):
     bigger_slots = make_tier(tmp_path, max_chunk_bytes=3 * PAGE)
     assert bigger_slots.stride == 4 * PAGE
     assert _present(bigger_slots, [1]) == []
+
+
+def test_the_slot_file_has_its_namespace_description_beside_it(tmp_path):
+    description = {"model": "m", "weights_digest": "ab" * 16, "blocks_per_chunk": 1}
+    tier = DiskTier(DiskTierOptions(root_dir=str(tmp_path), max_bytes=_budget(2)),
+                    TierContext("disk", NAMESPACE, max_chunk_bytes=CHUNK,
+                                description=description))
+    tier.shutdown()
+    assert sorted(os.listdir(tmp_path)) == [NAMESPACE.hex() + ".json",
+                                            NAMESPACE.hex() + ".kvslots"]
+    with open(os.path.join(tmp_path, NAMESPACE.hex() + ".json")) as f:
+        assert json.load(f) == {**description, "format": "KVTD/2 slots of KVTC/1 chunks"}
 
 
 def test_other_namespace_uses_its_own_file(make_tier, tmp_path):

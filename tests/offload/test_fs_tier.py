@@ -1,3 +1,4 @@
+import json
 import os
 import subprocess
 import sys
@@ -48,6 +49,19 @@ def test_store_then_load_round_trip(make_tier, tmp_path):
     path = tier.path_for(key(1))
     assert path.startswith(os.path.join(str(tmp_path), NAMESPACE.hex()))
     assert [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")] == []
+
+
+def test_the_first_store_describes_the_namespace_beside_the_chunks(tmp_path):
+    description = {"model": "m", "weights_digest": "ab" * 16, "blocks_per_chunk": 2}
+    tier = FsTier(FsTierOptions(root_dir=str(tmp_path)),
+                  TierContext("fs", NAMESPACE, description=description))
+    path = os.path.join(tier.directory, NAMESPACE.hex() + ".json")
+    assert not os.path.exists(path)  # nothing on disk before there is data
+    assert tier_store(tier, 1) and tier_store(tier, 2)
+    with open(path) as f:
+        assert json.load(f) == {**description, "format": "KVTC/1"}
+    assert tier_load(tier, 1) == (True, chunk_bytes(1))  # the chunks' scan skips it
+    tier.shutdown()
 
 
 def test_other_namespace_never_sees_the_files(make_tier, tmp_path):

@@ -16,6 +16,7 @@ from kvtier.kv import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheManager,
+    KVIdentity,
     Request,
     RequestStatus,
     SlidingWindowSpec,
@@ -131,8 +132,10 @@ class ScriptedConnector(KVConnectorScheduler):
     num_metas: int = 0
 
     def __post_init__(self) -> None:
+        identity = KVIdentity("test", "test-weights", "float32", BLOCK_SIZE, "test-layout",
+                              ("full_attention",))
         super().__init__(None, ConnectorContext(block_size=BLOCK_SIZE, num_layers=1,
-                                                namespace=b"test"))
+                                                kv_identity=identity))
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:

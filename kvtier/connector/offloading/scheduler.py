@@ -24,7 +24,7 @@ from kvtier.connector.offloading.metadata import ChunkTransfer, OffloadingConnec
 from kvtier.connector.offloading.session import close_session, open_session
 from kvtier.kv import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvtier.offload.config import OffloadConfig
-from kvtier.offload.keys import ChunkKey, make_chunk_key
+from kvtier.offload.keys import ChunkKey, chunk_identity, make_chunk_key
 from kvtier.offload.layout import ChunkLayout
 from kvtier.offload.manager import Lookup, TieringManager
 
@@ -65,9 +65,12 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self.layouts = tuple(
             ChunkLayout(spec.page_size_bytes, len(g.layer_names), self.options.blocks_per_chunk)
             for g, spec in zip(context.kv_cache_config.kv_cache_groups, self.groups))
-        self.manager = TieringManager(self.options, context.namespace,
+        identity = chunk_identity(context.kv_identity, self.options.blocks_per_chunk)
+        self.namespace = identity.namespace
+        self.manager = TieringManager(self.options, self.namespace,
                                       [layout.chunk_bytes for layout in self.layouts],
-                                      metrics_registry=context.metrics)
+                                      metrics_registry=context.metrics,
+                                      description=identity.describe())
         self.session = open_session(self.manager, self.layouts)
         self.block_size = context.block_size
         self.chunk_tokens = self.block_size * self.options.blocks_per_chunk
@@ -84,7 +87,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def chunk_key(self, request: Any, group_id: int, chunk: int) -> ChunkKey:
         last_block = (chunk + 1) * self.options.blocks_per_chunk - 1
-        return make_chunk_key(self.context.namespace, group_id, request.block_hashes[last_block])
+        return make_chunk_key(self.namespace, group_id, request.block_hashes[last_block])
 
     def _scan_groups(self) -> list[int]:
         full = [g for g, spec in enumerate(self.groups) if isinstance(spec, FullAttentionSpec)]

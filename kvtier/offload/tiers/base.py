@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -62,6 +62,9 @@ class TierContext:
     metrics: Any = None
     # Bytes of the largest chunk a job can carry (the host slot size); None: not known.
     max_chunk_bytes: int | None = None
+    # What the namespace digest covers (model, weights digest, dtype, ...), for a tier that
+    # keeps files to write beside them for operators; None: nothing to write.
+    description: Mapping[str, Any] | None = None
 
 
 class SecondaryTier(ABC):

@@ -6,13 +6,14 @@ chunk written into a preallocated file against 0.27 ms for a file per chunk). Th
 sharing: the file belongs to one instance (an exclusive lock); a cache several instances use
 is the fs tier's job.
 
-File `<root_dir>/<namespace hex>.kvslots`, little endian:
+File `<root_dir>/<namespace hex>.kvslots`, little endian, with `<namespace hex>.json` beside it
+saying what the namespace covers (for operators):
 
     file header (4 KiB): magic b"KVTD", format version u16, flags u16 (0), slot stride u64
     slot i at 4 KiB + i * stride:
-        slot header (4 KiB): magic b"KVTS", version u16, flags u16 (0), key length u32,
-            payload length u64, store sequence number u64, xxh3-128 of the payload (16 bytes),
-            then the key
+        slot header (4 KiB): the chunk header and key of offload/chunk_format.py (magic, version,
+            key and payload lengths, xxh3-128 of the payload) at its start, the store sequence
+            number (u64) in its last 8 bytes
         payload: the chunk in the standard host layout
 
 The index (key -> slot, least recently used first) is kept in memory and rebuilt at start-up
@@ -33,20 +34,29 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import xxhash
-
 from kvtier.common.options import require
 from kvtier.common.sizes import parse_size
+from kvtier.offload.chunk_format import (
+    FORMAT_NAME,
+    HEADER_BYTES,
+    ChunkFormatError,
+    check_header,
+    check_payload,
+    decode_header,
+    encode_header,
+    write_description,
+)
 from kvtier.offload.keys import ChunkKey
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
 
 FILE_MAGIC = b"KVTD"
-SLOT_MAGIC = b"KVTS"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FILE_HEADER = struct.Struct("<4sHHQ")
-_SLOT_HEADER = struct.Struct("<4sHHIQQ16s")
+_SEQUENCE = struct.Struct("<Q")
 _PAGE = 4096  # the file header and each slot header take one page; payloads start page-aligned
+_SEQUENCE_AT = _PAGE - _SEQUENCE.size
+_MAX_KEY_BYTES = _SEQUENCE_AT - HEADER_BYTES
 _SUFFIX = ".kvslots"
 
 
@@ -105,6 +115,10 @@ class DiskTier(ThreadedTier):
         except BaseException:
             os.close(self._fd)
             raise
+        if context.description is not None:
+            write_description(options.root_dir, context.namespace,
+                              {**context.description, "format": f"KVTD/{FORMAT_VERSION} slots of "
+                                                                 f"{FORMAT_NAME} chunks"})
         super().__init__(options, context)
         self._lock = threading.Lock()
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # least recently used first
@@ -137,6 +151,9 @@ class DiskTier(ThreadedTier):
         if len(job.buffer) > self.stride - _PAGE:
             raise ValueError(f"chunk of {len(job.buffer)} bytes exceeds the slot's "
                              f"{self.stride - _PAGE}")
+        if len(job.key) > _MAX_KEY_BYTES:
+            raise ValueError(f"key of {len(job.key)} bytes exceeds the slot header's "
+                             f"{_MAX_KEY_BYTES}")
         with self._lock:
             if job.key in self._index:
                 self._index.move_to_end(job.key)
@@ -145,10 +162,9 @@ class DiskTier(ThreadedTier):
             sequence = next(self._sequence)
         try:
             header = bytearray(_PAGE)
-            _SLOT_HEADER.pack_into(header, 0, SLOT_MAGIC, FORMAT_VERSION, 0, len(job.key),
-                                   len(job.buffer), sequence,
-                                   xxhash.xxh3_128(job.buffer).digest())
-            header[_SLOT_HEADER.size:_SLOT_HEADER.size + len(job.key)] = job.key
+            chunk_header = encode_header(job.key, job.buffer)
+            header[:len(chunk_header)] = chunk_header
+            _SEQUENCE.pack_into(header, _SEQUENCE_AT, sequence)
             _pwrite_all(self._fd, [header, job.buffer], self._offset(slot))
         except BaseException:
             with self._lock:
@@ -229,31 +245,32 @@ class DiskTier(ThreadedTier):
         entries: dict[ChunkKey, tuple[int, ChunkKey, int]] = {}
         for slot in range(self.num_slots):
             header = os.pread(self._fd, _PAGE, self._offset(slot))
-            if len(header) < _SLOT_HEADER.size:
+            if len(header) < _PAGE:
                 continue
-            magic, version, _, key_len, payload_len, sequence, _ = _SLOT_HEADER.unpack_from(header)
-            if (magic != SLOT_MAGIC or version != FORMAT_VERSION
-                    or key_len > _PAGE - _SLOT_HEADER.size or payload_len > self.stride - _PAGE):
+            try:
+                chunk = decode_header(header)
+            except ChunkFormatError:
+                continue  # never written, or not whole
+            if chunk.key_bytes > _MAX_KEY_BYTES or chunk.payload_bytes > self.stride - _PAGE:
                 continue
-            key = ChunkKey(bytes(header[_SLOT_HEADER.size:_SLOT_HEADER.size + key_len]))
+            key = ChunkKey(header[HEADER_BYTES:HEADER_BYTES + chunk.key_bytes])
             if not key.startswith(namespace):
                 continue
+            (sequence,) = _SEQUENCE.unpack_from(header, _SEQUENCE_AT)
             if key not in entries or entries[key][0] < sequence:
                 entries[key] = (sequence, key, slot)
         return list(entries.values())
 
 
-def _slot_problem(header: bytes, key: ChunkKey, payload: memoryview) -> str | None:
+def _slot_problem(header: bytearray, key: ChunkKey, payload: memoryview) -> str | None:
     """Why the slot just read is not `key`'s chunk, or None when it is."""
-    magic, version, _, key_len, payload_len, _, checksum = _SLOT_HEADER.unpack_from(header)
-    if magic != SLOT_MAGIC or version != FORMAT_VERSION:
-        return f"bad magic/version {magic!r}/{version}"
-    if header[_SLOT_HEADER.size:_SLOT_HEADER.size + key_len] != key:
-        return "key mismatch"
-    if payload_len != len(payload):
-        return f"payload is {payload_len} bytes, expected {len(payload)}"
-    if xxhash.xxh3_128(payload).digest() != checksum:
-        return "checksum mismatch"
+    try:
+        chunk = decode_header(header)
+        stored_key = bytes(header[HEADER_BYTES:HEADER_BYTES + chunk.key_bytes])
+        check_header(chunk, stored_key, key, len(payload))
+        check_payload(chunk, payload)
+    except ChunkFormatError as exc:
+        return str(exc)
     return None
 
 

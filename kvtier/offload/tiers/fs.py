@@ -1,7 +1,9 @@
 """The fs tier: one file per chunk under `root_dir`, shared by every instance that mounts it.
 
-Files are content-addressed (`<root>/<namespace>/<aa>/<sha256(key)>.kvc`), so instances with
-the same KV geometry share a cache and others never see each other's files. Writes go to a temp
+Files are content-addressed (`<root>/<namespace>/<aa>/<sha256(key)>.kvc`, in the checked format
+of offload/chunk_format.py), so instances with the same KV identity share a cache and others
+never see each other's files; `<root>/<namespace>/<namespace>.json` says what the namespace
+covers (written with the first chunk, for operators). Writes go to a temp
 file that is renamed into place, so a reader sees a whole file or none, and concurrent writers
 of one chunk (threads or processes) simply race to rename identical bytes. Lookups are one stat
 on the caller's thread; reads and writes run on the thread pools of `ThreadedTier`. The byte
@@ -18,9 +20,17 @@ from typing import Any, ClassVar
 
 from kvtier.common.options import require
 from kvtier.common.sizes import parse_size
+from kvtier.offload.chunk_format import (
+    FORMAT_NAME,
+    ChunkFormatError,
+    drop_bad_file,
+    file_size,
+    read_chunk_into,
+    write_chunk,
+    write_description,
+)
 from kvtier.offload.keys import ChunkKey, key_digest
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
-from kvtier.offload.tiers.fs_format import ChunkFileError, file_size, read_chunk_into, write_chunk
 from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
 
 _SUFFIX = ".kvc"
@@ -55,6 +65,7 @@ class FsTier(ThreadedTier):
         super().__init__(options, context)
         self.directory = os.path.join(options.root_dir, context.namespace.hex())
         self._evict_lock = threading.Lock()
+        self._described = False
         # Bytes this instance believes are in the directory; None until the first scan.
         self._used_bytes: int | None = None
         labels = {"tier": context.name}
@@ -82,6 +93,10 @@ class FsTier(ThreadedTier):
             os.utime(path)  # content-addressed: the same bytes are there already
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not self._described and self.context.description is not None:
+            write_description(self.directory, self.context.namespace,
+                              {**self.context.description, "format": FORMAT_NAME})
+            self._described = True  # racing write threads both write the same file: harmless
         tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             with open(tmp, "wb") as f:
@@ -97,11 +112,8 @@ class FsTier(ThreadedTier):
         with open(path, "rb") as f:
             try:
                 read_chunk_into(f, job.key, job.buffer)
-            except ChunkFileError:
-                # Drop the bad file so that a later store can write a good one; only if it is
-                # still the file we read (another instance may have replaced it meanwhile).
-                if _same_file(f.fileno(), path):
-                    _unlink_quietly(path)
+            except ChunkFormatError:
+                drop_bad_file(f, path)
                 raise
         os.utime(path)  # the access time the budget's LRU eviction goes by
 
@@ -151,13 +163,6 @@ def _listdir(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
-
-
-def _same_file(fd: int, path: str) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except OSError:
-        return False
 
 
 def _unlink_quietly(path: str) -> bool:
