@@ -205,6 +205,8 @@ def test_damaged_disk_files_fall_back_to_recompute(model, tmp_path, how, num_err
 
 
 def _wait_for_cascade(llm):
+    # One more (empty) step: the worker half fences the last step's copies and reports them.
+    llm.engine.step()
     assert llm.engine.scheduler.connector.flush(timeout_s=30), "cascade to the tiers hangs"
 
 

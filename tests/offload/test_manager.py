@@ -120,29 +120,24 @@ def test_groups_of_different_page_sizes_share_the_host_area(make_manager):
     # A hybrid model: an attention group (CHUNK bytes per chunk) and a Mamba group whose
     # per-block state is smaller. Both go through the same slots, tiers and promotion.
     from kvtier.offload.keys import make_chunk_key
-    from kvtier.offload.manager import TieringManager
     state_bytes = CHUNK // 4
-    manager = TieringManager(offload_config(2, [MEMORY]), NAMESPACE, [CHUNK, state_bytes])
-    try:
-        assert manager.area.slot_bytes == CHUNK
-        state_key = make_chunk_key(NAMESPACE, 1, (5).to_bytes(32, "big"))
-        manager.record_use(state_key)
-        slot = manager.prepare_store(state_key, state_bytes)
-        manager.area.slot_view(slot, state_bytes)[:] = chunk_bytes(5)[:state_bytes]
-        manager.complete_store(state_key, ok=True)
+    manager = make_manager(offload_config(2, [MEMORY]))
+    state_key = make_chunk_key(NAMESPACE, 1, (5).to_bytes(32, "big"))
+    manager.record_use(state_key)
+    slot = manager.prepare_store(state_key, state_bytes)
+    manager.area.slot_view(slot, state_bytes)[:] = chunk_bytes(5)[:state_bytes]
+    manager.complete_store(state_key, ok=True)
+    manager.poll()
+    for n in (1, 2):  # push the state out of host memory
+        store_from_device(manager, n)
         manager.poll()
-        for n in (1, 2):  # push the state out of host memory
-            store_from_device(manager, n)
-            manager.poll()
-        assert state_key not in manager.host.entries
-        assert manager.lookup(state_key, state_bytes) is Lookup.RETRY
-        manager.poll()
-        assert manager.lookup(state_key, state_bytes) is Lookup.HIT
-        slot = manager.prepare_load(state_key)
-        assert bytes(manager.area.slot_view(slot, state_bytes)) == chunk_bytes(5)[:state_bytes]
-        assert len(manager.host.view(state_key)) == state_bytes
-    finally:
-        manager.shutdown()
+    assert state_key not in manager.host.entries
+    assert manager.lookup(state_key, state_bytes) is Lookup.RETRY
+    manager.poll()
+    assert manager.lookup(state_key, state_bytes) is Lookup.HIT
+    slot = manager.prepare_load(state_key)
+    assert bytes(manager.area.slot_view(slot, state_bytes)) == chunk_bytes(5)[:state_bytes]
+    assert len(manager.host.view(state_key)) == state_bytes
 
 
 def test_found_below_while_every_host_slot_is_busy_is_asked_again(make_manager):
