@@ -1,3 +1,6 @@
+import threading
+import time
+
 import pytest
 
 from kvtier.offload.events import TierMoveEvent
@@ -19,6 +22,7 @@ from .offload_helpers import (
 MEMORY = {"type": "memory"}
 RAISING = {"type": "RaisingTier", "module_path": FAULTY_TIERS}
 STUCK = {"type": "StuckTier", "module_path": FAULTY_TIERS}
+HANGING = {"type": "HangingTier", "module_path": FAULTY_TIERS}
 
 
 def test_host_hit_and_miss_without_tiers(make_manager):
@@ -222,3 +226,23 @@ def test_manager_promotes_from_a_file_tier_after_host_eviction(make_manager, tmp
     assert stats[f'kvtier:offload_tier_hits_total{{tier="{name}"}}'] == 1
     assert stats[f'kvtier:offload_bytes_total{{direction="host_to_{name}"}}'] == 3 * CHUNK
     assert stats[f'kvtier:offload_bytes_total{{direction="{name}_to_host"}}'] == CHUNK
+
+
+def test_flush_and_shutdown_with_a_hung_tier_end_by_the_job_deadline(make_manager):
+    from .faulty_tiers import RELEASE_HANGING
+    manager = make_manager(offload_config(4, [HANGING], tier_job_timeout_s=0.5))
+    store_from_device(manager, 1)
+    store_from_device(manager, 2)  # both cascades hang in the tier's write threads
+    start = time.monotonic()
+    try:
+        assert manager.flush(timeout_s=30)  # every job ended or missed its deadline
+        manager.shutdown()
+        assert time.monotonic() - start < 0.5 + 5
+        stats = manager.metrics.snapshot()
+        assert stats['kvtier:offload_tier_errors_total{tier="HangingTier"}'] == 2
+        hung = [t for t in threading.enumerate() if t.name.startswith("kvtier-HangingTier-write")
+                and t.is_alive()]
+        assert len(hung) == 2 and all(t.daemon for t in hung)  # abandoned, never joined
+    finally:
+        RELEASE_HANGING.set()  # wakes the writers of this test (set wakes every waiter now)
+        RELEASE_HANGING.clear()
