@@ -225,15 +225,17 @@ class Scheduler:
     def _admit(self, request: Request, admission: Admission, batch: StepBatch) -> bool:
         """Allocate and start the request (running, or loading); False if blocks ran out."""
         already_computed = request.num_computed_tokens
+        # A newcomer leaves free what the in-flight loads still need; a request whose own load
+        # landed (it computed tokens already) is one of those and may use it.
+        reserved = 0 if already_computed else self.loads.num_blocks_to_finish(
+            self.requests, self.kv_cache_manager)
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, admission.num_new_tokens,
             num_new_computed_tokens=admission.num_local_tokens,
             new_computed_blocks=admission.computed_blocks,
             num_external_computed_tokens=admission.num_external_tokens,
             delay_cache_blocks=admission.load_async,
-            full_sequence_must_fit=self.config.enable_chunked_prefill,
-            reserved_blocks=self.loads.num_blocks_to_finish(self.requests,
-                                                            self.kv_cache_manager))
+            full_sequence_must_fit=self.config.enable_chunked_prefill, reserved_blocks=reserved)
         if new_blocks is None:
             return False
         self.waiting.pop_request()

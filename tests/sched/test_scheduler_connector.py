@@ -395,3 +395,23 @@ def test_admission_leaves_the_blocks_an_in_flight_load_still_needs(managers):
     out, _ = step(sched, runner)  # a finished and freed its blocks: now b fits
     assert [new.req_id for new in out.scheduled_new_reqs] == ["b"]
     assert_all_free_after(sched, runner, manager)
+
+
+def test_a_landed_load_may_use_the_blocks_other_loads_reserve(managers):
+    manager = managers(8)  # usable blocks 1..7
+    connector = ScriptedConnector(answers={"a": [(8, True)], "b": [(8, True)]})
+    sched = make_scheduler(manager, connector, enable_chunked_prefill=False)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", prompt(0, 16), max_tokens=1))
+    sched.add_request(make_request("b", prompt(100, 20), max_tokens=1))
+    step(sched, runner)  # both load: a will need 2 more blocks, b 3 more; 3 are free
+    assert connector.allocs == [("a", [1, 2], 8), ("b", [3, 4], 8)]
+    step(sched, runner, recv("a"))
+    # a goes on with 2 of the blocks b reserves: held back, it would block b behind it for good.
+    out, _ = step(sched, runner)
+    assert [(new.req_id, new.block_ids) for new in out.scheduled_new_reqs] == [
+        ("a", ([1, 2, 5, 6],))]
+    step(sched, runner, recv("b"))
+    out, _ = step(sched, runner)
+    assert [new.req_id for new in out.scheduled_new_reqs] == ["b"]
+    assert_all_free_after(sched, runner, manager)

@@ -8,6 +8,8 @@ from typing import Literal
 
 from kvtier.connector.base import KVConnectorMetadata, KVConnectorReport
 
+Direction = Literal["device_to_host", "host_to_device"]
+
 
 @dataclass(frozen=True)
 class ChunkTransfer:
@@ -39,7 +41,7 @@ class BatchDone:
     """The worker finished one batch of copies in `direction`. `job_ids` are the transfers it
     completes; `ok` False means none of them moved valid data."""
 
-    direction: Literal["device_to_host", "host_to_device"]
+    direction: Direction
     job_ids: tuple[int, ...]
     ok: bool
     num_bytes: int

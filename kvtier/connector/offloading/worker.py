@@ -29,6 +29,7 @@ from kvtier.connector.base import ConnectorContext, KVConnectorWorker
 from kvtier.connector.offloading.metadata import (
     BatchDone,
     ChunkTransfer,
+    Direction,
     OffloadingConnectorMetadata,
     OffloadingConnectorReport,
 )
@@ -141,8 +142,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             ok = False
         self._report("device_to_host", stores, ok and not abandoned.is_set(), num_bytes, start)
 
-    def _report(self, direction: Any, transfers: list[ChunkTransfer], ok: bool, num_bytes: int,
-                start: float) -> None:
+    def _report(self, direction: Direction, transfers: list[ChunkTransfer], ok: bool,
+                num_bytes: int, start: float) -> None:
         ended = time.monotonic()
         self._done.put(BatchDone(direction, tuple(t.job_id for t in transfers), ok, num_bytes,
                                  ended - start, ended))
