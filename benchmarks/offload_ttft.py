@@ -112,6 +112,7 @@ def _timed(llm: LLM, prompt: list[int], tier: str) -> tuple[float, int, float]:
 
 def _wait_idle(llm: LLM) -> None:
     """Let device->host stores finish so that the host copy exists before the device one goes."""
+    llm.engine.step()  # empty: the worker half reports the last step's copies
     if not llm.engine.scheduler.connector.flush(timeout_s=120):
         raise TimeoutError("offloading did not go idle within 120 s")
 

@@ -6,7 +6,11 @@ tier cascade, another instance). It has two halves that never share memory:
 * the scheduler half decides *what* to load or save and tells the worker through a
   `KVConnectorMetadata` built once per step;
 * the worker half moves the bytes around each forward pass and reports back through a
-  `KVConnectorOutput`.
+  `KVConnectorOutput`, which carries the connector's own `KVConnectorReport`.
+
+Those two messages are plain data, so the halves may live in different processes. A resource
+both halves use (a shared memory area) is made once by `KVConnectorBase.create_shared` and
+handed to each half in its `ConnectorContext`.
 
 A connector is named by a `KVConnectorBase` subclass that points at its two halves; the registry
 (or `kv_connector_module_path`) resolves the name to that class.
@@ -36,6 +40,12 @@ class KVConnectorMetadata:
 
 
 @dataclass
+class KVConnectorReport:
+    """What a worker half tells its own scheduler half beyond the fields every connector shares
+    (e.g. which of its copies finished). Connectors subclass it; plain data."""
+
+
+@dataclass
 class KVConnectorOutput:
     """What the worker half reports back after one step."""
 
@@ -46,10 +56,12 @@ class KVConnectorOutput:
     invalid_block_ids: set[int] = field(default_factory=set)
     stats: dict[str, float] = field(default_factory=dict)
     events: list[Any] = field(default_factory=list)
+    # The worker half's `build_connector_report()`, for its scheduler half.
+    connector_report: KVConnectorReport | None = None
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
-                    or self.stats or self.events)
+                    or self.stats or self.events or self.connector_report is not None)
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,9 @@ class ConnectorContext:
     # The device KV cache geometry (kvtier.kv.KVCacheConfig: groups, layer names, specs) or
     # None; connectors that lay KV out in their own memory (offloading) need it.
     kv_cache_config: Any = None
+    # What `KVConnectorBase.create_shared` made for this engine (the same object in both
+    # halves), or None.
+    shared: Any = None
 
     @property
     def namespace(self) -> bytes:
@@ -97,7 +112,9 @@ class KVConnectorScheduler(ABC):
         """This step's loads and saves for the worker half; resets per-step state."""
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """The worker half's report for the last step."""
+        """The worker half's report for the last step (its own part in
+        `output.connector_report`). Also called once at shutdown, before `shutdown`, with the
+        report the worker half made after it stopped."""
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -110,7 +127,8 @@ class KVConnectorScheduler(ABC):
         return ()
 
     def shutdown(self) -> None:
-        """Stop background threads; called once when the engine stops."""
+        """Called once when the engine stops, after the worker half's last report: finish
+        writes that keep this instance's work (with a deadline), stop background threads."""
 
 
 class KVConnectorWorker(ABC):
@@ -166,8 +184,15 @@ class KVConnectorWorker(ABC):
     def take_events(self) -> Iterable[Any]:
         return ()
 
+    def build_connector_report(self) -> KVConnectorReport | None:
+        """This connector's own report for its scheduler half, once per step after
+        `get_finished` (in `KVConnectorOutput.connector_report`); None when there is nothing
+        to say. Called once more after `shutdown`, for the work that ended while stopping."""
+        return None
+
     def shutdown(self) -> None:
-        """Stop background threads; called once when the engine stops."""
+        """Called once when the engine stops: end or give up in-flight transfers within a
+        deadline and stop background threads. The engine then asks for one last report."""
 
 
 class KVConnectorBase:
@@ -175,6 +200,13 @@ class KVConnectorBase:
 
     scheduler_cls: ClassVar[type[KVConnectorScheduler]]
     worker_cls: ClassVar[type[KVConnectorWorker]]
+
+    @classmethod
+    def create_shared(cls, config: KVTransferConfig, context: ConnectorContext) -> Any:
+        """A resource both halves use, made once per engine before either half; it reaches
+        them as `context.shared`. None (the default) when the halves share nothing. Halves
+        in different processes need something that crosses processes (a shared-memory name)."""
+        return None
 
     @classmethod
     def create(cls, role: KVConnectorRole, config: KVTransferConfig,

@@ -1,7 +1,8 @@
 """MultiConnector: several connectors behind one, e.g. a fast local store before a shared one.
 
 Loads come from the first child (in config order) that has a hit for the request; saves go to
-every child. Each child gets its own metadata; the worker halves' reports are merged into one
+every child. Each child gets its own metadata, its own shared resource (`create_shared`) and its
+own `KVConnectorReport`; the rest of the worker halves' reports is merged into one
 `KVConnectorOutput`, which every scheduler child then sees (a child ignores request ids it did
 not handle).
 
@@ -11,6 +12,7 @@ kv_load_failure_policy and kv_load_timeout_s from the parent unless it sets them
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections import Counter
 from collections.abc import Iterable
@@ -22,12 +24,13 @@ from kvtier.connector.base import (
     KVConnectorBase,
     KVConnectorMetadata,
     KVConnectorOutput,
+    KVConnectorReport,
     KVConnectorRole,
     KVConnectorScheduler,
     KVConnectorWorker,
 )
 from kvtier.connector.config import KVTransferConfig, parse_options
-from kvtier.connector.registry import create_connector
+from kvtier.connector.registry import get_connector_class
 
 if TYPE_CHECKING:
     from kvtier.kv import KVCacheBlocks, Request
@@ -56,7 +59,12 @@ def child_configs(config: KVTransferConfig) -> list[KVTransferConfig]:
 
 def _create_children(config: KVTransferConfig, role: KVConnectorRole,
                      context: ConnectorContext) -> list:
-    return [create_connector(child, role, context) for child in child_configs(config)]
+    children = child_configs(config)
+    # One shared resource per child (MultiConnector.create_shared); none without it.
+    shared = context.shared or (None,) * len(children)
+    return [get_connector_class(child).create(role, child,
+                                              dataclasses.replace(context, shared=resource))
+            for child, resource in zip(children, shared, strict=True)]
 
 
 @dataclass
@@ -65,6 +73,12 @@ class MultiConnectorMetadata(KVConnectorMetadata):
     # request id -> how many children send its KV after it finished; it is reported in
     # finished_sending only once all of them are done.
     num_pending_sends: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class MultiConnectorReport(KVConnectorReport):
+    # One per child, in child order.
+    children: tuple[KVConnectorReport | None, ...] = ()
 
 
 class MultiConnectorScheduler(KVConnectorScheduler):
@@ -104,8 +118,12 @@ class MultiConnectorScheduler(KVConnectorScheduler):
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        for child in self.children:
-            child.update_connector_output(output)
+        report = output.connector_report
+        reports = report.children if isinstance(report, MultiConnectorReport) \
+            else (None,) * len(self.children)
+        for child, child_report in zip(self.children, reports, strict=True):
+            child.update_connector_output(
+                dataclasses.replace(output, connector_report=child_report))
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -195,6 +213,12 @@ class MultiConnectorWorker(KVConnectorWorker):
     def take_events(self) -> Iterable[Any]:
         return list(itertools.chain.from_iterable(c.take_events() for c in self.children))
 
+    def build_connector_report(self) -> MultiConnectorReport | None:
+        reports = tuple(child.build_connector_report() for child in self.children)
+        if all(report is None for report in reports):
+            return None
+        return MultiConnectorReport(children=reports)
+
     def shutdown(self) -> None:
         for child in self.children:
             child.shutdown()
@@ -203,3 +227,10 @@ class MultiConnectorWorker(KVConnectorWorker):
 class MultiConnector(KVConnectorBase):
     scheduler_cls = MultiConnectorScheduler
     worker_cls = MultiConnectorWorker
+
+    @classmethod
+    def create_shared(cls, config: KVTransferConfig,
+                      context: ConnectorContext) -> tuple[Any, ...]:
+        """Each child's own shared resource, in child order."""
+        return tuple(get_connector_class(child).create_shared(child, context)
+                     for child in child_configs(config))

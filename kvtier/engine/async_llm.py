@@ -9,7 +9,7 @@ queue (`call_soon_threadsafe`).
 
 A failing `step()` fails the requests in flight (each gets the error) and the loop goes on; a
 failing abort is logged and the loop goes on. If the loop itself ever ends, every request in
-flight gets an EngineDeadError.
+flight gets an EngineDeadError and the engine thread shuts the engine down.
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ _IDLE_WAIT_S = 0.05
 # Building the engine: loading the model, and the first process on a machine also compiles the
 # CPU kernels (~30 s).
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
+# Stopping the engine thread includes the engine's shutdown: the connector's last copies and its
+# flush to the tiers, each bounded by its own deadline (kv_load_timeout_s, tier_job_timeout_s).
+DEFAULT_JOIN_TIMEOUT_S = 90.0
 
 
 class EngineDeadError(RuntimeError):
@@ -167,8 +170,11 @@ class AsyncLLM:
         self._commands.put(command)
         await asyncio.wait_for(asyncio.wrap_future(command.accepted), self.submit_timeout_s)
 
-    def shutdown(self, drain_timeout_s: float = 30.0, join_timeout_s: float = 10.0) -> None:
-        """Finish in-flight requests within drain_timeout_s, abort the rest, stop the thread."""
+    def shutdown(self, drain_timeout_s: float = 30.0,
+                 join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> None:
+        """Finish in-flight requests within drain_timeout_s, abort the rest, and stop the
+        engine thread, which shuts the engine down on its way out; wait for it at most
+        join_timeout_s (then it is abandoned: a daemon thread, it ends with the process)."""
         self._draining = True
         deadline = time.monotonic() + drain_timeout_s
         while self._streams and self.is_running and time.monotonic() < deadline:
@@ -176,9 +182,9 @@ class AsyncLLM:
         self._stop.set()
         self._thread.join(join_timeout_s)
         if self._thread.is_alive():
-            logger.warning("engine thread did not stop within %.1f s", join_timeout_s)
+            logger.warning("the engine thread did not stop within %.1f s; abandoned",
+                           join_timeout_s)
         self.publisher.shutdown()
-        self.engine.shutdown()
 
     # ---- engine thread ------------------------------------------------------------------------
 
@@ -210,7 +216,15 @@ class AsyncLLM:
         finally:
             self._stop.set()
             self._fail_all(EngineDeadError("the engine shut down before the request finished"))
+            self._shutdown_engine()
             self._publish_events()
+
+    def _shutdown_engine(self) -> None:
+        """On the engine thread, which alone touches the engine."""
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("the engine's shutdown failed")
 
     def _drain_commands(self, block: bool) -> None:
         try:

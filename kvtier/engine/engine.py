@@ -222,5 +222,7 @@ class Engine:
         self.kv_cache_manager.check_invariants()
 
     def shutdown(self) -> None:
-        self.scheduler.shutdown()
-        self.runner.shutdown()
+        """Stop, keeping what this instance computed: the connector's worker half finishes its
+        copies and hands its last report to the scheduler half, which flushes it to the
+        connector's stores, then both stop. Each of those waits has its own deadline."""
+        self.scheduler.shutdown(self.runner.shutdown())

@@ -3,6 +3,7 @@ the config), and the connector halves built from the transfer config."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -97,8 +98,12 @@ def _spec_kind(spec: object) -> str:
 
 def build_connectors(transfer: KVTransferConfig | None, context: ConnectorContext
                      ) -> tuple[KVConnectorScheduler | None, KVConnectorWorker | None]:
+    """Both halves of the configured connector, each given what the connector's
+    `create_shared` made (once) in its context."""
     if transfer is None:
         return None, None
-    from kvtier.connector.registry import create_connector
-    return (create_connector(transfer, KVConnectorRole.SCHEDULER, context),
-            create_connector(transfer, KVConnectorRole.WORKER, context))
+    from kvtier.connector.registry import get_connector_class
+    connector = get_connector_class(transfer)
+    context = dataclasses.replace(context, shared=connector.create_shared(transfer, context))
+    return (connector.create(KVConnectorRole.SCHEDULER, transfer, context),
+            connector.create(KVConnectorRole.WORKER, transfer, context))

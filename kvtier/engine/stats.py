@@ -39,6 +39,10 @@ class EngineStats:
                                        labelnames=("finished_reason",))
         self.kv_load_failures = metrics.counter(
             "kvtier:kv_load_failures", "Connector KV loads that failed or missed their deadline.")
+        self.lookup_timeouts = metrics.counter(
+            "kvtier:connector_lookup_timeouts",
+            "Requests admitted without the connector after it answered 'not yet' past "
+            "kv_load_timeout_s.")
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -48,6 +52,7 @@ class EngineStats:
         self.prefix_hits.inc(stats.prefix_cache_hits)
         self.preemptions.inc(stats.num_preemptions)
         self.kv_load_failures.inc(stats.num_kv_load_failures + stats.num_kv_load_timeouts)
+        self.lookup_timeouts.inc(stats.num_connector_lookup_timeouts)
 
     def record_step(self, step: ProcessedStep, num_new_tokens: int) -> None:
         self.generation_tokens.inc(num_new_tokens)

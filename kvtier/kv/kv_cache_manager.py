@@ -188,6 +188,14 @@ class KVCacheManager:
             num_required_full += self.watermark_blocks
         return num_required_full <= available
 
+    def num_blocks_to_finish_prefill(self, request: Request) -> int:
+        """Blocks `request` must still be given for all its known tokens (the prompt, and
+        what it generated before a preemption) beyond the ones it holds."""
+        num_tokens = min(request.num_tokens, self.max_model_len)
+        return self.coordinator.get_num_blocks_to_allocate(
+            request.request_id, num_tokens, self.coordinator.empty_blocks,
+            request.num_computed_tokens)
+
     def cache_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Put the request's blocks that are full within `num_computed_tokens` into the prefix
         map (after a delayed load landed)."""

@@ -25,7 +25,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -51,6 +51,8 @@ from kvtier.offload.tiers.registry import create_tier
 # previous step's write-backs may still pin their slots). A 1 GiB host tier of SmolLM2 bf16
 # chunks has ~2900 slots; a step of 2048 tokens stores up to 128 chunks.
 WRITE_BACK_RESERVE = 0.1
+# How often `flush` polls the tiers.
+_FLUSH_POLL_S = 0.002
 
 
 class Lookup(enum.Enum):
@@ -71,14 +73,16 @@ class _TierJob:
 
 
 class TieringManager:
-    def __init__(self, config: OffloadConfig, namespace: bytes, chunk_sizes: Sequence[int],
+    def __init__(self, config: OffloadConfig, namespace: bytes, area: HostArea,
                  metrics_registry: Any = None,
                  clock: Callable[[], float] = time.monotonic,
                  description: Mapping[str, Any] | None = None) -> None:
-        """`chunk_sizes`: bytes of one chunk per KV cache group; host slots fit the largest.
-        `description`: what `namespace` covers, handed to the tiers (TierContext)."""
+        """`area`: the host memory this tier manages (its slots fit the largest chunk of any KV
+        cache group); whoever copies chunks in and out of it (the connector's worker half)
+        holds the same area. `description`: what `namespace` covers, handed to the tiers
+        (TierContext)."""
         self.config = config
-        self.area = HostArea(config.cpu_bytes_to_use, max(chunk_sizes))
+        self.area = area
         self.host = HostCache(self.area, make_policy(config.eviction_policy, self.area.num_slots))
         self.metrics = OffloadMetrics(metrics_registry)
         self.tiers: list[SecondaryTier] = [
@@ -335,6 +339,21 @@ class TieringManager:
     def num_jobs_in_flight(self) -> int:
         return len(self._jobs)
 
+    def flush(self, timeout_s: float) -> bool:
+        """Write back every dirty chunk and wait until every tier job has ended or missed its
+        own deadline (shutdown: what this instance computed reaches the tiers). False if
+        `timeout_s` passed first."""
+        deadline = self._clock() + timeout_s
+        self.write_back_all()
+        while True:
+            self.poll()
+            if all(job.expired for job in self._jobs.values()):
+                return True
+            if self._clock() > deadline:
+                return False
+            time.sleep(_FLUSH_POLL_S)
+
     def shutdown(self) -> None:
+        """Stop the tiers; each bounds its own wait (a tier stuck in I/O is abandoned)."""
         for tier in self.tiers:
             tier.shutdown()

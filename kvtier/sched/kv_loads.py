@@ -7,10 +7,14 @@ worker may write into those blocks at any time, so nothing may free or reuse the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.kv import RequestStatus
+
+if TYPE_CHECKING:
+    from kvtier.kv import KVCacheManager, Request
 
 
 @dataclass
@@ -88,6 +92,14 @@ class KVLoadTracker:
     @property
     def num_in_flight(self) -> int:
         return sum(not load.received for load in self._loads.values())
+
+    def num_blocks_to_finish(self, requests: Mapping[str, Request],
+                             kv_cache_manager: KVCacheManager) -> int:
+        """Blocks the requests in WAITING_FOR_REMOTE_KVS still need for the rest of their
+        prefill once their load lands: admissions leave them free, or a loaded request could
+        not go on."""
+        return sum(kv_cache_manager.num_blocks_to_finish_prefill(requests[req_id])
+                   for req_id in self._loads)
 
 
 def status_after_load(num_preemptions: int) -> RequestStatus:

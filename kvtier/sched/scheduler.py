@@ -8,6 +8,7 @@ the waiting queue.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -18,6 +19,7 @@ from kvtier.sched.batch import StepBatch
 from kvtier.sched.config import SchedulerConfig
 from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.sched.kv_loads import KVLoadTracker, status_after_load
+from kvtier.sched.lookups import ConnectorLookupDeadlines
 from kvtier.sched.output import (
     CachedRequestData,
     EngineCoreOutput,
@@ -49,12 +51,14 @@ class Scheduler:
         self.waiting = create_request_queue(config.policy)
         self.running: list[Request] = []
         self.loads = KVLoadTracker(config.kv_load_timeout_s, clock)
+        self.lookups = ConnectorLookupDeadlines(config.kv_load_timeout_s, clock)
         self.failures = TransferFailures(self, config.kv_load_failure_policy)
         # Finished since the last schedule(): the runner drops their state.
         self._finished_req_ids: set[str] = set()
         # Running requests whose KV was cut back (bad blocks): the runner must rebuild them.
         self.resync_req_ids: set[str] = set()
-        # Requests whose external load failed: they recompute instead of asking again.
+        # Requests whose external load failed or whose lookup missed its deadline: they
+        # recompute instead of asking the connector again.
         self.no_external_load: set[str] = set()
         self._clock = clock
         # Finished requests whose blocks stay held until a transfer ends: the transfers
@@ -185,10 +189,7 @@ class Scheduler:
                     and not self._try_promote(request)):
                 skipped.append(self.waiting.pop_request())
                 continue
-            admission = plan_admission(
-                request, self.kv_cache_manager, self.connector, batch.token_budget,
-                enable_chunked_prefill=self.config.enable_chunked_prefill,
-                ask_connector=request.request_id not in self.no_external_load)
+            admission = self._plan_admission(request, batch)
             if admission is None:
                 # Its KV is on the way from a slower tier. Every request asked starts such a
                 # fetch, so asking the whole queue would fetch far more than the next steps can
@@ -208,19 +209,37 @@ class Scheduler:
                 skipped.append(request)
         self.waiting.prepend_requests(skipped)
 
+    def _plan_admission(self, request: Request, batch: StepBatch) -> Admission | None:
+        """How `request` would start; None while the connector cannot tell yet."""
+        req_id = request.request_id
+        plan = functools.partial(plan_admission, request, self.kv_cache_manager, self.connector,
+                                 batch.token_budget,
+                                 enable_chunked_prefill=self.config.enable_chunked_prefill)
+        admission = plan(ask_connector=req_id not in self.no_external_load)
+        if admission is None and self.lookups.is_overdue(req_id):
+            # The connector kept answering "not yet" for a whole deadline: go on without it.
+            self.no_external_load.add(req_id)
+            admission = plan(ask_connector=False)
+        return admission
+
     def _admit(self, request: Request, admission: Admission, batch: StepBatch) -> bool:
         """Allocate and start the request (running, or loading); False if blocks ran out."""
         already_computed = request.num_computed_tokens
+        # A newcomer leaves free what the in-flight loads still need; a request whose own load
+        # landed (it computed tokens already) is one of those and may use it.
+        reserved = 0 if already_computed else self.loads.num_blocks_to_finish(
+            self.requests, self.kv_cache_manager)
         new_blocks = self.kv_cache_manager.allocate_slots(
             request, admission.num_new_tokens,
             num_new_computed_tokens=admission.num_local_tokens,
             new_computed_blocks=admission.computed_blocks,
             num_external_computed_tokens=admission.num_external_tokens,
             delay_cache_blocks=admission.load_async,
-            full_sequence_must_fit=self.config.enable_chunked_prefill)
+            full_sequence_must_fit=self.config.enable_chunked_prefill, reserved_blocks=reserved)
         if new_blocks is None:
             return False
         self.waiting.pop_request()
+        self.lookups.forget(request.request_id)
         if self.connector is not None:
             self.connector.update_state_after_alloc(
                 request, self.kv_cache_manager.get_blocks(request.request_id),
@@ -353,6 +372,7 @@ class Scheduler:
         req_id = request.request_id
         loading = self.loads.is_in_flight(req_id)
         self.loads.forget(req_id)
+        self.lookups.forget(req_id)
         request.status = status
         self._finished_req_ids.add(req_id)
         self.resync_req_ids.discard(req_id)
@@ -399,8 +419,10 @@ class Scheduler:
             num_preemptions=self._num_preemptions,
             num_kv_load_failures=self.failures.num_load_failures,
             num_kv_load_timeouts=self.failures.num_load_timeouts,
+            num_connector_lookup_timeouts=self.lookups.num_timeouts,
             connector_stats=self._connector_stats)
         self._num_preemptions = 0
+        self.lookups.num_timeouts = 0
         self.failures.reset_counts()
         self._connector_stats = {}
         return stats
@@ -414,6 +436,9 @@ class Scheduler:
         self._worker_events = []
         return events
 
-    def shutdown(self) -> None:
+    def shutdown(self, last_kv_output: KVConnectorOutput | None = None) -> None:
+        """Stop the connector, after giving it the worker half's last report."""
         if self.connector is not None:
+            if last_kv_output is not None:
+                self.connector.update_connector_output(last_kv_output)
             self.connector.shutdown()

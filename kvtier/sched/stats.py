@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 @dataclass(frozen=True)
 class SchedulerStats:
     """Gauges are current values; counters (`prefix_cache_*`, `num_preemptions`,
-    `num_kv_load_*`, `connector_stats`) are increments since the previous `make_stats()`."""
+    `num_kv_load_*`, `num_connector_lookup_timeouts`, `connector_stats`) are increments since
+    the previous `make_stats()`."""
 
     num_running: int
     # Includes requests waiting for their KV to arrive from a connector.
@@ -21,5 +22,7 @@ class SchedulerStats:
     num_preemptions: int
     num_kv_load_failures: int
     num_kv_load_timeouts: int
+    # Requests admitted without the connector after it kept answering "not yet" too long.
+    num_connector_lookup_timeouts: int = 0
     # Worker connector stats (KVConnectorOutput.stats), summed over the steps since last time.
     connector_stats: dict[str, float] = field(default_factory=dict)

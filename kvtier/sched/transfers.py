@@ -9,20 +9,35 @@ first bad block and computes from there, `fail` finishes it with FINISHED_ERROR.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.kv import Request, RequestStatus
-from kvtier.sched.kv_loads import status_after_load
+from kvtier.sched.kv_loads import KVLoadTracker, status_after_load
 from kvtier.sched.output import EngineCoreOutput
 
 if TYPE_CHECKING:
-    from kvtier.sched.scheduler import Scheduler
+    from kvtier.kv import KVCacheManager
+
+
+class SchedulerState(Protocol):
+    """What load-failure handling reads and changes of the scheduler it serves."""
+
+    requests: dict[str, Request]
+    kv_cache_manager: KVCacheManager
+    loads: KVLoadTracker
+    no_external_load: set[str]
+    resync_req_ids: set[str]
+
+    def remove_from_queues(self, requests: list[Request]) -> None: ...
+
+    def finish_request(self, request: Request,
+                       status: RequestStatus) -> dict[str, Any] | None: ...
 
 
 class TransferFailures:
     """The scheduler's load-failure handling, kept apart from the step pipeline it serves."""
 
-    def __init__(self, scheduler: Scheduler, policy: str) -> None:
+    def __init__(self, scheduler: SchedulerState, policy: str) -> None:
         self._scheduler = scheduler
         self._policy = policy
         kv_cache_config = scheduler.kv_cache_manager.kv_cache_config

@@ -75,7 +75,8 @@ class ModelRunner:
             output.kv_connector_output = KVConnectorOutput(
                 finished_sending=set(sending), finished_recving=set(recving),
                 invalid_block_ids=set(connector.get_block_ids_with_load_errors()),
-                stats=dict(connector.get_stats()), events=list(connector.take_events()))
+                stats=dict(connector.get_stats()), events=list(connector.take_events()),
+                connector_report=connector.build_connector_report())
         finally:
             connector.clear_connector_metadata()
         return output
@@ -106,6 +107,10 @@ class ModelRunner:
         return SamplingRow(params, self.states.generators.get(state.req_id),
                            state.num_output_tokens, eos + tuple(params.stop_token_ids))
 
-    def shutdown(self) -> None:
-        if self.connector is not None:
-            self.connector.shutdown()
+    def shutdown(self) -> KVConnectorOutput | None:
+        """Stop the connector's worker half; returns its last report, on the transfers that
+        ended while it stopped, for the scheduler half (None without a connector)."""
+        if self.connector is None:
+            return None
+        self.connector.shutdown()
+        return KVConnectorOutput(connector_report=self.connector.build_connector_report())

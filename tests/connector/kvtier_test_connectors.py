@@ -12,6 +12,7 @@ from typing import Any
 from kvtier.connector import (
     KVConnectorBase,
     KVConnectorMetadata,
+    KVConnectorReport,
     KVConnectorScheduler,
     KVConnectorWorker,
     parse_options,
@@ -173,3 +174,49 @@ class SendingWorker(RecordingWorker):
 class SendingConnector(KVConnectorBase):
     scheduler_cls = SendingScheduler
     worker_cls = SendingWorker
+
+
+@dataclass(frozen=True)
+class TaggedOptions:
+    tag: str = ""
+
+
+@dataclass
+class TaggedReport(KVConnectorReport):
+    tag: str = ""
+    # The worker's own count of the reports it built, and the shared object it was handed.
+    number: int = 0
+    shared_id: int = 0
+
+
+class TaggedScheduler(RecordingScheduler):
+    """Keeps every report it is handed."""
+
+    def __init__(self, config, context) -> None:
+        super().__init__(config, context)
+        self.reports: list[Any] = []
+
+    def update_connector_output(self, output) -> None:
+        self.reports.append(output.connector_report)
+
+
+class TaggedWorker(RecordingWorker):
+    """Reports its tag, a running number and which shared object it got."""
+
+    def __init__(self, config, context) -> None:
+        super().__init__(config, context)
+        self.tag = parse_options(TaggedOptions, config.kv_connector_extra_config, "Tagged").tag
+        self.number = 0
+
+    def build_connector_report(self) -> TaggedReport:
+        self.number += 1
+        return TaggedReport(self.tag, self.number, id(self.context.shared))
+
+
+class TaggedConnector(KVConnectorBase):
+    scheduler_cls = TaggedScheduler
+    worker_cls = TaggedWorker
+
+    @classmethod
+    def create_shared(cls, config, context) -> dict[str, str]:
+        return {"made_for": config.kv_connector_extra_config["tag"]}

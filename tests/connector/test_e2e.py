@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -188,3 +189,19 @@ def test_layer_hooks_see_every_layer_in_order_every_step(saved):
     assert len(steps) >= MAX_TOKENS + 2
     assert all(step["num_scheduled_tokens"] > 0 for step in steps)
     assert [step["calls"] for step in steps] == [per_step] * len(steps)
+
+
+def test_a_connector_that_never_decides_is_dropped_at_the_lookup_deadline(saved):
+    model_dir, prompts, tokens, _, _ = saved
+    llm = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
+              kv_transfer_config={"kv_connector": "UndecidedConnector",
+                                  "kv_connector_module_path": PLUGINS, "kv_load_timeout_s": 1})
+    start = time.monotonic()
+    try:
+        # Each request waits out one deadline of "not yet", then computes its prompt itself.
+        assert generate(llm, prompts[:2]) == tokens[:2]
+        elapsed = time.monotonic() - start
+        assert 1.0 < elapsed < 1.0 + 10.0
+        assert llm.get_metrics()["kvtier:connector_lookup_timeouts_total"] == 2
+    finally:
+        llm.engine.shutdown()

@@ -5,9 +5,15 @@ import os
 import pytest
 import torch
 
-from kvtier.connector import KVConnectorRole, KVTransferConfig, create_connector
+from kvtier.connector import (
+    KVConnectorOutput,
+    KVConnectorRole,
+    KVTransferConfig,
+    create_connector,
+)
 from kvtier.connector.example import BlockFiles, BlockTransfer, ExampleConnectorScheduler
 from kvtier.connector.multi import MultiConnectorMetadata, child_configs
+from kvtier.engine.runtime import build_connectors
 
 from .connector_testing import (
     CONTEXT,
@@ -19,6 +25,7 @@ from .connector_testing import (
     prefill_output,
     wait_finished_recving,
 )
+from .kvtier_test_connectors import TaggedReport
 
 
 def example_child(path):
@@ -161,3 +168,24 @@ def test_one_sending_child_reports_at_once():
     assert scheduler.request_finished(make_request("r", 4), [1])[0] is True
     assert run_step(worker, scheduler.build_connector_meta(empty_output()), {"r"}) == \
         ({"r"}, set())
+
+
+def test_each_child_gets_its_own_shared_resource_and_its_own_report():
+    config = KVTransferConfig("MultiConnector", kv_connector_extra_config={"connectors": [
+        plugin_child("TaggedConnector", tag="a"), plugin_child("RecordingConnector"),
+        plugin_child("TaggedConnector", tag="b")]})
+    scheduler, worker = build_connectors(config, CONTEXT)  # as the engine builds them
+    shared = [child.context.shared for child in scheduler.children]
+    assert shared == [{"made_for": "a"}, None, {"made_for": "b"}]
+    assert all(w.context.shared is s for w, s in zip(worker.children, shared, strict=True))
+    for _ in range(2):
+        run_step(worker, scheduler.build_connector_meta(empty_output()))
+        scheduler.update_connector_output(
+            KVConnectorOutput(connector_report=worker.build_connector_report()))
+    tagged_a, _, tagged_b = scheduler.children
+    assert tagged_a.reports == [TaggedReport("a", n, id(shared[0])) for n in (1, 2)]
+    assert tagged_b.reports == [TaggedReport("b", n, id(shared[2])) for n in (1, 2)]
+    _, quiet_worker = build_connectors(KVTransferConfig(
+        "MultiConnector", kv_connector_extra_config={"connectors": [
+            plugin_child("RecordingConnector")] * 2}), CONTEXT)
+    assert quiet_worker.build_connector_report() is None

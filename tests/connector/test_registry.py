@@ -90,7 +90,7 @@ def test_module_path_errors():
     assert str(err.value) == (
         "module 'tests.connector.kvtier_test_connectors' has no class 'Recorder'; connector "
         "classes in it: ['FaultyLoadConnector', 'HalfMissingConnector', 'RecordingConnector', "
-        "'SendingConnector', 'UndecidedConnector']")
+        "'SendingConnector', 'TaggedConnector', 'UndecidedConnector']")
     with pytest.raises(ConnectorLookupError,
                        match=r"^tests\.connector\.kvtier_test_connectors\.NotAConnector is not a "
                              r"subclass of .*KVConnectorBase$"):

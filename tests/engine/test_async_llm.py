@@ -202,3 +202,33 @@ def test_a_build_past_the_startup_deadline_is_an_engine_startup_error(engine):
     # Nobody holds the engine built after the caller gave up: the thread shuts it down.
     assert late.shut_down.wait(DEADLINE_S)
     assert _no_engine_thread_left()
+
+
+class _StuckShutdown:
+    """The real engine, whose shutdown blocks until `release` (a tier stuck in I/O)."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.release = threading.Event()
+        self.shut_down_on: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def shutdown(self) -> None:
+        self.shut_down_on.append(threading.current_thread().name)
+        self.release.wait(DEADLINE_S)
+
+
+def test_shutdown_stops_the_engine_on_its_thread_and_waits_only_until_the_deadline(engine):
+    stuck = _StuckShutdown(engine)
+    async_llm = AsyncLLM(lambda: stuck)
+    final = asyncio.run(asyncio.wait_for(_last(async_llm, PROMPT, SHORT, "r"), DEADLINE_S))
+    assert len(final.outputs[0].token_ids) == 2
+    start = time.monotonic()
+    async_llm.shutdown(drain_timeout_s=0.0, join_timeout_s=0.5)
+    assert time.monotonic() - start < 0.5 + 5
+    assert stuck.shut_down_on == ["kvtier-engine"]  # the only thread that touches the engine
+    assert async_llm._thread.is_alive() and async_llm._thread.daemon  # abandoned, not joined
+    stuck.release.set()
+    assert _no_engine_thread_left()

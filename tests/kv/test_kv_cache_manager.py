@@ -175,6 +175,17 @@ def test_reserved_blocks_refuse_allocation(make_manager):
     manager.free(r)
 
 
+def test_blocks_to_finish_prefill_count_what_a_loading_request_still_needs(make_manager):
+    manager = make_manager()  # block size 4
+    loading = make_request(manager, "load", list(range(18)))  # 5 blocks in all
+    assert manager.num_blocks_to_finish_prefill(loading) == 5
+    manager.allocate_slots(loading, 0, num_external_computed_tokens=8, delay_cache_blocks=True)
+    loading.num_computed_tokens = 8  # as the scheduler sets it for the load
+    assert manager.get_block_ids("load") == ([1, 2],)
+    assert manager.num_blocks_to_finish_prefill(loading) == 3
+    manager.free(loading)
+
+
 def test_delayed_caching_gives_no_hit_until_cache_blocks(make_manager):
     manager = make_manager()
     loading = make_request(manager, "load", list(range(9)))

@@ -2,6 +2,7 @@
 
 import pytest
 
+from kvtier.offload.host_area import HostArea
 from kvtier.offload.manager import TieringManager
 
 from .offload_helpers import CHUNK, NAMESPACE
@@ -12,7 +13,8 @@ def make_manager():
     managers = []
 
     def make(config, **kwargs):
-        manager = TieringManager(config, NAMESPACE, [CHUNK], **kwargs)
+        area = HostArea(config.cpu_bytes_to_use, CHUNK)
+        manager = TieringManager(config, NAMESPACE, area, **kwargs)
         managers.append(manager)
         return manager
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.offload.tiers.base import (
@@ -12,6 +14,7 @@ from kvtier.offload.tiers.base import (
     TierContext,
     TransferJob,
 )
+from kvtier.offload.tiers.threaded import ThreadedTier
 
 
 class RaisingTier(SecondaryTier):
@@ -54,3 +57,31 @@ class StuckTier(SecondaryTier):
     def release(self, ok: bool) -> None:
         self._released += [JobResult(job.job_id, ok=ok) for job in self.held]
         self.held = []
+
+
+@dataclass(frozen=True)
+class _HangingOptions:
+    num_read_threads: int = 1
+    num_write_threads: int = 2
+    write_nice: int = 0
+
+
+class HangingTier(ThreadedTier):
+    """Has nothing; every store blocks in its write thread until `RELEASE_HANGING` is set (in a
+    process that never sets it: forever), like a write to a dead network file system."""
+
+    def __init__(self, options: Any, context: TierContext) -> None:
+        super().__init__(_HangingOptions(), context)
+
+    def lookup(self, key, req_context: Any = None) -> LookupResult:
+        return LookupResult.NOT_FOUND
+
+    def _store(self, job: TransferJob) -> None:
+        RELEASE_HANGING.wait()
+        raise ConnectionError("released")
+
+    def _load(self, job: TransferJob) -> None:
+        raise ConnectionError("nothing to load")
+
+
+RELEASE_HANGING = threading.Event()

@@ -1,6 +1,7 @@
 """OffloadingConnector end to end: a tiny random Llama whose device KV cache is too small for
 the working set, checked token for token against HF transformers (fp32, greedy)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -205,6 +206,8 @@ def test_damaged_disk_files_fall_back_to_recompute(model, tmp_path, how, num_err
 
 
 def _wait_for_cascade(llm):
+    # One more (empty) step: the worker half fences the last step's copies and reports them.
+    llm.engine.step()
     assert llm.engine.scheduler.connector.flush(timeout_s=30), "cascade to the tiers hangs"
 
 
@@ -262,3 +265,35 @@ def test_sliding_window_group_reloads_only_its_window(tmp_path):
         assert _bytes(llm.get_metrics(), "host_to_device") == 2 * 2 * CHUNK_BYTES
     finally:
         llm.engine.shutdown()
+
+
+_HUNG_TIER_INSTANCE = textwrap.dedent("""
+    import json, time
+    from kvtier import LLM, SamplingParams
+    config = {{"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {{
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20,
+        "tier_job_timeout_s": {deadline},
+        "secondary_tiers": [{{"type": "HangingTier", "module_path": {faulty!r}}}]}}}}
+    llm = LLM({model!r}, dtype="float32", block_size=4, num_device_blocks=24, max_num_seqs=2,
+              kv_transfer_config=config)
+    params = SamplingParams(temperature=0.0, max_tokens={max_tokens}, ignore_eos=True)
+    outs = llm.generate([{{"prompt_token_ids": p}} for p in {prompts!r}], params)
+    start = time.monotonic()
+    llm.engine.shutdown()
+    print(json.dumps([[o.outputs[0].token_ids for o in outs], time.monotonic() - start]))
+""")
+
+
+def test_shutdown_with_a_hung_tier_ends_by_its_deadline_and_the_process_exits(model):
+    model_dir, prompts, expected = model
+    deadline = 1
+    script = _HUNG_TIER_INSTANCE.format(model=model_dir, faulty=FAULTY_TIERS, deadline=deadline,
+                                        max_tokens=MAX_TOKENS, prompts=prompts[:2])
+    # Every store to the tier blocks forever: the process must still shut down and exit.
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    tokens, shutdown_s = json.loads(out.stdout.strip().splitlines()[-1])
+    assert tokens == expected[:2]
+    assert shutdown_s < deadline + 5
+    assert "abandoned" in out.stderr  # the stuck write threads, logged once

@@ -1,14 +1,18 @@
 """The offloading scheduler half against the real KV cache manager: exact plans and RETRY."""
 
+import dataclasses
 import time
 
 import pytest
 
 from kvtier.connector.base import ConnectorContext, KVConnectorOutput
 from kvtier.connector.config import KVTransferConfig
-from kvtier.connector.offloading import OffloadingConnectorScheduler
-from kvtier.connector.offloading.metadata import ChunkTransfer
-from kvtier.connector.offloading.session import BatchDone
+from kvtier.connector.offloading import OffloadingConnector, OffloadingConnectorScheduler
+from kvtier.connector.offloading.metadata import (
+    BatchDone,
+    ChunkTransfer,
+    OffloadingConnectorReport,
+)
 from kvtier.kv import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -44,7 +48,9 @@ def make_connector():
                                              "kv_connector_extra_config": options})
         context = ConnectorContext(block_size=BLOCK, num_layers=2, kv_identity=IDENTITY,
                                    kv_cache_config=KV_CONFIG)
-        connector = OffloadingConnectorScheduler(config, context)
+        shared = OffloadingConnector.create_shared(config, context)
+        connector = OffloadingConnectorScheduler(config,
+                                                 dataclasses.replace(context, shared=shared))
         made.append(connector)
         return connector
 
@@ -76,6 +82,14 @@ def _empty_step(connector):
     return connector.build_connector_meta(SchedulerOutput([], [], {}, 0))
 
 
+def _report_done(connector, direction, transfers, **output):
+    """The worker half's report that it copied `transfers`."""
+    done = BatchDone(direction, tuple(t.job_id for t in transfers), True,
+                     len(transfers) * CHUNK_BYTES, 0.001, 5.0)
+    connector.update_connector_output(KVConnectorOutput(
+        connector_report=OffloadingConnectorReport([done]), **output))
+
+
 def test_prefill_plans_one_store_per_full_block(make_connector):
     connector = make_connector()
     kv = KVCacheManager(KV_CONFIG, max_model_len=64)
@@ -85,7 +99,6 @@ def test_prefill_plans_one_store_per_full_block(make_connector):
     assert metadata.stores == [ChunkTransfer(i, "r1", 0, i, (0,), (block_ids[i],))
                                for i in range(7)]
     assert metadata.loads == []
-    assert metadata.session_id == connector.session.session_id
 
 
 def test_prompt_only_and_threshold_limit_stores(make_connector):
@@ -102,11 +115,7 @@ def test_host_hit_loads_by_block_id(make_connector):
     kv = KVCacheManager(KV_CONFIG, max_model_len=64)
     first = _request("r1")
     metadata, _ = _schedule_prefill(connector, kv, first)
-    # The worker's part: report the copies done.
-    connector.session.completions.put(BatchDone("device_to_host",
-                                                tuple(t.job_id for t in metadata.stores),
-                                                True, 7 * CHUNK_BYTES, 0.001, 5.0))
-    _empty_step(connector)
+    _report_done(connector, "device_to_host", metadata.stores)
     second = _request("r2")
     # 30 tokens: 7 blocks can be loaded, the last token is recomputed.
     assert connector.get_num_new_matched_tokens(second, 0) == (28, True)
@@ -117,8 +126,9 @@ def test_host_hit_loads_by_block_id(make_connector):
     assert [(t.slot, t.block_ids) for t in loads] == [(i, (block_ids[i],)) for i in range(7)]
     entries = connector.manager.host.entries
     assert [entry.num_readers for entry in entries.values()] == [1] * 7
-    connector.update_connector_output(KVConnectorOutput(finished_recving={"r2"}))
+    _report_done(connector, "host_to_device", loads, finished_recving={"r2"})
     assert [entry.num_readers for entry in entries.values()] == [0] * 7
+    assert connector.flush(timeout_s=5)  # every copy reported, no tier job left
     moves = [(e.source, e.destination) for e in connector.take_events()]
     assert moves == [("device", "host")] * 7 + [("host", "device")] * 7
 

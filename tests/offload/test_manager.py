@@ -1,3 +1,6 @@
+import threading
+import time
+
 import pytest
 
 from kvtier.engine.metrics import MetricsRegistry
@@ -20,6 +23,7 @@ from .offload_helpers import (
 MEMORY = {"type": "memory"}
 RAISING = {"type": "RaisingTier", "module_path": FAULTY_TIERS}
 STUCK = {"type": "StuckTier", "module_path": FAULTY_TIERS}
+HANGING = {"type": "HangingTier", "module_path": FAULTY_TIERS}
 
 
 def test_host_hit_and_miss_without_tiers(make_manager):
@@ -121,29 +125,24 @@ def test_groups_of_different_page_sizes_share_the_host_area(make_manager):
     # A hybrid model: an attention group (CHUNK bytes per chunk) and a Mamba group whose
     # per-block state is smaller. Both go through the same slots, tiers and promotion.
     from kvtier.offload.keys import make_chunk_key
-    from kvtier.offload.manager import TieringManager
     state_bytes = CHUNK // 4
-    manager = TieringManager(offload_config(2, [MEMORY]), NAMESPACE, [CHUNK, state_bytes])
-    try:
-        assert manager.area.slot_bytes == CHUNK
-        state_key = make_chunk_key(NAMESPACE, 1, (5).to_bytes(32, "big"))
-        manager.record_use(state_key)
-        slot = manager.prepare_store(state_key, state_bytes)
-        manager.area.slot_view(slot, state_bytes)[:] = chunk_bytes(5)[:state_bytes]
-        manager.complete_store(state_key, ok=True)
+    manager = make_manager(offload_config(2, [MEMORY]))
+    state_key = make_chunk_key(NAMESPACE, 1, (5).to_bytes(32, "big"))
+    manager.record_use(state_key)
+    slot = manager.prepare_store(state_key, state_bytes)
+    manager.area.slot_view(slot, state_bytes)[:] = chunk_bytes(5)[:state_bytes]
+    manager.complete_store(state_key, ok=True)
+    manager.poll()
+    for n in (1, 2):  # push the state out of host memory
+        store_from_device(manager, n)
         manager.poll()
-        for n in (1, 2):  # push the state out of host memory
-            store_from_device(manager, n)
-            manager.poll()
-        assert state_key not in manager.host.entries
-        assert manager.lookup(state_key, state_bytes) is Lookup.RETRY
-        manager.poll()
-        assert manager.lookup(state_key, state_bytes) is Lookup.HIT
-        slot = manager.prepare_load(state_key)
-        assert bytes(manager.area.slot_view(slot, state_bytes)) == chunk_bytes(5)[:state_bytes]
-        assert len(manager.host.view(state_key)) == state_bytes
-    finally:
-        manager.shutdown()
+    assert state_key not in manager.host.entries
+    assert manager.lookup(state_key, state_bytes) is Lookup.RETRY
+    manager.poll()
+    assert manager.lookup(state_key, state_bytes) is Lookup.HIT
+    slot = manager.prepare_load(state_key)
+    assert bytes(manager.area.slot_view(slot, state_bytes)) == chunk_bytes(5)[:state_bytes]
+    assert len(manager.host.view(state_key)) == state_bytes
 
 
 def test_found_below_while_every_host_slot_is_busy_is_asked_again(make_manager):
@@ -334,3 +333,23 @@ def test_a_tier_with_max_pending_stores_in_flight_drops_new_stores(make_manager)
     store_from_device(manager, 7)
     assert [job.key for job in stuck.held] == [key(7)]
     assert manager.metrics.snapshot()[dropped] == 4  # 6 arrived with two stores in flight
+
+
+def test_flush_and_shutdown_with_a_hung_tier_end_by_the_job_deadline(make_manager):
+    from .faulty_tiers import RELEASE_HANGING
+    manager = make_manager(offload_config(4, [HANGING], tier_job_timeout_s=0.5))
+    store_from_device(manager, 1)
+    store_from_device(manager, 2)  # both cascades hang in the tier's write threads
+    start = time.monotonic()
+    try:
+        assert manager.flush(timeout_s=30)  # every job ended or missed its deadline
+        manager.shutdown()
+        assert time.monotonic() - start < 0.5 + 5
+        stats = manager.metrics.snapshot()
+        assert stats['kvtier:offload_tier_errors_total{tier="HangingTier"}'] == 2
+        hung = [t for t in threading.enumerate() if t.name.startswith("kvtier-HangingTier-write")
+                and t.is_alive()]
+        assert len(hung) == 2 and all(t.daemon for t in hung)  # abandoned, never joined
+    finally:
+        RELEASE_HANGING.set()  # wakes the writers of this test (set wakes every waiter now)
+        RELEASE_HANGING.clear()

@@ -346,3 +346,72 @@ def test_the_engine_stops_waiting_for_a_send_never_reported(managers):
     assert manager.num_free_blocks == 15 - 1
     step(sched, runner, KVConnectorOutput(finished_sending={"a"}))
     assert_all_free(manager)
+
+
+def test_connector_undecided_past_the_deadline_is_admitted_without_it(managers):
+    manager = managers(16)
+    clock = Clock()
+    connector = ScriptedConnector(answers={"a": [(None, False)], "b": [(None, False), (0, False)]})
+    sched = make_scheduler(manager, connector, clock, kv_load_timeout_s=5.0)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", prompt(0, 12), max_tokens=1))
+    sched.add_request(make_request("b", prompt(100, 4), max_tokens=1))
+    out, _ = step(sched, runner)  # both: "not yet"
+    assert out.is_empty
+    clock.now = 5.0
+    out, _ = step(sched, runner)  # b decided (nothing to load); a still within its deadline
+    assert [new.req_id for new in out.scheduled_new_reqs] == ["b"]
+    clock.now = 5.5
+    out, core = step(sched, runner)
+    new = out.scheduled_new_reqs[0]
+    assert (new.req_id, new.num_computed_tokens, out.num_scheduled_tokens) == ("a", 0, {"a": 12})
+    assert connector.allocs == [("b", [1], 0), ("a", [2, 3, 4], 0)]
+    assert [q[0] for q in connector.queries] == ["a", "b", "a", "b", "a"]  # not asked again
+    assert core[0].finish_reason == "length"
+    assert sched.make_stats().num_connector_lookup_timeouts == 1
+    assert sched.make_stats().num_connector_lookup_timeouts == 0  # a counter: since last time
+    assert_all_free(manager)
+
+
+def test_admission_leaves_the_blocks_an_in_flight_load_still_needs(managers):
+    manager = managers(8)  # usable blocks 1..7
+    connector = ScriptedConnector(answers={"a": [(8, True)]})
+    sched = make_scheduler(manager, connector)
+    runner = FakeRunner()
+    a = make_request("a", prompt(0, 16), max_tokens=1)
+    sched.add_request(a)
+    sched.add_request(make_request("b", prompt(100, 16), max_tokens=1))
+    out, _ = step(sched, runner)
+    # a loads 8 tokens into blocks 1, 2 and needs 2 more for the rest of its prompt. b needs 4:
+    # the 5 free blocks would hold it, leaving a 1 when its load lands.
+    assert connector.allocs == [("a", [1, 2], 8)]
+    assert manager.num_blocks_to_finish_prefill(a) == 2 and manager.num_free_blocks == 5
+    assert out.is_empty and [r.request_id for r in sched.waiting] == ["a", "b"]
+    out, _ = step(sched, runner, recv("a"))  # the load lands; b still may not take a's blocks
+    assert out.is_empty and manager.num_free_blocks == 5
+    out, _ = step(sched, runner)  # a goes on from its loaded blocks
+    assert [(new.req_id, new.block_ids) for new in out.scheduled_new_reqs] == [
+        ("a", ([1, 2, 3, 4],))]
+    out, _ = step(sched, runner)  # a finished and freed its blocks: now b fits
+    assert [new.req_id for new in out.scheduled_new_reqs] == ["b"]
+    assert_all_free_after(sched, runner, manager)
+
+
+def test_a_landed_load_may_use_the_blocks_other_loads_reserve(managers):
+    manager = managers(8)  # usable blocks 1..7
+    connector = ScriptedConnector(answers={"a": [(8, True)], "b": [(8, True)]})
+    sched = make_scheduler(manager, connector, enable_chunked_prefill=False)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", prompt(0, 16), max_tokens=1))
+    sched.add_request(make_request("b", prompt(100, 20), max_tokens=1))
+    step(sched, runner)  # both load: a will need 2 more blocks, b 3 more; 3 are free
+    assert connector.allocs == [("a", [1, 2], 8), ("b", [3, 4], 8)]
+    step(sched, runner, recv("a"))
+    # a goes on with 2 of the blocks b reserves: held back, it would block b behind it for good.
+    out, _ = step(sched, runner)
+    assert [(new.req_id, new.block_ids) for new in out.scheduled_new_reqs] == [
+        ("a", ([1, 2, 5, 6],))]
+    step(sched, runner, recv("b"))
+    out, _ = step(sched, runner)
+    assert [new.req_id for new in out.scheduled_new_reqs] == ["b"]
+    assert_all_free_after(sched, runner, manager)

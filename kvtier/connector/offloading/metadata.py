@@ -1,10 +1,14 @@
-"""What the offloading scheduler half tells its worker half each step (plain data)."""
+"""What the offloading halves tell each other each step (plain data): the scheduler half's
+metadata (which chunks to copy) and the worker half's report (which copies finished)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from kvtier.connector.base import KVConnectorMetadata
+from kvtier.connector.base import KVConnectorMetadata, KVConnectorReport
+
+Direction = Literal["device_to_host", "host_to_device"]
 
 
 @dataclass(frozen=True)
@@ -26,9 +30,27 @@ class ChunkTransfer:
 
 @dataclass
 class OffloadingConnectorMetadata(KVConnectorMetadata):
-    # Names the in-process session (host area + completion queue) both halves share.
-    session_id: str
     # host -> device, started in start_load_kv; reported per request in finished_recving.
     loads: list[ChunkTransfer] = field(default_factory=list)
     # device -> host, started in wait_for_save once this step's KV is written.
     stores: list[ChunkTransfer] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    """The worker finished one batch of copies in `direction`. `job_ids` are the transfers it
+    completes; `ok` False means none of them moved valid data."""
+
+    direction: Direction
+    job_ids: tuple[int, ...]
+    ok: bool
+    num_bytes: int
+    seconds: float
+    # time.monotonic() when the batch ended (busy-time metrics)
+    ended: float
+
+
+@dataclass
+class OffloadingConnectorReport(KVConnectorReport):
+    # The copy batches that ended since the last report, in the order they ended.
+    batches: list[BatchDone] = field(default_factory=list)

@@ -16,28 +16,25 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.connector.base import ConnectorContext, KVConnectorScheduler
-from kvtier.connector.offloading.metadata import ChunkTransfer, OffloadingConnectorMetadata
-from kvtier.connector.offloading.session import close_session, open_session
+from kvtier.connector.offloading.metadata import (
+    BatchDone,
+    ChunkTransfer,
+    OffloadingConnectorMetadata,
+    OffloadingConnectorReport,
+)
+from kvtier.connector.offloading.shared import shared_of
 from kvtier.kv import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.keys import ChunkKey, chunk_identity, make_chunk_key
-from kvtier.offload.layout import ChunkLayout
 from kvtier.offload.manager import Lookup, TieringManager
 
 _NULL_BLOCK_ID = 0
-
-
-@dataclass
-class _RequestState:
-    request: Any
-    # Device block ids per group, as the scheduler has handed them out so far.
-    block_ids: list[list[int]]
-    # Chunks before this one were already planned for storing.
-    next_store_chunk: int = 0
+# Shutdown's flush waits for the tier jobs' own deadline plus this long.
+_FLUSH_MARGIN_S = 1.0
 
 
 @dataclass
@@ -49,39 +46,48 @@ class _Plan:
 
 
 @dataclass
-class _Load:
-    key: ChunkKey
-    block_ids: tuple[int, ...]
+class _RequestState:
+    """What this half knows about one request, from its first lookup to request_finished."""
+
+    request: Any
+    # Device block ids per group, as the scheduler has handed them out so far; None until
+    # the request is first admitted.
+    block_ids: list[list[int]] | None = None
+    # Chunks before this one were already planned for storing.
+    next_store_chunk: int = 0
+    plan: _Plan | None = None
+    # (group, chunk) pairs looked up: a request re-asks while they are promoted, and the tier
+    # counters count each once.
+    asked: set[tuple[int, int]] = field(default_factory=set)
+    # When a lookup first answered RETRY; None while not waiting for promotions.
+    retrying_since: float | None = None
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: Any, context: ConnectorContext) -> None:
         super().__init__(config, context)
-        if context.kv_cache_config is None:
-            raise ValueError("OffloadingConnector needs ConnectorContext.kv_cache_config (the "
-                             "engine passes its KVCacheConfig)")
+        shared = shared_of(context)
         self.options: OffloadConfig = config.options  # parsed with the engine's config
         self.groups = [g.kv_cache_spec for g in context.kv_cache_config.kv_cache_groups]
-        self.layouts = tuple(
-            ChunkLayout(spec.page_size_bytes, len(g.layer_names), self.options.blocks_per_chunk)
-            for g, spec in zip(context.kv_cache_config.kv_cache_groups, self.groups))
+        self.layouts = shared.layouts
         identity = chunk_identity(context.kv_identity, self.options.blocks_per_chunk)
         self.namespace = identity.namespace
-        self.manager = TieringManager(self.options, self.namespace,
-                                      [layout.chunk_bytes for layout in self.layouts],
+        self.manager = TieringManager(self.options, self.namespace, shared.area,
                                       metrics_registry=context.metrics,
                                       description=identity.describe())
-        self.session = open_session(self.manager, self.layouts)
         self.block_size = context.block_size
         self.chunk_tokens = self.block_size * self.options.blocks_per_chunk
         self._job_ids = itertools.count()
-        self._requests: dict[str, _RequestState] = {}
-        self._plans: dict[str, _Plan] = {}
+        self._states: dict[str, _RequestState] = {}
         self._pending_loads: list[ChunkTransfer] = []
-        self._loading: dict[str, list[_Load]] = {}
-        self._storing: dict[int, ChunkKey] = {}
-        self._asked: dict[str, set[tuple[int, int]]] = {}  # (group, chunk) looked up per request
-        self._retrying: dict[str, float] = {}  # when each request was first answered RETRY
+        # Copies handed to the worker half and not yet reported: job id -> chunk.
+        self._transfers: dict[int, ChunkKey] = {}
+
+    def _state(self, request: Any) -> _RequestState:
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = self._states[request.request_id] = _RequestState(request)
+        return state
 
     # ---- keys and lookups ------------------------------------------------------------------
 
@@ -103,11 +109,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return range(max(start, end - 1), end)
         return range(start, end)
 
-    def _lookup(self, request: Any, group_id: int, chunk: int) -> Lookup:
-        # A request re-asks while its chunks are promoted: the tier counters count it once.
-        asked = self._asked.setdefault(request.request_id, set())
-        first = (group_id, chunk) not in asked
-        asked.add((group_id, chunk))
+    def _lookup(self, state: _RequestState, group_id: int, chunk: int) -> Lookup:
+        first = (group_id, chunk) not in state.asked
+        state.asked.add((group_id, chunk))
+        request = state.request
         return self.manager.lookup(self.chunk_key(request, group_id, chunk),
                                    self.layouts[group_id].chunk_bytes, request.request_id,
                                    record=first)
@@ -120,53 +125,53 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         num_chunks = num_loadable_blocks // self.options.blocks_per_chunk
         start = num_computed_tokens // self.chunk_tokens
         end, retry = start, False
+        state = self._state(request)
         # Waited a whole tier-job deadline: take what host memory holds now. Without this, a
         # request with more chunks on a tier than the host has slots waits forever, each
         # step's promotions evicting the previous step's.
-        settle = self._waited_too_long(request.request_id)
+        settle = self._waited_too_long(state)
         scan = self._scan_groups()
         for chunk in range(start, num_chunks):
             # Past a RETRY the scan goes on, so every chunk on a tier is promoted at once.
-            answers = {self._lookup(request, g, chunk) for g in scan}
+            answers = {self._lookup(state, g, chunk) for g in scan}
             if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
                 break
             retry = retry or Lookup.RETRY in answers
             end = chunk + 1
         others = [g for g in range(len(self.groups)) if g not in scan]
         for g in others:
-            answers = {self._lookup(request, g, c) for c in self._needed_chunks(g, start, end)}
+            answers = {self._lookup(state, g, c) for c in self._needed_chunks(g, start, end)}
             if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
                 end = start
             retry = retry or Lookup.RETRY in answers
         if retry and end > start:
-            self._retrying.setdefault(request.request_id, time.monotonic())
+            if state.retrying_since is None:
+                state.retrying_since = time.monotonic()
             return None, False
         num_tokens = end * self.chunk_tokens - num_computed_tokens
         if num_tokens <= 0:
             return 0, False
-        self._plans[request.request_id] = _Plan(num_computed_tokens, end)
+        state.plan = _Plan(num_computed_tokens, end)
         return num_tokens, True
 
-    def _waited_too_long(self, req_id: str) -> bool:
-        since = self._retrying.get(req_id)
+    def _waited_too_long(self, state: _RequestState) -> bool:
+        since = state.retrying_since
         return since is not None and time.monotonic() - since > self.options.tier_job_timeout_s
 
     # ---- loads -------------------------------------------------------------------------------
 
     def update_state_after_alloc(self, request: Any, blocks: Any,
                                  num_external_tokens: int) -> None:
-        req_id = request.request_id
-        self._retrying.pop(req_id, None)  # admitted: a later ask (after a preemption) may wait
+        state = self._state(request)
+        state.retrying_since = None  # admitted: a later ask (after a preemption) may wait
         block_ids = [list(ids) for ids in blocks.get_block_ids()]
-        if req_id not in self._requests:
-            self._requests[req_id] = _RequestState(request, block_ids)
+        if state.block_ids is None:
             num_chunks = len(request.block_hashes) // self.options.blocks_per_chunk
             for chunk in range(num_chunks):
                 for g in range(len(self.groups)):
                     self.manager.record_use(self.chunk_key(request, g, chunk))
-        else:
-            self._requests[req_id].block_ids = block_ids
-        plan = self._plans.pop(req_id, None)
+        state.block_ids = block_ids
+        plan, state.plan = state.plan, None
         if plan is None or num_external_tokens == 0:
             return
         first_block = plan.num_local_tokens // self.block_size
@@ -189,7 +194,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                                  offsets, ids)
         self._pending_loads.append(transfer)
         if slot is not None:
-            self._loading.setdefault(request.request_id, []).append(_Load(key, ids))
+            self._transfers[transfer.job_id] = key
 
     def _blocks_of_chunk(self, chunk: int, block_ids: list[int], first_block: int,
                          end_block: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -208,22 +213,20 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     # ---- stores and the step's metadata ------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> OffloadingConnectorMetadata:
-        self._collect_worker_reports()
         self.manager.poll()
         stores: list[ChunkTransfer] = []
         for data in scheduler_output.scheduled_new_reqs:
-            state = self._requests.get(data.req_id)
+            state = self._states.get(data.req_id)
             if state is not None:
                 state.block_ids = [list(ids) for ids in data.block_ids]
                 self._plan_stores(state, data.num_computed_tokens, scheduler_output, stores)
         for data in scheduler_output.scheduled_cached_reqs:
-            state = self._requests.get(data.req_id)
-            if state is not None:
+            state = self._states.get(data.req_id)
+            if state is not None and state.block_ids is not None:
                 for ids, new_ids in zip(state.block_ids, data.new_block_ids):
                     ids.extend(new_ids)
                 self._plan_stores(state, data.num_computed_tokens, scheduler_output, stores)
-        metadata = OffloadingConnectorMetadata(self.session.session_id,
-                                               loads=self._pending_loads, stores=stores)
+        metadata = OffloadingConnectorMetadata(loads=self._pending_loads, stores=stores)
         self._pending_loads = []
         return metadata
 
@@ -253,59 +256,54 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if slot is None:
             return
         job_id = next(self._job_ids)
-        self._storing[job_id] = key
+        self._transfers[job_id] = key
         stores.append(ChunkTransfer(job_id, request.request_id, group_id, slot, offsets, ids))
-
-    def _collect_worker_reports(self) -> None:
-        completions = self.session.completions
-        while not completions.empty():
-            done = completions.get_nowait()
-            if done.ok:
-                self.manager.metrics.transfer(done.direction, done.num_bytes, done.seconds,
-                                              done.ended)
-            else:
-                self.manager.metrics.error("host")
-            for job_id in done.job_ids:
-                self.manager.complete_store(self._storing.pop(job_id), done.ok)
 
     # ---- reports, finishing, events ----------------------------------------------------------
 
     def update_connector_output(self, output: Any) -> None:
-        self._collect_worker_reports()
-        for req_id in output.finished_recving:
-            for load in self._loading.pop(req_id, []):
-                ok = not output.invalid_block_ids.intersection(load.block_ids)
-                self.manager.complete_load(load.key, ok)
+        report = output.connector_report
+        if isinstance(report, OffloadingConnectorReport):
+            for done in report.batches:
+                self._complete(done)
+
+    def _complete(self, done: BatchDone) -> None:
+        """The worker finished a batch of copies: the chunks' host slots are theirs again
+        (a store that worked goes on to the secondary tiers)."""
+        if done.ok:
+            self.manager.metrics.transfer(done.direction, done.num_bytes, done.seconds,
+                                          done.ended)
+        else:
+            self.manager.metrics.error("host")
+        for job_id in done.job_ids:
+            key = self._transfers.pop(job_id)
+            if done.direction == "device_to_host":
+                self.manager.complete_store(key, done.ok)
+            else:
+                self.manager.complete_load(key, done.ok)
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Stores never need the blocks kept: the worker fences them before the next forward.
-        self._requests.pop(request.request_id, None)
-        self._plans.pop(request.request_id, None)
-        self._asked.pop(request.request_id, None)
-        self._retrying.pop(request.request_id, None)
+        # Its copies in flight are tracked by job, so they end well without it.
+        self._states.pop(request.request_id, None)
         return False, None
 
     def take_events(self) -> list[Any]:
         return self.manager.take_events()
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every planned store is in host memory, has gone on to the secondary
-        tiers (write_back included) and every tier job has ended (an idle engine takes no steps
-        to notice). False if `timeout_s` passed first."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            self._collect_worker_reports()
-            self.manager.write_back_all()
-            self.manager.poll()
-            if not self._storing and not self.manager.num_jobs_in_flight():
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(0.002)
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Send every chunk in host memory that the tiers lack on its way (write_back
+        included) and wait until every tier job has ended or missed its deadline, for at most
+        `timeout_s` (default: one tier-job deadline and a margin). Copies from the device
+        count once the worker half has reported them. False if the wait ran out or a copy is
+        still unreported."""
+        if timeout_s is None:
+            timeout_s = self.options.tier_job_timeout_s + _FLUSH_MARGIN_S
+        return self.manager.flush(timeout_s) and not self._transfers
 
     def shutdown(self) -> None:
-        # Finish the cascade so that what this instance computed reaches the shared tiers.
+        # Called after the worker half's last report: what this instance computed reaches the
+        # shared tiers, within the tier-job deadline.
         self.flush()
         self.manager.shutdown()
-        close_session(self.session.session_id)

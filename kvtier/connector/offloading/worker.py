@@ -1,5 +1,9 @@
 """OffloadingConnector, worker half: moves chunk bytes between the paged cache and host slots.
 
+It needs nothing but what the engine hands it: the host area and chunk layouts in
+`context.shared`, the paged KV tensors, and each step's metadata. Every copy it finishes goes
+back to the scheduler half in its `OffloadingConnectorReport`.
+
 One copy thread does every copy, so copies overlap sampling, scheduling and the next forward's
 preparation without racing each other. Loads (host -> device) fill blocks that belong to a
 request in WAITING_FOR_REMOTE_KVS, which no forward reads until the load is reported. Stores
@@ -11,17 +15,25 @@ delay a free until `finished_sending`.
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.common.cpu_threads import use_one_cpu_thread
+from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.connector.base import ConnectorContext, KVConnectorWorker
-from kvtier.connector.offloading.metadata import ChunkTransfer, OffloadingConnectorMetadata
-from kvtier.connector.offloading.session import BatchDone, OffloadSession, find_session
+from kvtier.connector.offloading.metadata import (
+    BatchDone,
+    ChunkTransfer,
+    Direction,
+    OffloadingConnectorMetadata,
+    OffloadingConnectorReport,
+)
+from kvtier.connector.offloading.shared import shared_of
 from kvtier.connector.offloading.transfer import ChunkCopier
 
 
@@ -36,26 +48,31 @@ class _StoreBatch:
 class OffloadingConnectorWorker(KVConnectorWorker):
     def __init__(self, config: Any, context: ConnectorContext) -> None:
         super().__init__(config, context)
-        self._copy_thread = ThreadPoolExecutor(1, "kvtier-offload-copy",
-                                               initializer=use_one_cpu_thread)
-        self._session: OffloadSession | None = None
+        self.shared = shared_of(context)
+        self._copy_thread = DaemonThreadPool(1, "kvtier-offload-copy",
+                                             initializer=use_one_cpu_thread)
         self._copier: ChunkCopier | None = None
         self._stores: list[_StoreBatch] = []
         self._loads: dict[str, list[tuple[ChunkTransfer, Future]]] = {}
         self._load_errors: set[int] = set()
-        self._fence_timeout_s = float(config.kv_load_timeout_s)
+        # Batches the copy thread finished, until the next report takes them.
+        self._done: queue.SimpleQueue[BatchDone] = queue.SimpleQueue()
+        # The store fence and the copies still queued at shutdown wait this long at most.
+        self._timeout_s = float(config.kv_load_timeout_s)
 
-    def bind_connector_metadata(self, metadata: OffloadingConnectorMetadata) -> None:
-        super().bind_connector_metadata(metadata)
-        if self._session is None:
-            self._session = find_session(metadata.session_id)
-            self._copier = self._make_copier(self._session)
-
-    def _make_copier(self, session: OffloadSession) -> ChunkCopier:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        super().register_kv_caches(kv_caches)
         groups = self.context.kv_cache_config.kv_cache_groups
-        group_caches = [[self.kv_caches[name] for name in group.layer_names] for group in groups]
-        area = session.manager.area
-        return ChunkCopier(area.buffer, area.slot_bytes, group_caches, session.layouts)
+        group_caches = [[kv_caches[name] for name in group.layer_names] for group in groups]
+        area = self.shared.area
+        self._copier = ChunkCopier(area.buffer, area.slot_bytes, group_caches,
+                                   self.shared.layouts)
+
+    @property
+    def connector_metadata(self) -> OffloadingConnectorMetadata:
+        metadata = super().connector_metadata
+        assert isinstance(metadata, OffloadingConnectorMetadata)
+        return metadata
 
     def start_load_kv(self, forward_context: Any) -> None:
         self._fence_stores()
@@ -91,22 +108,29 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
+    def build_connector_report(self) -> OffloadingConnectorReport | None:
+        batches = []
+        while not self._done.empty():
+            batches.append(self._done.get_nowait())
+        return OffloadingConnectorReport(batches) if batches else None
+
     def shutdown(self) -> None:
-        self._copy_thread.shutdown(wait=True, cancel_futures=False)
+        # The copies already queued still run (their stores are this instance's work) until
+        # the deadline; the last report then carries them to the scheduler half.
+        self._copy_thread.shutdown(self._timeout_s)
 
     # ---- on the copy thread ----------------------------------------------------------------
 
     def _run_loads(self, loads: list[ChunkTransfer]) -> bool:
         """Copy every load of one step; False if the copy failed (all its blocks are bad)."""
-        start = time.monotonic()
+        start, num_bytes = time.monotonic(), 0
         try:
             num_bytes = self._copier.host_to_device(loads)
+            ok = True
         except Exception:  # a failed copy is a load error; the requests recompute
-            return False
-        ended = time.monotonic()
-        self._session.completions.put(BatchDone("host_to_device", (), True, num_bytes,
-                                                ended - start, ended))
-        return True
+            ok = False
+        self._report("host_to_device", loads, ok, num_bytes, start)
+        return ok
 
     def _run_stores(self, stores: list[ChunkTransfer], abandoned: threading.Event,
                     after: Any) -> None:
@@ -116,17 +140,19 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             ok = True
         except Exception:  # the chunks are not stored; nothing else is affected
             ok = False
-        ok = ok and not abandoned.is_set()
+        self._report("device_to_host", stores, ok and not abandoned.is_set(), num_bytes, start)
+
+    def _report(self, direction: Direction, transfers: list[ChunkTransfer], ok: bool,
+                num_bytes: int, start: float) -> None:
         ended = time.monotonic()
-        self._session.completions.put(BatchDone(
-            "device_to_host", tuple(t.job_id for t in stores), ok, num_bytes, ended - start,
-            ended))
+        self._done.put(BatchDone(direction, tuple(t.job_id for t in transfers), ok, num_bytes,
+                                 ended - start, ended))
 
     def _fence_stores(self) -> None:
         if not self._stores:
             return
         pending = [batch.future for batch in self._stores]
-        _, not_done = wait_futures(pending, timeout=self._fence_timeout_s)
+        _, not_done = wait_futures(pending, timeout=self._timeout_s)
         for batch in self._stores:
             if batch.future in not_done:
                 batch.abandoned.set()

@@ -143,9 +143,13 @@ class DiskTier(ThreadedTier):
         with self._lock:
             return LookupResult.FOUND if key in self._index else LookupResult.NOT_FOUND
 
-    def shutdown(self) -> None:
-        super().shutdown()
-        os.close(self._fd)  # releases the lock
+    def shutdown(self) -> bool:
+        stopped = super().shutdown()
+        # A thread stuck in I/O keeps the file: closed, its number could be reused by another
+        # file the stuck write would then land in. The process's exit closes it.
+        if stopped:
+            os.close(self._fd)  # releases the lock
+        return stopped
 
     def _store(self, job: TransferJob) -> None:
         if len(job.buffer) > self.stride - _PAGE:

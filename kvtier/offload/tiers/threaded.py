@@ -4,6 +4,9 @@ Reads and writes run on separate pools so that a burst of stores never delays a 
 write threads are niced: stores are background work and run in the CPU time the forward pass
 leaves idle instead of taking turns with it; reads keep the engine's priority (a request waits
 for them). A subclass implements `_store` and `_load`, which raise on any failure.
+
+The pools' threads are daemon threads: a job stuck in I/O past its deadline is abandoned at
+shutdown and never holds the process.
 """
 
 from __future__ import annotations
@@ -14,11 +17,14 @@ import sys
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.common.options import is_positive_int, require
 from kvtier.offload.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
+
+# Seconds shutdown waits for the pools' threads even when every job's deadline has passed.
+_SHUTDOWN_GRACE_S = 0.5
 
 
 def check_thread_options(options: Any, where: str) -> None:
@@ -31,21 +37,25 @@ def check_thread_options(options: Any, where: str) -> None:
             f"{where}.write_nice", "must be an integer in 0..19", nice)
 
 
+
 class ThreadedTier(SecondaryTier):
     def __init__(self, options: Any, context: TierContext) -> None:
         super().__init__(options, context)
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
-        self._readers = ThreadPoolExecutor(options.num_read_threads,
-                                           f"kvtier-{context.name}-read")
-        self._writers = ThreadPoolExecutor(options.num_write_threads,
-                                           f"kvtier-{context.name}-write",
-                                           initializer=_lower_priority,
-                                           initargs=(options.write_nice,))
+        self._readers = DaemonThreadPool(options.num_read_threads, f"kvtier-{context.name}-read")
+        self._writers = DaemonThreadPool(options.num_write_threads,
+                                         f"kvtier-{context.name}-write",
+                                         initializer=_lower_priority,
+                                         initargs=(options.write_nice,))
+        # The latest deadline of any job submitted: shutdown waits for running jobs until then.
+        self._last_deadline = 0.0
 
     def submit_store(self, job: TransferJob) -> None:
+        self._last_deadline = max(self._last_deadline, job.deadline)
         self._writers.submit(self._run, job, self._store)
 
     def submit_load(self, job: TransferJob) -> None:
+        self._last_deadline = max(self._last_deadline, job.deadline)
         self._readers.submit(self._run, job, self._load)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -56,9 +66,15 @@ class ThreadedTier(SecondaryTier):
             except queue.Empty:
                 return finished
 
-    def shutdown(self) -> None:
-        self._readers.shutdown(wait=True, cancel_futures=True)
-        self._writers.shutdown(wait=True, cancel_futures=True)
+    def shutdown(self) -> bool:
+        """Drop queued jobs and wait for running ones until the last job's deadline; True if
+        every thread stopped (False: some are stuck in I/O and were abandoned)."""
+        stopped = self._readers.shutdown(self._shutdown_wait_s(), cancel_pending=True)
+        return self._writers.shutdown(self._shutdown_wait_s(), cancel_pending=True) and stopped
+
+    def _shutdown_wait_s(self) -> float:
+        # At least a moment, for idle threads to see the stop.
+        return max(_SHUTDOWN_GRACE_S, self._last_deadline - time.monotonic())
 
     @abstractmethod
     def _store(self, job: TransferJob) -> None: ...

@@ -1,0 +1,48 @@
+"""What both halves of one OffloadingConnector share: the host area and its chunk layouts.
+
+The host area is the meeting point of the design: the scheduler half (through the tiering
+manager) decides which chunk lives in which slot, the worker half copies device blocks in and
+out of those slots, and the secondary tiers read and write them. The engine makes it once
+(`OffloadingConnector.create_shared`) and hands it to both halves in their context; it is
+process memory, so both halves run in the engine's process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.connector.base import ConnectorContext
+from kvtier.offload.config import OffloadConfig
+from kvtier.offload.host_area import HostArea
+from kvtier.offload.layout import ChunkLayout
+
+
+@dataclass(frozen=True)
+class OffloadingShared:
+    area: HostArea
+    # One layout per KV cache group, in group order.
+    layouts: tuple[ChunkLayout, ...]
+
+
+def create_offloading_shared(config: Any, context: ConnectorContext) -> OffloadingShared:
+    if context.kv_cache_config is None:
+        raise ValueError("OffloadingConnector needs ConnectorContext.kv_cache_config (the "
+                         "engine passes its KVCacheConfig)")
+    options: OffloadConfig = config.options  # parsed with the engine's config
+    layouts = tuple(
+        ChunkLayout(group.kv_cache_spec.page_size_bytes, len(group.layer_names),
+                    options.blocks_per_chunk)
+        for group in context.kv_cache_config.kv_cache_groups)
+    # Slots fit the largest chunk of any group, so one pool serves a hybrid model's groups.
+    area = HostArea(options.cpu_bytes_to_use, max(layout.chunk_bytes for layout in layouts))
+    return OffloadingShared(area, layouts)
+
+
+def shared_of(context: ConnectorContext) -> OffloadingShared:
+    """The context's shared host area, or a clear error when the context was built without it."""
+    if not isinstance(context.shared, OffloadingShared):
+        raise ValueError("OffloadingConnector's halves need ConnectorContext.shared made by "
+                         "OffloadingConnector.create_shared(config, context); got "
+                         f"{context.shared!r}")
+    return context.shared
