@@ -63,6 +63,8 @@ class Scheduler:
         self._num_preemptions = 0
         self._connector_stats: dict[str, float] = {}
         self._worker_events: list[Any] = []
+        # Requests schedule() finished (they could not grow): reported by update_from_output.
+        self._capped_outputs: list[EngineCoreOutput] = []
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -151,10 +153,26 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
+            if self._can_never_grow(request):
+                self._capped_outputs.append(
+                    self._end_request(request, RequestStatus.FINISHED_LENGTH_CAPPED))
+                return None
             victim = self._pick_victim()
             self._preempt(victim, batch)
             if victim is request:
                 return None
+
+    def _can_never_grow(self, request: Request) -> bool:
+        """Out of blocks while it is the only request holding any: preempting it would only
+        leave it waiting, at the head of the queue, for blocks that can never come. It ends
+        as if it reached max_model_len (reported by the next update_from_output)."""
+        if self.running != [request]:
+            return False
+        manager = self.kv_cache_manager
+        null_id = manager.block_pool.null_block.block_id
+        held = {b for ids in manager.get_block_ids(request.request_id) for b in ids} - {null_id}
+        usable = manager.kv_cache_config.num_blocks - 1  # the null block is never handed out
+        return len(held) + manager.num_free_blocks >= usable
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -283,7 +301,7 @@ class Scheduler:
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         kv_output = model_runner_output.kv_connector_output
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._capped_outputs = self._capped_outputs, []
         discarded: set[str] = set()
         if kv_output is not None and kv_output.invalid_block_ids:
             discarded = self.failures.handle_invalid_blocks(kv_output.invalid_block_ids, outputs)
@@ -292,7 +310,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or req_id in discarded:
                 continue
-            output = self._append_sampled(request, model_runner_output)
+            error = model_runner_output.errors.get(req_id)
+            output = self._end_request(request, RequestStatus.FINISHED_ERROR, error) if error \
+                else self._append_sampled(request, model_runner_output)
             if output is not None:
                 outputs.append(output)
                 if output.finished:
@@ -323,6 +343,17 @@ class Scheduler:
             finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
             new_logprobs=logprobs[:len(kept)], num_cached_tokens=request.num_cached_tokens or 0,
             kv_transfer_params=kv_transfer_params)
+
+    def _end_request(self, request: Request, status: RequestStatus,
+                     error: str | None = None) -> EngineCoreOutput:
+        """Finish a request that cannot grow, or whose step failed in the runner."""
+        request.error = error
+        self.remove_from_queues([request])
+        kv_transfer_params = self.finish_request(request, status)
+        return EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
+                                finish_reason=request.get_finished_reason(),
+                                num_cached_tokens=request.num_cached_tokens or 0,
+                                kv_transfer_params=kv_transfer_params, error=error)
 
     def _update_from_kv_output(self, kv_output: KVConnectorOutput) -> None:
         for req_id in kv_output.finished_recving:
