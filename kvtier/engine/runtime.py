@@ -16,7 +16,7 @@ from kvtier.connector.base import (
     KVConnectorWorker,
 )
 from kvtier.connector.config import KVTransferConfig
-from kvtier.kv import KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec, namespace_digest
+from kvtier.kv import KVCacheConfig, SlidingWindowSpec, namespace_digest
 from kvtier.models.config import ModelConfig
 from kvtier.worker.kv_cache import build_kv_cache_groups, plan_num_blocks
 
@@ -71,8 +71,8 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
         dtype_size=dtype_size, memory_bytes=_memory_budget(config),
         num_blocks=cache.num_device_blocks, max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=max_model_len)
-    max_model_len = _fit_max_model_len(max_model_len, asked is not None, num_blocks, groups,
-                                       config.scheduler.max_num_batched_tokens)
+    max_model_len = _fit_max_model_len(max_model_len, asked is not None, num_blocks,
+                                       len(groups), cache.block_size)
     kinds = tuple(_spec_kind(group.kv_cache_spec) for group in groups)
     namespace = namespace_digest(model_config.name, str(dtype).removeprefix("torch."),
                                  cache.block_size, KV_LAYOUT, kinds)
@@ -80,15 +80,14 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
                        namespace)
 
 
-def _fit_max_model_len(max_model_len: int, asked: bool, num_blocks: int,
-                       groups: list[KVCacheGroupSpec], max_num_batched_tokens: int) -> int:
+def _fit_max_model_len(max_model_len: int, asked: bool, num_blocks: int, num_groups: int,
+                       block_size: int) -> int:
     """The longest context one request can hold alone in the device cache; a longer one would
-    be accepted, never admitted, and hold up every request queued behind it."""
-    block_size = groups[0].kv_cache_spec.block_size
-    usable = num_blocks - 1  # the null block is never handed out
-    fitting = max_model_len
-    while fitting > 0 and _num_blocks_needed(groups, fitting, max_num_batched_tokens) > usable:
-        fitting = (fitting - 1) // block_size * block_size
+    be accepted, never admitted, and hold up every request queued behind it.
+
+    Admission wants a block table for the whole sequence in every KV cache group (a sliding
+    window drops blocks only once they are computed); the null block is never handed out."""
+    fitting = min(max_model_len, (num_blocks - 1) // num_groups * block_size)
     if fitting == max_model_len:
         return max_model_len
     if fitting == 0:
@@ -106,20 +105,6 @@ def _fit_max_model_len(max_model_len: int, asked: bool, num_blocks: int,
                    "--kv-cache-memory-bytes / --num-device-blocks for more)",
                    fitting, max_model_len, fitting)
     return fitting
-
-
-def _num_blocks_needed(groups: list[KVCacheGroupSpec], num_tokens: int,
-                       max_num_batched_tokens: int) -> int:
-    """Blocks one request of `num_tokens` holds at most, over all groups (vLLM's count): a
-    sliding-window group holds its window plus one step's chunk."""
-    needed = 0
-    for group in groups:
-        spec = group.kv_cache_spec
-        span = num_tokens
-        if isinstance(spec, SlidingWindowSpec):
-            span = min(num_tokens, spec.sliding_window - 1 + max_num_batched_tokens)
-        needed += -(-span // spec.block_size) + (span < num_tokens)
-    return needed
 
 
 def _memory_budget(config: EngineConfig) -> int | None:

@@ -148,3 +148,14 @@ def test_an_asked_max_model_len_that_does_not_fit_is_an_error(model_dir):
     with pytest.raises(ValueError, match=r"max_model_len=256 does not fit .*--max-model-len "
                                          r"to at most 60.*--num-device-blocks"):
         LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=16, max_model_len=256)
+
+
+def test_every_kv_cache_group_needs_its_own_block_table(tmp_path):
+    # Qwen2 here: one full-attention and one sliding-window group in one pool. A prompt is
+    # admitted only once both groups have blocks for all of it.
+    make_hf_model("qwen2", tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_device_blocks=24)
+    assert llm.engine.max_model_len == 44  # 23 usable blocks: 11 per group
+    out = llm.generate({"prompt_token_ids": list(range(5, 48))}, SamplingParams(
+        temperature=0.0, max_tokens=None, ignore_eos=True))[0]
+    assert (len(out.outputs[0].token_ids), out.outputs[0].finish_reason) == (1, "length")
