@@ -50,6 +50,9 @@ class SamplingParams:
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
              "must be >= 0"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
+            (all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                 for t in self.stop_token_ids), "stop_token_ids",
+             "must hold token ids (ints >= 0)"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -26,7 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                        help="weights and KV cache dtype (auto: bfloat16)")
     group.add_argument("--device", default=None, help="cuda, cpu, ... (default: cuda if any)")
     group.add_argument("--max-model-len", type=int, default=None,
-                       help="context length cap (default: the model's)")
+                       help="context length cap (default: the model's, lowered to what "
+                            "the device KV cache holds; a larger value is an error)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
                        action="store_false", help="turn the prefix cache off")

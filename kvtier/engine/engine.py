@@ -106,8 +106,7 @@ class Engine:
         when the waiting queue is full."""
         if self._outputs.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet; leave it unset")
+        self._check_params(params)
         prompt_text, token_ids = self._tokenize(prompt)
         arrival = time.time() if arrival_time is None else arrival_time
         children = self._make_children(request_id, params, token_ids, priority=priority,
@@ -123,6 +122,20 @@ class Engine:
             raise EngineQueueFullError(str(exc)) from exc
         self._outputs.add(self._make_parent(request_id, prompt_text, token_ids, params,
                                             children, arrival))
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: its token ids against this vocabulary (an
+        id past it would fail the whole batched sampling step)."""
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported yet; leave it unset")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"SamplingParams.stop_token_ids holds token id {bad}, outside the "
+                             f"vocabulary [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > vocab:
+            raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, "
+                             f"got {params.logprobs}")
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -194,6 +207,9 @@ class Engine:
         if processed.stopped_req_ids:
             self.scheduler.finish_requests(processed.stopped_req_ids,
                                            RequestStatus.FINISHED_STOPPED)
+        if processed.failed_req_ids:
+            self.scheduler.finish_requests(processed.failed_req_ids,
+                                           RequestStatus.FINISHED_ERROR)
         self.stats.record_scheduler(self.scheduler.make_stats())
         self.stats.record_step(processed, sum(len(c.new_token_ids) for c in core_outputs))
         if scheduler_output.is_empty:

@@ -3,6 +3,7 @@ detokenization, stop strings, and the n children of a request gathered into one 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 from kvtier.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,6 +52,8 @@ class ProcessedStep:
     outputs: list[RequestOutput]
     # Child request ids that hit a stop string: the engine finishes them in the scheduler.
     stopped_req_ids: list[str] = field(default_factory=list)
+    # Child request ids ended by an error (theirs or a sibling's): the engine finishes them.
+    failed_req_ids: list[str] = field(default_factory=list)
     # Parents that got their first token or finished this step (for metrics).
     first_tokens: list[ParentState] = field(default_factory=list)
     finished: list[ParentState] = field(default_factory=list)
@@ -85,8 +90,15 @@ class OutputProcessor:
             if parent is None:
                 continue  # aborted by the caller while the step ran
             child = parent.children[_child_index(parent, core.req_id)]
-            if self._apply(parent, child, core):
-                step.stopped_req_ids.append(child.req_id)
+            try:
+                if self._apply(parent, child, core):
+                    step.stopped_req_ids.append(child.req_id)
+            except Exception as exc:
+                # One request's bad output (e.g. a detokenizer failure) ends that request only.
+                logger.exception("processing the output of request %s failed", core.req_id)
+                parent.error = f"output processing failed: {exc!r}"
+            if parent.error is not None:
+                step.failed_req_ids.extend(_fail_unfinished(parent))
             touched[parent.request_id] = parent
         for parent in touched.values():
             if not parent.counted_first_token and any(c.completion.token_ids
@@ -133,6 +145,16 @@ def _child_index(parent: ParentState, req_id: str) -> int:
         if child.req_id == req_id:
             return position
     raise KeyError(req_id)
+
+
+def _fail_unfinished(parent: ParentState) -> list[str]:
+    """An error ends every completion of its request; returns the ids of those still live."""
+    failed = []
+    for child in parent.children:
+        if not child.completion.finished:
+            child.completion.finish_reason = "error"
+            failed.append(child.req_id)
+    return failed
 
 
 def _check_stop_strings(child: ChildState, previous_len: int) -> bool:

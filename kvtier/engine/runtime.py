@@ -4,6 +4,7 @@ the config), and the connector halves built from the transfer config."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ from kvtier.kv import KVCacheConfig, KVIdentity, SlidingWindowSpec
 from kvtier.models.config import ModelConfig
 from kvtier.models.weight_identity import model_files, weights_digest
 from kvtier.worker.kv_cache import build_kv_cache_groups, plan_num_blocks
+
+logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float16": torch.float16}
@@ -75,6 +78,8 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
         dtype_size=dtype_size, memory_bytes=_memory_budget(config),
         num_blocks=cache.num_device_blocks, max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=max_model_len)
+    max_model_len = _fit_max_model_len(max_model_len, asked is not None, num_blocks,
+                                       len(groups), cache.block_size)
     kinds = tuple(_spec_kind(group.kv_cache_spec) for group in groups)
     identity = KVIdentity(model_name=model_config.name,
                           weights_digest=weights_digest(model_files(config.model.model)),
@@ -82,6 +87,33 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
                           kv_layout=KV_LAYOUT, spec_kinds=kinds)
     return RuntimeInfo(device, dtype, max_model_len, KVCacheConfig(num_blocks, groups),
                        identity)
+
+
+def _fit_max_model_len(max_model_len: int, asked: bool, num_blocks: int, num_groups: int,
+                       block_size: int) -> int:
+    """The longest context one request can hold alone in the device cache; a longer one would
+    be accepted, never admitted, and hold up every request queued behind it.
+
+    Admission wants a block table for the whole sequence in every KV cache group (a sliding
+    window drops blocks only once they are computed); the null block is never handed out."""
+    fitting = min(max_model_len, (num_blocks - 1) // num_groups * block_size)
+    if fitting == max_model_len:
+        return max_model_len
+    if fitting == 0:
+        raise ValueError(f"the device KV cache ({num_blocks} blocks) holds no block for a "
+                         "request; give it more room with --kv-cache-memory-bytes / "
+                         "--num-device-blocks")
+    if asked:
+        raise ValueError(
+            f"max_model_len={max_model_len} does not fit in the device KV cache, which holds "
+            f"{fitting} tokens of one request ({num_blocks} blocks of {block_size}); lower "
+            f"--max-model-len to at most {fitting}, or give the cache more room with "
+            "--kv-cache-memory-bytes / --num-device-blocks")
+    logger.warning("the device KV cache holds %d tokens of one request, fewer than the "
+                   "model's context length %d: max_model_len is lowered to %d (raise "
+                   "--kv-cache-memory-bytes / --num-device-blocks for more)",
+                   fitting, max_model_len, fitting)
+    return fitting
 
 
 def _memory_budget(config: EngineConfig) -> int | None:

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import sys
 
+from kvtier.common.sizes import parse_size
 from kvtier.config import EngineConfig
 from kvtier.engine.args import add_engine_args, engine_config_from_args
 
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help='KV event publishing as JSON, vLLM\'s shape, e.g. '
                             '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
                             '"endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events"}\'')
+    group.add_argument("--max-request-body-bytes", default="8MiB",
+                       help="largest request body accepted, e.g. 8MiB (default) or 1048576; "
+                            "larger ones get a 413 before they are read")
     group.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish at shutdown")
@@ -47,20 +51,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "long the engine thread can wait for the GIL after a torch op")
 
 
-def _checked_config(args: argparse.Namespace) -> EngineConfig:
-    """The engine config, every server option checked; imports no torch, so a bad value fails
-    before the heavy imports."""
+def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, int]:
+    """The engine config and the request body limit in bytes, every server option checked;
+    imports no torch, so a bad value fails before the heavy imports."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     if args.shutdown_timeout <= 0:
         raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
     if not 0 < args.switch_interval <= 1:
         raise ValueError(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
-    return engine_config_from_args(args)
+    max_body = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")
+    if max_body <= 0:
+        raise ValueError(f"--max-request-body-bytes must be > 0, got {max_body}")
+    return engine_config_from_args(args), max_body
 
 
 def run(args: argparse.Namespace) -> int:
-    config = _checked_config(args)
+    config, max_body = _checked_config(args)
     import uvicorn
 
     from kvtier.common.cpu_threads import use_one_cpu_thread
@@ -89,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     names = tuple(args.served_model_name or [model_arg or engine.model_name])
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
                         ServerMetrics(engine.metrics))
-    app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout)
+    app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
+                    max_request_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
         timeout_graceful_shutdown=int(args.shutdown_timeout)))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from kvtier.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvtier.kv import Request
@@ -44,6 +47,31 @@ class StepBatch:
         self.dropped_req_ids.add(req_id)
         self.num_preempted += 1
 
+    def to_output(self, finished_req_ids: set[str],
+                  block_ids_of: Callable[[str], tuple[list[int], ...]]) -> SchedulerOutput:
+        """The step's SchedulerOutput; `block_ids_of(req_id)` gives a new request's blocks."""
+        return SchedulerOutput(
+            scheduled_new_reqs=[_new_request_data(r, block_ids_of) for r in self.new_reqs],
+            scheduled_cached_reqs=[
+                CachedRequestData(r.request_id, self.new_block_ids[r.request_id],
+                                  r.num_computed_tokens)
+                for r in self.cached_reqs],
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=self.dropped_req_ids)
+
     def _charge(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
+
+
+def _new_request_data(request: Request,
+                      block_ids_of: Callable[[str], tuple[list[int], ...]]) -> NewRequestData:
+    return NewRequestData(
+        req_id=request.request_id,
+        token_ids=list(request.all_token_ids),
+        num_prompt_tokens=request.num_prompt_tokens,
+        sampling_params=request.sampling_params,
+        block_ids=block_ids_of(request.request_id),
+        num_computed_tokens=request.num_computed_tokens)

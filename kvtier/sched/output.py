@@ -67,6 +67,8 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     # req_id -> per sampled token, {token_id: logprob} of the top-k (only when asked for).
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # req_id -> why its step failed (e.g. sampling); the scheduler finishes it with an error.
+    errors: dict[str, str] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
 
 

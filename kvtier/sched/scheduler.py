@@ -17,14 +17,13 @@ from kvtier.kv import Request, RequestStatus
 from kvtier.sched.admission import Admission, plan_admission
 from kvtier.sched.batch import StepBatch
 from kvtier.sched.config import SchedulerConfig
+from kvtier.sched.delayed_frees import DelayedFrees
 from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.sched.kv_loads import KVLoadTracker, status_after_load
 from kvtier.sched.lookups import ConnectorLookupDeadlines
 from kvtier.sched.output import (
-    CachedRequestData,
     EngineCoreOutput,
     ModelRunnerOutput,
-    NewRequestData,
     SchedulerOutput,
 )
 from kvtier.sched.request_queue import create_request_queue
@@ -63,10 +62,12 @@ class Scheduler:
         self._clock = clock
         # Finished requests whose blocks stay held until a transfer ends: the transfers
         # ("recving" | "sending") and when the engine stops waiting for them.
-        self._awaiting_free: dict[str, tuple[set[str], float]] = {}
+        self.delayed_frees = DelayedFrees(self._clock, config.kv_load_timeout_s, self._release)
         self._num_preemptions = 0
         self._connector_stats: dict[str, float] = {}
         self._worker_events: list[Any] = []
+        # Requests schedule() finished (they could not grow): reported by update_from_output.
+        self._capped_outputs: list[EngineCoreOutput] = []
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -106,9 +107,7 @@ class Scheduler:
         """Finished requests whose blocks wait for a transfer to end, or abandoned loads: the
         engine keeps stepping (with empty batches) so the worker can report them, for at
         most `kv_load_timeout_s`. The blocks of a transfer never reported stay held."""
-        now = self._clock()
-        return (any(now <= deadline for _, deadline in self._awaiting_free.values())
-                or self.loads.has_orphans_in_time())
+        return self.delayed_frees.has_pending() or self.loads.has_orphans_in_time()
 
     # ---- schedule(): the step pipeline ---------------------------------------------------
 
@@ -119,7 +118,8 @@ class Scheduler:
         # A step that had to preempt is out of blocks: admitting newcomers would thrash.
         if not batch.num_preempted:
             self._schedule_waiting(batch)
-        output = self._build_output(batch)
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        output = batch.to_output(finished, self.kv_cache_manager.get_block_ids)
         if self.connector is not None:
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
         for req_id, num_tokens in output.num_scheduled_tokens.items():
@@ -155,10 +155,26 @@ class Scheduler:
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if new_blocks is not None:
                 return new_blocks
+            if self._can_never_grow(request):
+                self._capped_outputs.append(
+                    self._end_request(request, RequestStatus.FINISHED_LENGTH_CAPPED))
+                return None
             victim = self._pick_victim()
             self._preempt(victim, batch)
             if victim is request:
                 return None
+
+    def _can_never_grow(self, request: Request) -> bool:
+        """Out of blocks while it is the only request holding any: preempting it would only
+        leave it waiting, at the head of the queue, for blocks that can never come. It ends
+        as if it reached max_model_len (reported by the next update_from_output)."""
+        if self.running != [request]:
+            return False
+        manager = self.kv_cache_manager
+        null_id = manager.block_pool.null_block.block_id
+        held = {b for ids in manager.get_block_ids(request.request_id) for b in ids} - {null_id}
+        usable = manager.kv_cache_config.num_blocks - 1  # the null block is never handed out
+        return len(held) + manager.num_free_blocks >= usable
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -275,34 +291,12 @@ class Scheduler:
         request.status = status_after_load(request.num_preemptions)
         return True
 
-    def _build_output(self, batch: StepBatch) -> SchedulerOutput:
-        finished, self._finished_req_ids = self._finished_req_ids, set()
-        return SchedulerOutput(
-            scheduled_new_reqs=[self._new_request_data(r) for r in batch.new_reqs],
-            scheduled_cached_reqs=[
-                CachedRequestData(r.request_id, batch.new_block_ids[r.request_id],
-                                  r.num_computed_tokens)
-                for r in batch.cached_reqs],
-            num_scheduled_tokens=batch.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(batch.num_scheduled_tokens.values()),
-            finished_req_ids=finished,
-            preempted_req_ids=batch.dropped_req_ids)
-
-    def _new_request_data(self, request: Request) -> NewRequestData:
-        return NewRequestData(
-            req_id=request.request_id,
-            token_ids=list(request.all_token_ids),
-            num_prompt_tokens=request.num_prompt_tokens,
-            sampling_params=request.sampling_params,
-            block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-            num_computed_tokens=request.num_computed_tokens)
-
     # ---- update_from_output(): after the runner ------------------------------------------
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
         kv_output = model_runner_output.kv_connector_output
-        outputs: list[EngineCoreOutput] = []
+        outputs, self._capped_outputs = self._capped_outputs, []
         discarded: set[str] = set()
         if kv_output is not None and kv_output.invalid_block_ids:
             discarded = self.failures.handle_invalid_blocks(kv_output.invalid_block_ids, outputs)
@@ -311,7 +305,9 @@ class Scheduler:
             request = self.requests.get(req_id)
             if request is None or request.is_finished() or req_id in discarded:
                 continue
-            output = self._append_sampled(request, model_runner_output)
+            error = model_runner_output.errors.get(req_id)
+            output = self._end_request(request, RequestStatus.FINISHED_ERROR, error) if error \
+                else self._append_sampled(request, model_runner_output)
             if output is not None:
                 outputs.append(output)
                 if output.finished:
@@ -343,15 +339,26 @@ class Scheduler:
             new_logprobs=logprobs[:len(kept)], num_cached_tokens=request.num_cached_tokens or 0,
             kv_transfer_params=kv_transfer_params)
 
+    def _end_request(self, request: Request, status: RequestStatus,
+                     error: str | None = None) -> EngineCoreOutput:
+        """Finish a request that cannot grow, or whose step failed in the runner."""
+        request.error = error
+        self.remove_from_queues([request])
+        kv_transfer_params = self.finish_request(request, status)
+        return EngineCoreOutput(req_id=request.request_id, new_token_ids=[],
+                                finish_reason=request.get_finished_reason(),
+                                num_cached_tokens=request.num_cached_tokens or 0,
+                                kv_transfer_params=kv_transfer_params, error=error)
+
     def _update_from_kv_output(self, kv_output: KVConnectorOutput) -> None:
         for req_id in kv_output.finished_recving:
             orphaned = self.loads.take_orphaned_blocks(req_id)
             if orphaned is not None:
                 self.kv_cache_manager.free_popped_blocks(orphaned)
-            elif not self._transfer_ended(req_id, "recving"):
+            elif not self.delayed_frees.transfer_ended(req_id, "recving"):
                 self.loads.mark_received(req_id)
         for req_id in kv_output.finished_sending:
-            self._transfer_ended(req_id, "sending")
+            self.delayed_frees.transfer_ended(req_id, "sending")
         for name, value in kv_output.stats.items():
             self._connector_stats[name] = self._connector_stats.get(name, 0.0) + value
         self._worker_events.extend(kv_output.events)
@@ -385,22 +392,8 @@ class Scheduler:
         pending = {"recving"} if loading else set()
         if delay_free:
             pending.add("sending")
-        if pending:
-            self._awaiting_free[req_id] = (pending, self._clock() + self.config.kv_load_timeout_s)
-        else:
-            self._release(req_id)
+        self.delayed_frees.hold(req_id, pending)
         return kv_transfer_params
-
-    def _transfer_ended(self, req_id: str, kind: str) -> bool:
-        """A transfer a finished request was waiting on ended; True if one was awaited."""
-        pending = self._awaiting_free.get(req_id, (set(), 0.0))[0]
-        if kind not in pending:
-            return False
-        pending.discard(kind)
-        if not pending:
-            del self._awaiting_free[req_id]
-            self._release(req_id)
-        return True
 
     def _release(self, req_id: str) -> None:
         self.kv_cache_manager.free(self.requests.pop(req_id))

@@ -88,18 +88,21 @@ class ModelRunner:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={})
         hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches,
                                     batch.metadata)  # (T, hidden)
-        sampled: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
-        logprobs: dict[str, list[dict[int, float]]] = {}
+        output = ModelRunnerOutput(req_ids=req_ids,
+                                   sampled_token_ids={req_id: [] for req_id in req_ids})
         if batch.sampling:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) fp32
             result = self.sampler.sample(logits, [self._sampling_row(s) for s in batch.sampling])
-            for state, token, token_logprobs in zip(batch.sampling, result.token_ids,
-                                                    result.logprobs):
+            for row, (state, token, token_logprobs) in enumerate(zip(
+                    batch.sampling, result.token_ids, result.logprobs)):
+                if token is None:
+                    output.errors[state.req_id] = result.errors[row]
+                    continue
                 state.token_ids.append(token)
-                sampled[state.req_id] = [token]
+                output.sampled_token_ids[state.req_id] = [token]
                 if token_logprobs is not None:
-                    logprobs[state.req_id] = [token_logprobs]
-        return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids=sampled, logprobs=logprobs)
+                    output.logprobs[state.req_id] = [token_logprobs]
+        return output
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
         params = state.params

@@ -3,11 +3,14 @@ min_tokens and logprobs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from kvtier.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -24,9 +27,12 @@ class SamplingRow:
 
 @dataclass
 class SamplerOutput:
-    token_ids: list[int]
+    # Per row; None where sampling that row failed (its message is in `errors`).
+    token_ids: list[int | None]
     # Per row: {token_id: logprob} of the top-k plus the sampled token, or None if not asked for.
     logprobs: list[dict[int, float] | None]
+    # Row index -> why sampling it failed.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -36,7 +42,33 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits: fp32 (N, V), one row per entry of `rows`."""
+        """logits: fp32 (N, V), one row per entry of `rows`. A row whose parameters break
+        sampling fails alone (see SamplerOutput.errors); the other rows get the tokens they
+        would get without it."""
+        try:
+            return self._sample_batch(logits, rows)
+        except Exception:
+            logger.exception("sampling a batch of %d rows failed; sampling them one by one",
+                             len(rows))
+        return self._sample_rows_apart(logits, rows)
+
+    def _sample_rows_apart(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        # Every per-row check runs before the noise is drawn, so the failed batch consumed no
+        # randomness and each row draws here what it would have drawn in the batch.
+        output = SamplerOutput([], [])
+        for i, row in enumerate(rows):
+            try:
+                single = self._sample_batch(logits[i:i + 1], [row])  # (1, V)
+            except Exception as exc:
+                output.token_ids.append(None)
+                output.logprobs.append(None)
+                output.errors[i] = f"sampling failed: {exc!r}"
+                continue
+            output.token_ids.append(single.token_ids[0])
+            output.logprobs.append(single.logprobs[0])
+        return output
+
+    def _sample_batch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         # vLLM reports the model's own distribution, before any sampling processing.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None

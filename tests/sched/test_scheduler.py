@@ -269,3 +269,18 @@ def test_hybrid_groups_free_window_blocks_and_report_both_tables(managers):
     assert out.scheduled_cached_reqs[0].new_block_ids == ([7], [8])
     assert (core[0].new_token_ids, core[0].finish_reason) == ([13], "length")
     assert_all_free(manager)
+
+
+def test_a_request_the_cache_can_never_hold_ends_with_length(managers):
+    # Before: it preempted itself and waited, at the head of the queue, for 5 blocks of a pool
+    # of 4; every request behind it waited too.
+    manager = managers(5)  # usable blocks 1..4: 16 tokens, while max_model_len is 64
+    sched = make_scheduler(manager, max_num_seqs=1)
+    runner = FakeRunner()
+    sched.add_request(make_request("big", prompt(0, 10), max_tokens=20))
+    sched.add_request(make_request("next", prompt(50, 3), max_tokens=2))
+    results = run_to_completion(sched, runner)
+    # 16 tokens computed, the 17th sampled; the 17th's slot is what could not be had.
+    assert results == {"big": (prompt(10, 7), "length"), "next": ([53, 54], "length")}
+    assert sched.requests == {}
+    assert_all_free(manager)

@@ -12,6 +12,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvtier.entrypoints.openai import chat, completions, system
+from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import AuthenticationError, install_error_handlers
 
@@ -19,14 +20,17 @@ from kvtier.entrypoints.openai.errors import AuthenticationError, install_error_
 _PROTECTED_PREFIX = "/v1"
 
 
-def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0) -> FastAPI:
-    """shutdown_timeout_s: how long shutdown lets in-flight engine requests finish."""
+def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    """shutdown_timeout_s: how long shutdown lets in-flight engine requests finish;
+    max_request_body_bytes: larger bodies get a 413 unread."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         yield
         # Off the event loop: draining waits on the engine thread.
         await asyncio.to_thread(ctx.async_llm.shutdown, shutdown_timeout_s)
+        ctx.tokenize_executor.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="kvtier", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
@@ -34,6 +38,8 @@ def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0) -> FastAPI:
     for module in (completions, chat, system):
         app.include_router(module.router)
 
+    # Added last runs first: the key check, then metrics (which count 413s), then the limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     app.add_middleware(HTTPMetricsMiddleware, ctx=ctx)
     if ctx.api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=ctx.api_key)

@@ -14,12 +14,18 @@ from kvtier.entrypoints.openai.generation import (
     Outputs,
     engine_options,
     finals_or_none,
-    open_generations,
+    open_or_none,
     output_error,
     to_api_error,
 )
 from kvtier.entrypoints.openai.logprobs import chat_logprobs
-from kvtier.entrypoints.openai.prompts import Prompt, chat_prompt, check_context
+from kvtier.entrypoints.openai.prompts import (
+    Prompt,
+    chat_prompt,
+    check_context,
+    check_text,
+    message_chars,
+)
 from kvtier.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -30,7 +36,7 @@ from kvtier.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
-from kvtier.entrypoints.openai.sampling import chat_sampling_params
+from kvtier.entrypoints.openai.sampling import chat_sampling_params, check_token_ids
 from kvtier.entrypoints.openai.streaming import (
     DONE,
     SSE_HEADERS,
@@ -46,16 +52,20 @@ router = APIRouter()
 @router.post("/v1/chat/completions")
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
     ctx: ServerContext = raw.app.state.ctx
+    check_text(body)  # first: an error message quoting a bad string could not be sent
     ctx.check_model(body.model)
+    check_token_ids(body, ctx.vocab_size)
     params = chat_sampling_params(body)
-    prompt = chat_prompt(ctx, body)
+    prompt = await ctx.prepare(message_chars(body.messages), chat_prompt, ctx, body)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
     check_context(ctx, prompt, params.max_tokens, "messages", max_tokens_param)
     ctx.metrics.observe_params(params.n, params.max_tokens)
     response_id = f"chatcmpl-{base_request_id(raw)}"
-    generations = await open_generations(ctx, [prompt], params, [response_id],
-                                         engine_options(body))
+    generations = await open_or_none(raw, ctx, [prompt], params, [response_id],
+                                     engine_options(body))
+    if generations is None:
+        return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: response_id}
     if body.stream:
         return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id),

@@ -16,12 +16,18 @@ from kvtier.entrypoints.openai.generation import (
     engine_options,
     finals_or_none,
     merged,
-    open_generations,
+    open_or_none,
     output_error,
     to_api_error,
 )
 from kvtier.entrypoints.openai.logprobs import completion_logprobs
-from kvtier.entrypoints.openai.prompts import Prompt, check_context, completion_prompts
+from kvtier.entrypoints.openai.prompts import (
+    Prompt,
+    check_context,
+    check_text,
+    completion_prompts,
+    prompt_chars,
+)
 from kvtier.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -29,7 +35,7 @@ from kvtier.entrypoints.openai.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from kvtier.entrypoints.openai.sampling import completion_sampling_params
+from kvtier.entrypoints.openai.sampling import check_token_ids, completion_sampling_params
 from kvtier.entrypoints.openai.streaming import (
     DONE,
     SSE_HEADERS,
@@ -45,8 +51,10 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     ctx: ServerContext = raw.app.state.ctx
+    check_text(body)  # first: an error message quoting a bad string could not be sent
     ctx.check_model(body.model)
-    prompts = completion_prompts(ctx, body.prompt)
+    check_token_ids(body, ctx.vocab_size)
+    prompts = await ctx.prepare(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
     params = completion_sampling_params(body, len(prompts))
     if body.echo and body.logprobs is not None:
         raise BadRequestError("echo together with logprobs is not supported", param="echo",
@@ -58,8 +66,10 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     response_id = f"cmpl-{base_request_id(raw)}"
     request_ids = [response_id] if len(prompts) == 1 else \
         [f"{response_id}-{i}" for i in range(len(prompts))]
-    generations = await open_generations(ctx, prompts, params, request_ids,
-                                         engine_options(body))
+    generations = await open_or_none(raw, ctx, prompts, params, request_ids,
+                                     engine_options(body))
+    if generations is None:
+        return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: response_id}
     if body.stream:
         return StreamingResponse(_stream(ctx, body, prompts, generations, response_id),

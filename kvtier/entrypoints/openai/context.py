@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+import asyncio
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from kvtier.engine.async_llm import AsyncLLM
 from kvtier.entrypoints.openai.errors import BadRequestError
+
+T = TypeVar("T")
+# Prompts of more characters than this are tokenized on a worker thread: a long one would stall
+# the event loop (every stream, /health) for seconds; a short one costs less than the hop.
+INLINE_PROMPT_CHARS = 16_384
+# Threads that tokenize long prompts; more would only take cores from the engine.
+NUM_TOKENIZE_THREADS = 2
 
 # vLLM's bucket edges for request parameters.
 _N_BUCKETS = (1, 2, 5, 10, 20)
@@ -41,6 +51,9 @@ class ServerContext:
     model_path: str | None
     api_key: str | None
     metrics: ServerMetrics
+    # The tokenizer is safe to share with these threads: encoding and decoding never change it.
+    tokenize_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        NUM_TOKENIZE_THREADS, thread_name_prefix="kvtier-tokenize"))
 
     @property
     def engine(self) -> Any:
@@ -61,6 +74,14 @@ class ServerContext:
     @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
+
+    async def prepare(self, num_chars: int, build: Callable[..., T], *args: Any) -> T:
+        """`build(*args)` (prompt rendering and tokenization) for a request with `num_chars`
+        characters of text: inline when short, else on a tokenizer thread."""
+        if num_chars <= INLINE_PROMPT_CHARS:
+            return build(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_executor, build,
+                                                                *args)
 
     def check_model(self, requested: str | None) -> None:
         """None means the served model (vLLM allows leaving it out)."""

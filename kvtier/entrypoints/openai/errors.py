@@ -86,11 +86,11 @@ def validation_error(exc: RequestValidationError) -> BadRequestError:
         return BadRequestError(f"malformed JSON body: {detail}", code="invalid_json")
     param = param_from_location(tuple(first.get("loc", ())))
     message = first.get("msg", "invalid value")
+    if param is None:  # the body itself: empty, null, or not an object
+        return BadRequestError("request body must be a JSON object", code="invalid_json")
     if first.get("type") == "missing":
         return BadRequestError(f"missing required field '{param}'", param=param,
                                code="missing_required_parameter")
-    if first.get("type") == "model_attributes_type":
-        return BadRequestError("request body must be a JSON object", code="invalid_json")
     return BadRequestError(f"invalid value for '{param}': {message}", param=param,
                            code="invalid_value")
 

@@ -2,12 +2,14 @@
 
 `open_generations` adds every prompt's request before the endpoint answers, so refusals (bad
 input, full queue) become 400 / 503 instead of a broken 200 stream. Leaving a generator early
-(client gone) aborts its request in the engine.
+(client gone) aborts its request in the engine, and so does a client leaving while its
+requests still wait for their first output (`open_or_none`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -67,9 +69,25 @@ def engine_options(body: SamplingFields) -> dict[str, Any]:
             "kv_transfer_params": body.kv_transfer_params}
 
 
+async def open_or_none(raw: Request, ctx: ServerContext, prompts: list[Prompt],
+                       params: SamplingParams, request_ids: list[str],
+                       options: dict[str, Any]) -> list[Outputs] | None:
+    """open_generations, or None (its requests aborted) if the client leaves first: a request
+    queued behind others must not outlive its client."""
+    return await cancel_on_disconnect(
+        raw, open_generations(ctx, prompts, params, request_ids, options))
+
+
+def engine_request_id(request_id: str) -> str:
+    """The engine's id for a client's request: a server-chosen suffix keeps two clients that
+    send the same X-Request-Id apart, and tells neither that the other's is live."""
+    return f"{request_id}-{uuid.uuid4().hex[:8]}"
+
+
 async def open_generations(ctx: ServerContext, prompts: list[Prompt], params: SamplingParams,
                            request_ids: list[str], options: dict[str, Any]) -> list[Outputs]:
-    """One started generation per prompt; if any is refused, the others are aborted."""
+    """One started generation per prompt (request_ids: the ids responses carry); if any is
+    refused, the others are aborted."""
     results = await asyncio.gather(
         *(_open_one(ctx, p, params, rid, options) for p, rid in zip(prompts, request_ids)),
         return_exceptions=True)
@@ -84,7 +102,8 @@ async def open_generations(ctx: ServerContext, prompts: list[Prompt], params: Sa
 
 async def _open_one(ctx: ServerContext, prompt: Prompt, params: SamplingParams,
                     request_id: str, options: dict[str, Any]) -> Outputs:
-    outputs = ctx.async_llm.generate(prompt.token_ids, params, request_id, **options)
+    outputs = ctx.async_llm.generate(prompt.token_ids, params, engine_request_id(request_id),
+                                     **options)
     try:
         first = await outputs.__anext__()
     except BaseException:

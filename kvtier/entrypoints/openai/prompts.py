@@ -6,19 +6,61 @@ engine ids it can trust: an out-of-vocabulary id would otherwise fail a whole ba
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel
+
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError
-from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
+from kvtier.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from kvtier.models.errors import ChatTemplateError
+
+# JSON may escape half of a UTF-16 pair ("\ud800"); no tokenizer or UTF-8 answer can carry it.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
 class Prompt:
     text: str | None
     token_ids: list[int]
+
+
+def check_text(value: Any, param: str | None = None) -> None:
+    """400 naming the first string in a request (fields, list items, dict keys and values)
+    that is not valid Unicode."""
+    if isinstance(value, str):
+        if _LONE_SURROGATE.search(value):
+            raise BadRequestError(f"{param} is not valid Unicode: it holds a lone surrogate "
+                                  "(an unpaired \\ud800-\\udfff escape)", param=param,
+                                  code="invalid_value")
+    elif isinstance(value, BaseModel):
+        for name, item in value:  # declared fields, then extra ones
+            check_text(item, name if param is None else f"{param}.{name}")
+    elif isinstance(value, list) and not all(isinstance(item, int) for item in value):
+        for index, item in enumerate(value):
+            check_text(item, f"{param}[{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_text(key, param)
+            check_text(item, f"{param}.{key}")
+
+
+def prompt_chars(prompt: Any) -> int:
+    """Characters of text in a completion prompt (token ids count nothing)."""
+    items = [prompt] if isinstance(prompt, str) else prompt
+    return sum(len(item) for item in items if isinstance(item, str))
+
+
+def message_chars(messages: list[ChatMessage]) -> int:
+    """Characters of text in chat messages."""
+    total = 0
+    for message in messages:
+        content = message.content
+        parts = [content] if isinstance(content, str) else [p.text for p in content or ()]
+        total += sum(len(part) for part in parts if part)
+    return total
 
 
 def completion_prompts(ctx: ServerContext, prompt: Any) -> list[Prompt]:

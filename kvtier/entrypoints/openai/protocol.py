@@ -2,7 +2,8 @@
 
 Only types live here; limits are checked where requests become SamplingParams (sampling.py),
 so each rule has one home. Unknown request fields are ignored, as OpenAI and vLLM do: clients
-send fields (user, metadata, store) that change nothing here.
+send fields (user, metadata, store) that change nothing here. Booleans are strict: "yes" or 1
+for `stream` is refused rather than guessed at.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 
 class _Request(BaseModel):
@@ -18,8 +19,8 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class SamplingFields(_Request):
@@ -31,7 +32,7 @@ class SamplingFields(_Request):
     top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -40,22 +41,22 @@ class SamplingFields(_Request):
     top_k: int | None = None
     min_p: float | None = None
     min_tokens: int = 0
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
     priority: int = 0
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     # Adds prompt_token_ids / token_ids to the response (vLLM's return_token_ids).
-    return_token_ids: bool = False
+    return_token_ids: StrictBool = False
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
 
@@ -76,11 +77,11 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
 
 
 class ErrorInfo(BaseModel):

@@ -59,6 +59,15 @@ def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
     return _build(request, max_tokens=max_tokens, max_tokens_param=param, logprobs=logprobs)
 
 
+def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
+    """Token ids a request carries beside its prompt must be in the vocabulary: one past it
+    would fail the sampling step of every request batched with it."""
+    bad = next((t for t in request.stop_token_ids or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise BadRequestError(f"stop_token_ids holds token id {bad}, outside the vocabulary "
+                              f"[0, {vocab_size})", param="stop_token_ids", code="invalid_value")
+
+
 def _check_common(request: SamplingFields, num_prompts: int) -> None:
     for name in _FLOAT_FIELDS:
         value = getattr(request, name)
