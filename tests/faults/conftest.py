@@ -1,0 +1,10 @@
+"""The fault suite: every fault kvtier promises to survive, run with `-m faults` (in CI, not in
+the default run). Each test here is marked `faults` by this folder."""
+
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "/tests/faults/" in str(item.fspath):
+            item.add_marker(pytest.mark.faults)
