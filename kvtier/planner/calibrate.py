@@ -88,11 +88,21 @@ def _timed(llm, prompts: list[dict], params) -> float:
 
 
 def _fit(measurements: list[Measurement]) -> tuple[float, float, float]:
-    """Least squares of step seconds on (1, prefill tokens, decode seqs), clipped at 0."""
+    """Least squares of step seconds on (1, prefill tokens, decode seqs), every coefficient
+    >= 0: one that comes out negative is held at 0 and the others fitted again."""
     rows = np.array([[1.0, m.prefill_tokens, m.decode_seqs] for m in measurements])
     seconds = np.array([m.step_s for m in measurements])
-    coefficients, *_ = np.linalg.lstsq(rows, seconds, rcond=None)
-    base, per_token, per_seq = (max(0.0, float(c)) for c in coefficients)
+    free = [0, 1, 2]
+    coefficients = np.zeros(3)
+    while free:
+        fitted, *_ = np.linalg.lstsq(rows[:, free], seconds, rcond=None)
+        coefficients[:] = 0.0
+        coefficients[free] = fitted
+        negative = [column for column, value in zip(free, fitted) if value < 0]
+        if not negative:
+            break
+        free = [column for column in free if column not in negative]
+    base, per_token, per_seq = (float(c) for c in coefficients)
     return base, per_token, per_seq
 
 

@@ -19,6 +19,9 @@ LIMITS = SchedulerLimits()
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    # Without this, `calibrate --output` would be taken for an abbreviation of the plan's own
+    # --output-json / --output-plot before the sub-command gets it.
+    parser.allow_abbrev = False
     commands = parser.add_subparsers(dest="plan_command", metavar="calibrate")
     calibrate = commands.add_parser(
         "calibrate", help="measure this machine with a model; write a cost model JSON",

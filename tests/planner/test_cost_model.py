@@ -3,7 +3,9 @@
 import json
 
 import pytest
+import torch
 
+from kvtier.entrypoints import cli
 from kvtier.planner.calibrate import Measurement, _fit
 from kvtier.planner.cost_model import (
     CostModel,
@@ -11,6 +13,10 @@ from kvtier.planner.cost_model import (
     load_cost_model,
     write_cost_model,
 )
+
+from ..tiny_models import make_hf_model
+
+torch.set_num_threads(1)
 
 
 def test_step_and_load_costs_add_up():
@@ -48,3 +54,20 @@ def test_fit_recovers_linear_costs():
     rows = [(128, 0), (512, 0), (1024, 0), (0, 1), (0, 4), (0, 16)]
     measurements = [Measurement(p, d, truth.step_s(p, d)) for p, d in rows]
     assert _fit(measurements) == pytest.approx((0.005, 2e-4, 3e-3))
+
+
+def test_calibrate_measures_a_real_model(tmp_path, capsys):
+    directory = tmp_path / "model"
+    make_hf_model("llama", directory)
+    out = tmp_path / "cost.json"
+    code = cli.main(["plan", "calibrate", "--model", str(directory), "--dtype", "float32",
+                     "--disk-dir", str(tmp_path), "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    cost = load_cost_model(out)
+    raw = json.loads(out.read_text())
+    # The tiny model's context (256) caps the prefills at 128 tokens; three decode batches.
+    assert [(m["prefill_tokens"], m["decode_seqs"]) for m in raw["measurements"]] == \
+        [(128, 0), (0, 1), (0, 4), (0, 16)]
+    assert all(m["step_s"] > 0 for m in raw["measurements"])
+    assert cost.step_s(128, 0) > 0 and cost.load_s("host", 10**6) > 0
+    assert cost.load_s("disk", 10**6) > 0 and cost.model == str(directory)
