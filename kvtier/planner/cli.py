@@ -13,7 +13,17 @@ from pathlib import Path
 
 from kvtier.common.sizes import parse_size
 from kvtier.entrypoints.bench.trace import TRACE_BLOCK_TOKENS, TraceScaling
+from kvtier.offload.config import OffloadConfig, parse_kv_offload
+from kvtier.planner.cost_model import (
+    CostModel,
+    default_cost_model_path,
+    load_cost_model,
+    write_cost_model,
+)
+from kvtier.planner.model_kv import model_kv
+from kvtier.planner.plan import PlanConfig, run_plan
 from kvtier.planner.simulator import SchedulerLimits
+from kvtier.planner.sweep import parse_sweep, run_sweep, write_sweep_plot
 
 LIMITS = SchedulerLimits()
 
@@ -80,9 +90,6 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.plan_command == "calibrate":
         return _run_calibrate(args)
-    from kvtier.planner.plan import run_plan
-    from kvtier.planner.sweep import parse_sweep, run_sweep, write_sweep_plot
-
     config = _plan_config(args)
     sweep = None if args.sweep is None else parse_sweep(args.sweep)
     if args.output_plot is not None and sweep is None:
@@ -103,11 +110,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _plan_config(args: argparse.Namespace):
-    from kvtier.offload.config import OffloadConfig, parse_kv_offload
-    from kvtier.planner.model_kv import model_kv
-    from kvtier.planner.plan import PlanConfig
-
+def _plan_config(args: argparse.Namespace) -> PlanConfig:
     if args.trace is None or args.device_kv is None:
         raise ValueError("--trace and --device-kv are required (or run `kvtier plan calibrate`)")
     offload = (None if args.kv_offload is None
@@ -122,9 +125,7 @@ def _plan_config(args: argparse.Namespace):
                       _cost_model(args), scaling, limits)
 
 
-def _cost_model(args: argparse.Namespace):
-    from kvtier.planner.cost_model import default_cost_model_path, load_cost_model
-
+def _cost_model(args: argparse.Namespace) -> CostModel | None:
     if args.hits_only:
         if args.cost_model is not None:
             raise ValueError("--hits-only plans without a cost model; leave out --cost-model")
@@ -139,8 +140,8 @@ def _cost_model(args: argparse.Namespace):
 
 
 def _run_calibrate(args: argparse.Namespace) -> int:
+    # Imported here: it loads the engine (torch), which planning never needs.
     from kvtier.planner.calibrate import calibrate
-    from kvtier.planner.cost_model import write_cost_model
 
     cost, measurements = calibrate(args.model, args.dtype, args.device, args.disk_dir)
     write_cost_model(cost, args.output, measurements)

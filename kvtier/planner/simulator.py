@@ -86,6 +86,9 @@ class Simulation:
         self.blocks_per_chunk = 1 if offload is None else offload.blocks_per_chunk
         self.chunk_bytes = model.bytes_per_block * self.blocks_per_chunk
         self.offload = None if offload is None else SimulatedOffload(offload, self.chunk_bytes)
+        if cost is not None and self.offload is not None:
+            for tier in self.offload.all_tiers:
+                cost.load_s(tier.kind, 0)  # a tier the cost model has no price for: fail now
         self.now = 0.0
         self.num_steps = 0
         self.num_finished = 0

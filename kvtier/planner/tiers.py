@@ -57,7 +57,8 @@ class SimulatedOffload:
     def __init__(self, config: OffloadConfig, chunk_bytes: int) -> None:
         self.config = config
         self.chunk_bytes = chunk_bytes
-        self.host = _tier(HOST, HOST, config.cpu_bytes_to_use, chunk_bytes, config.eviction_policy)
+        self.host = _tier(HOST, HOST, config.cpu_bytes_to_use, chunk_bytes, config.eviction_policy,
+                          chunk_bytes)
         self.tiers = [self._secondary(spec) for spec in config.secondary_tiers]
         self._unbounded: list[set[Hashable]] = [set() for _ in self.tiers]
         self._uses: Counter[Hashable] = Counter()
@@ -70,7 +71,8 @@ class SimulatedOffload:
             return SimTier(spec.name, spec.type, None, None, write_back, spec.admit_after_hits)
         # The disk tier's file starts with a page of header, then its slots.
         budget = max_bytes - _PAGE if spec.type == "disk" else max_bytes
-        tier = _tier(spec.name, spec.type, budget, self._slot_bytes(spec.type), "lru")
+        tier = _tier(spec.name, spec.type, budget, self._slot_bytes(spec.type), "lru",
+                     self.chunk_bytes)
         tier.write_back, tier.admit_after_hits = write_back, spec.admit_after_hits
         return tier
 
@@ -171,10 +173,13 @@ class SimulatedOffload:
             tier.cache.take_evicted()
 
 
-def _tier(name: str, kind: str, budget_bytes: int, slot_bytes: int, policy: str) -> SimTier:
+def _tier(name: str, kind: str, budget_bytes: int, slot_bytes: int, policy: str,
+          chunk_bytes: int) -> SimTier:
+    """A tier of `budget_bytes` in slots of `slot_bytes`; its capacity counts the KV bytes its
+    slots hold (`chunk_bytes` each), comparable with the working set."""
     num_slots = budget_bytes // slot_bytes
     if num_slots < 1:
         raise ValueError(f"the {name} tier's {budget_bytes} bytes hold no chunk of "
                          f"{slot_bytes} bytes; give it at least {slot_bytes}")
     cache = HostCache(SlotCount(num_slots, slot_bytes), make_policy(policy, num_slots))
-    return SimTier(name, kind, cache, num_slots * slot_bytes)
+    return SimTier(name, kind, cache, num_slots * chunk_bytes)

@@ -77,3 +77,18 @@ def test_small_device_with_host_tier_agrees_per_tier(model_dir):
     assert replayed["host"]["hits"] * BLOCK_SIZE == hits["host"]
     assert planned["hit_rate"]["total"] == pytest.approx(
         (hits["device"] + hits["host"]) / planned["prompt_tokens"])
+
+
+def test_small_host_with_disk_tier_agrees_per_tier(model_dir, tmp_path):
+    # Host memory of 10 blocks in front of a disk tier that holds everything: chunks the host
+    # evicted come back from the disk.
+    model = model_kv(model_dir, BLOCK_SIZE, "float32")
+    disk_bytes = 4096 + 64 * (4096 + 4096)  # the disk file's header and 64 page-aligned slots
+    kv_offload = f"host={10 * model.bytes_per_block},disk={tmp_path}:{disk_bytes}"
+    replayed = _replay(model_dir, 12, kv_offload)
+    planned = _plan(model_dir, 12, kv_offload)
+    hits = planned["hit_tokens"]
+    assert hits["device"] > 0 and hits["host"] > 0 and hits["disk"] > 0
+    assert replayed["device"]["hits"] == hits["device"]
+    assert replayed["host"]["hits"] * BLOCK_SIZE == hits["host"]
+    assert replayed["disk"]["hits"] * BLOCK_SIZE == hits["disk"]

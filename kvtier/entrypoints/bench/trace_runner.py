@@ -81,6 +81,7 @@ async def run_trace(config: TraceReplayConfig, target: BenchTarget, label: str =
                              config.scaling.seed)
         before = await session.scrape()
         started = time.perf_counter()
+        # Each body carries its own max_tokens: the client's default length is never used.
         client = session.client(1, started)
         with tqdm(total=len(requests), unit="req", desc=label or "trace",
                   disable=not show_progress) as bar:
