@@ -17,6 +17,7 @@ from typing import Any
 
 from kvtier.engine.args import add_engine_args, engine_config_from_args
 from kvtier.entrypoints.bench.config import BenchTarget, EngineTarget, MultiTurnConfig, ServerTarget
+from kvtier.entrypoints.bench.trace_cli import add_trace_arguments, run_trace_command
 
 DEFAULTS = MultiTurnConfig()
 TARGET_DEFAULTS = ServerTarget()
@@ -47,7 +48,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "hash id always becomes the same tokens, so shared prefixes in the trace "
                     "are shared prompts. Reports TTFT, TPOT, tokens/s and per-tier KV hit rates, "
                     "against the server at --url or an in-process engine.")
-    from kvtier.entrypoints.bench.trace_cli import add_trace_arguments
     trace_group = add_trace_arguments(trace)
     _add_common_arguments(trace, trace_group,
                           seed_help="seed of the token ids that stand for the hash ids; an "
@@ -130,7 +130,6 @@ def run(args: argparse.Namespace) -> int:
     """
     from kvtier.entrypoints.bench.client import BenchClientError
     from kvtier.entrypoints.bench.runner import BenchTimeoutError
-    from kvtier.entrypoints.bench.trace_cli import run_trace_command
 
     try:
         if args.bench_command == "trace":
