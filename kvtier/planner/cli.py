@@ -61,7 +61,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device-kv", help="device KV cache size, e.g. 4GiB")
     group.add_argument("--kv-offload", default=None,
                        help="offload tiers as for kvtier serve, e.g. host=16GiB,"
-                            "disk=/var/cache/kvtier:200GiB (only the sizes matter here)")
+                            "disk=/var/cache/kvtier:200GiB; only sizes matter here, so "
+                            "host=16GiB,disk=200GiB is the same plan")
     group.add_argument("--cost-model", type=Path, default=None,
                        help="cost model JSON from `kvtier plan calibrate` (default: the one "
                             "shipped for SmolLM2-135M on a 2-core VM, with the default model)")
@@ -113,8 +114,8 @@ def run(args: argparse.Namespace) -> int:
 def _plan_config(args: argparse.Namespace) -> PlanConfig:
     if args.trace is None or args.device_kv is None:
         raise ValueError("--trace and --device-kv are required (or run `kvtier plan calibrate`)")
-    offload = (None if args.kv_offload is None
-               else OffloadConfig.from_extra_config(parse_kv_offload(args.kv_offload)))
+    offload = (None if args.kv_offload is None else OffloadConfig.from_extra_config(
+        parse_kv_offload(_with_directories(args.kv_offload))))
     model = model_kv(args.model, args.block_size,
                      "bfloat16" if args.dtype == "auto" else args.dtype, args.max_model_len)
     scaling = TraceScaling(tokens_per_block=args.tokens_per_block, time_scale=args.time_scale,
@@ -123,6 +124,18 @@ def _plan_config(args: argparse.Namespace) -> PlanConfig:
     limits = SchedulerLimits(args.max_num_batched_tokens, args.max_num_seqs)
     return PlanConfig(args.trace, model, parse_size(args.device_kv, "--device-kv"), offload,
                       _cost_model(args), scaling, limits)
+
+
+def _with_directories(flag: str) -> str:
+    """`disk=200GiB` -> `disk=unused:200GiB`: a plan needs a tier's size, not its directory,
+    so the flag may leave it out (the engine's form with a directory works too)."""
+    parts = []
+    for part in flag.split(","):
+        key, sep, value = part.strip().partition("=")
+        if key in ("disk", "fs") and sep and ":" not in value and value[:1].isdigit():
+            part = f"{key}=unused:{value}"
+        parts.append(part)
+    return ",".join(parts)
 
 
 def _cost_model(args: argparse.Namespace) -> CostModel | None:

@@ -36,14 +36,18 @@ def test_plans_a_70b_model_from_its_config_alone(tmp_path, capsys):
     (tmp_path / "llama70b" / "config.json").write_text(json.dumps(LLAMA_70B))
     out = tmp_path / "plan.json"
     code = cli.main(["plan", "--trace", str(TRACE), "--model", str(tmp_path / "llama70b"),
-                     "--device-kv", "40GiB", "--kv-offload", "host=1TiB", "--hits-only",
-                     "--output-json", str(out)])
+                     "--device-kv", "40GiB", "--kv-offload", "host=1TiB,disk=4TiB",
+                     "--hits-only", "--output-json", str(out)])
     assert code == 0, capsys.readouterr().err
     report = json.loads(out.read_text())
     assert report["working_set"]["bytes_per_token"] == 2 * 80 * 8 * 128 * 2
     assert report["working_set"]["bytes_per_block"] == 16 * 327680
     assert report["num_rejected"] == 0 and "ttft_s" not in report
-    assert set(report["hit_rate"]) == {"device", "host", "total", "ceiling"}
+    assert set(report["hit_rate"]) == {"device", "host", "disk", "total", "ceiling"}
+    disk = report["working_set"]["tiers"]["disk"]["capacity_bytes"]
+    # The disk file: a header page, then slots of a header page and a 5 MiB chunk each.
+    chunk = 16 * 327680
+    assert disk == (4 * 2**40 - 4096) // (4096 + chunk) * chunk
     # 512 tokens per hash id: whole prefixes of the trace's repeated hash ids are hit.
     assert report["hit_rate"]["device"] == pytest.approx(report["hit_rate"]["ceiling"])
 
