@@ -156,7 +156,7 @@ class SimulatedOffload:
     def _put_in_host(self, key: Hashable) -> bool:
         cache = self.host.cache
         if cache.prepare_store(key, self.chunk_bytes) is None:
-            return False  # already there
+            return False  # already there, or every slot is held by a load
         cache.complete_store(key, ok=True)
         for victim in cache.take_evicted():
             for index, tier in enumerate(self.tiers):
@@ -168,6 +168,8 @@ class SimulatedOffload:
         tier = self.tiers[index]
         if tier.cache is None:
             self._unbounded[index].add(key)
+        elif tier.cache.is_ready(key):
+            tier.cache.policy.touch(key)  # the disk tier's index: a rewrite is a recent use
         elif tier.cache.prepare_store(key, self.chunk_bytes) is not None:
             tier.cache.complete_store(key, ok=True)
             tier.cache.take_evicted()
