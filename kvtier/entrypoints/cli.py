@@ -13,6 +13,7 @@ SUBCOMMANDS = {
     "generate": ("kvtier.entrypoints.generate", "generate text offline for one or more prompts"),
     "serve": ("kvtier.entrypoints.serve", "run the OpenAI-compatible server"),
     "bench": ("kvtier.entrypoints.bench.cli", "run a benchmark client"),
+    "plan": ("kvtier.planner.cli", "size KV cache tiers for a request trace, by simulation"),
 }
 USAGE_ERROR = 2
 

@@ -1,5 +1,5 @@
-"""Benchmark tools: the multi-turn conversation workload (issue 7), its streaming client for
-OpenAI-compatible servers and its in-process engine target."""
+"""Benchmark tools: the multi-turn conversation workload and the request-trace replay, their
+streaming client for OpenAI-compatible servers and their in-process engine target."""
 
 from kvtier.entrypoints.bench.config import EngineTarget, MultiTurnConfig, ServerTarget
 from kvtier.entrypoints.bench.report import REPORT_FIELDS

@@ -1,5 +1,6 @@
-"""`kvtier bench ...`: benchmark tools. `multi-turn` drives any OpenAI-compatible server, or a
-kvtier engine it builds in its own process (`--engine in-process`, no HTTP).
+"""`kvtier bench ...`: benchmark tools. `multi-turn` (conversations) and `trace` (a request trace
+replayed on its clock) drive any OpenAI-compatible server, or a kvtier engine built in this
+process (`--engine in-process`, no HTTP).
 
 The CLI module imports this lazily and calls `add_arguments(parser)` on its `bench` sub-parser,
 then `run(args)`.
@@ -16,6 +17,7 @@ from typing import Any
 
 from kvtier.engine.args import add_engine_args, engine_config_from_args
 from kvtier.entrypoints.bench.config import BenchTarget, EngineTarget, MultiTurnConfig, ServerTarget
+from kvtier.entrypoints.bench.trace_cli import add_trace_arguments, run_trace_command
 
 DEFAULTS = MultiTurnConfig()
 TARGET_DEFAULTS = ServerTarget()
@@ -25,7 +27,7 @@ _SHARED_OPTIONS = ("model", "seed")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add the `multi-turn` sub-command (and its options) under `parser`."""
+    """Add the `multi-turn` and `trace` sub-commands (and their options) under `parser`."""
     commands = parser.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     multi_turn = commands.add_parser(
         "multi-turn", conflict_handler="resolve",
@@ -35,12 +37,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     "target is the server at --url, or with --engine in-process a kvtier engine "
                     "built in this process from the engine options (no HTTP).")
     workload = _add_workload_arguments(multi_turn)
-    target = _add_target_arguments(multi_turn)
-    _add_output_arguments(multi_turn)
-    add_engine_args(multi_turn, positional_model=False)
+    _add_common_arguments(multi_turn, workload,
+                          seed_help="seed of the conversations' text; an in-process engine also "
+                                    "seeds its sampler with it (the workload decodes greedily)")
+    trace = commands.add_parser(
+        "trace", conflict_handler="resolve",
+        help="replay a request trace (Mooncake JSON lines) on its own clock",
+        description="Each trace request is sent at its (scaled) arrival time as token ids to "
+                    "/v1/completions, its output exactly the trace's length (capped); the same "
+                    "hash id always becomes the same tokens, so shared prefixes in the trace "
+                    "are shared prompts. Reports TTFT, TPOT, tokens/s and per-tier KV hit rates, "
+                    "against the server at --url or an in-process engine.")
+    trace_group = add_trace_arguments(trace)
+    _add_common_arguments(trace, trace_group,
+                          seed_help="seed of the token ids that stand for the hash ids; an "
+                                    "in-process engine also seeds its sampler with it",
+                          with_api=False)
+
+
+def _add_common_arguments(parser: argparse.ArgumentParser, workload: argparse._ArgumentGroup,
+                          seed_help: str, with_api: bool = True) -> None:
+    target = _add_target_arguments(parser, with_api)
+    _add_output_arguments(parser)
+    add_engine_args(parser, positional_model=False)
     # Added last: with conflict_handler="resolve" these replace the engine options of the same
     # names, so one --seed and one --model serve both targets.
-    _add_shared_arguments(workload, target)
+    _add_shared_arguments(workload, target, seed_help)
 
 
 def _add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -62,7 +84,8 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> argparse._Argume
     return group
 
 
-def _add_target_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+def _add_target_arguments(parser: argparse.ArgumentParser,
+                          with_api: bool) -> argparse._ArgumentGroup:
     group = parser.add_argument_group(
         "target", description="engine options (below) apply with --engine in-process only")
     group.add_argument("--engine", choices=ENGINES, default="server",
@@ -72,19 +95,20 @@ def _add_target_arguments(parser: argparse.ArgumentParser) -> argparse._Argument
     group.add_argument("--url", default=None,
                        help=f"the server to benchmark (default {TARGET_DEFAULTS.url}); server "
                             "target only")
-    group.add_argument("--api", choices=("chat", "completions"), default=TARGET_DEFAULTS.api,
-                       help="request shape; in-process runs the server's code for the same "
-                            "endpoint (chat template or plain prompt)")
+    if with_api:
+        group.add_argument("--api", choices=("chat", "completions"), default=TARGET_DEFAULTS.api,
+                           help="request shape; in-process runs the server's code for the same "
+                                "endpoint (chat template or plain prompt)")
+    else:
+        parser.set_defaults(api="completions")
     group.add_argument("--request-timeout", type=float, default=TARGET_DEFAULTS.request_timeout_s)
     group.add_argument("--run-timeout", type=float, default=TARGET_DEFAULTS.run_timeout_s)
     return group
 
 
-def _add_shared_arguments(workload: argparse._ArgumentGroup,
-                          target: argparse._ArgumentGroup) -> None:
-    workload.add_argument("--seed", type=int, default=DEFAULTS.seed,
-                          help="seed of the conversations' text; an in-process engine also "
-                               "seeds its sampler with it (the workload decodes greedily)")
+def _add_shared_arguments(workload: argparse._ArgumentGroup, target: argparse._ArgumentGroup,
+                          seed_help: str) -> None:
+    workload.add_argument("--seed", type=int, default=DEFAULTS.seed, help=seed_help)
     target.add_argument("--model", default=None,
                         help="server: the model name to request (default: the first the "
                              "server lists); in-process: HF model directory or .gguf file "
@@ -108,9 +132,11 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.entrypoints.bench.runner import BenchTimeoutError
 
     try:
+        if args.bench_command == "trace":
+            return run_trace_command(args, _target(args))
         return _run_multi_turn(args)
     except (BenchClientError, BenchTimeoutError) as exc:
-        print(f"kvtier bench multi-turn: error: {exc}", file=sys.stderr)
+        print(f"kvtier bench {args.bench_command}: error: {exc}", file=sys.stderr)
         return 1
 
 
@@ -163,8 +189,8 @@ def _engine_only_options() -> dict[str, tuple[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (`python -m kvtier.entrypoints.bench.cli multi-turn ...`), same as
-    `kvtier bench multi-turn ...`."""
+    """Stand-alone entry (`python -m kvtier.entrypoints.bench.cli BENCHMARK ...`), same as
+    `kvtier bench BENCHMARK ...`."""
     from kvtier.entrypoints.cli import main as cli_main
 
     return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])

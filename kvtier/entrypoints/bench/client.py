@@ -44,10 +44,15 @@ class RequestResult:
 
 
 class TurnClient(Protocol):
-    """Sends one turn and times it; a failure is recorded in the result, never raised."""
+    """Sends one request and times it; a failure is recorded in the result, never raised."""
 
     async def send(self, conversation_id: ConversationId, turn: int,
-                   messages: list[dict[str, str]]) -> RequestResult: ...
+                   messages: list[dict[str, str]]) -> RequestResult:
+        """One turn of a conversation, as request_body shapes it for the target's api."""
+
+    async def send_body(self, conversation_id: ConversationId, turn: int, path: str,
+                        body: dict[str, Any]) -> RequestResult:
+        """A ready request body for the endpoint `path` (a streaming one)."""
 
 
 class BenchSession(Protocol):
@@ -64,6 +69,10 @@ class BenchSession(Protocol):
     @property
     def url(self) -> str | None:
         """The report's url; None when no HTTP is involved."""
+
+    @property
+    def vocab_size(self) -> int | None:
+        """The model's vocabulary size; None when the target does not say."""
 
     async def scrape(self) -> Samples | None:
         """Every metrics sample now, or None when the target has no metrics."""
@@ -126,8 +135,13 @@ class OpenAIStreamClient:
 
     async def send(self, conversation_id: ConversationId, turn: int,
                    messages: list[dict[str, str]]) -> RequestResult:
-        """Stream one request; errors are recorded in the result, not raised."""
+        """Stream one turn; errors are recorded in the result, not raised."""
         path, body = request_body(self._target.api, self._model, messages, self._output_tokens)
+        return await self.send_body(conversation_id, turn, path, body)
+
+    async def send_body(self, conversation_id: ConversationId, turn: int, path: str,
+                        body: dict[str, Any]) -> RequestResult:
+        """Stream one request; errors are recorded in the result, not raised."""
         started = time.perf_counter()
         stream = _Stream()
         error = None
@@ -206,6 +220,11 @@ class ServerSession:
     @property
     def url(self) -> str:
         return self.target.base_url
+
+    @property
+    def vocab_size(self) -> None:
+        # The OpenAI API has no field for it.
+        return None
 
     async def scrape(self) -> Samples | None:
         return await scrape(self.http, self.target.base_url, self.target.request_timeout_s)

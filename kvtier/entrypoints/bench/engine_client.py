@@ -77,14 +77,22 @@ class InProcessClient:
 
     async def send(self, conversation_id: ConversationId, turn: int,
                    messages: list[dict[str, str]]) -> RequestResult:
-        """Stream one request; errors are recorded in the result, not raised."""
+        """Stream one turn; errors are recorded in the result, not raised."""
+        path, body = request_body(self._target.api, self._ctx.model_name, messages,
+                                  self._output_tokens)
+        return await self.send_body(conversation_id, turn, path, body)
+
+    async def send_body(self, conversation_id: ConversationId, turn: int, path: str,
+                        body: dict[str, Any]) -> RequestResult:
+        """Stream one request as the server's endpoint at `path` would take `body`; errors are
+        recorded in the result, not raised."""
         started = time.perf_counter()
         progress = _Progress()
         num_prompt_tokens = None
         error = None
         try:
             async with asyncio.timeout(self._target.request_timeout_s):
-                prepared = self._prepare(messages)
+                prepared = self._prepare(path, body)
                 num_prompt_tokens = len(prepared.prompt.token_ids)
                 await self._stream_into(f"bench-{conversation_id}-{turn}", prepared, progress)
         except TimeoutError:
@@ -105,11 +113,10 @@ class InProcessClient:
             error=error,
         )
 
-    def _prepare(self, messages: list[dict[str, str]]) -> _PreparedTurn:
-        """What the server's endpoint makes of this turn's body, with its refusals."""
+    def _prepare(self, path: str, body: dict[str, Any]) -> _PreparedTurn:
+        """What the server's endpoint at `path` makes of this body, with its refusals."""
         ctx = self._ctx
-        _, body = request_body(self._target.api, ctx.model_name, messages, self._output_tokens)
-        if self._target.api == "chat":
+        if path == "/v1/chat/completions":
             chat = ChatCompletionRequest.model_validate(body)
             params = chat_sampling_params(chat)
             prompt = chat_prompt(ctx, chat)
@@ -149,6 +156,10 @@ class EngineSession:
     @property
     def model(self) -> str:
         return self.ctx.model_name
+
+    @property
+    def vocab_size(self) -> int:
+        return self.ctx.vocab_size
 
     async def scrape(self) -> Samples:
         return registry_samples(self.ctx.engine.metrics)

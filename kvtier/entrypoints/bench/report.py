@@ -1,4 +1,4 @@
-"""Summary statistics of a multi-turn run and its JSON form."""
+"""Summary statistics of a benchmark run and its JSON form."""
 
 from __future__ import annotations
 
@@ -37,19 +37,33 @@ def summarize(results: list[RequestResult], duration_s: float, config: MultiTurn
               label: str) -> dict[str, Any]:
     """The report: latency distributions, throughput and hit rates of one run."""
     done = [r for r in results if r.error is None]
-    input_tokens = sum(r.num_prompt_tokens or 0 for r in done)
-    output_tokens = sum(r.num_output_tokens for r in done)
+    timing = request_summary(results, duration_s, hit_rates)
     report = {
         "label": label,
         "url": url,
         "model": model,
         "api": api,
         "workload": dataclasses.asdict(config),
+        "num_requests": timing.pop("num_requests"),
+        "num_failed": timing.pop("num_failed"),
+        "duration_s": duration_s,
+        "ttft_s": timing.pop("ttft_s"),
+        "ttft_by_turn_s": _ttft_by_turn(done, config.num_turns),
+        **timing,
+    }
+    return report
+
+
+def request_summary(results: list[RequestResult], duration_s: float,
+                    hit_rates: dict[str, TierHits]) -> dict[str, Any]:
+    """Counts, latency distributions, throughput, hit rates and errors of any workload's run."""
+    done = [r for r in results if r.error is None]
+    input_tokens = sum(r.num_prompt_tokens or 0 for r in done)
+    output_tokens = sum(r.num_output_tokens for r in done)
+    return {
         "num_requests": len(results),
         "num_failed": len(results) - len(done),
-        "duration_s": duration_s,
         "ttft_s": distribution([r.ttft_s for r in done if r.ttft_s is not None]),
-        "ttft_by_turn_s": _ttft_by_turn(done, config.num_turns),
         "tpot_s": distribution([r.tpot_s for r in done if r.tpot_s is not None]),
         "latency_s": distribution([r.latency_s for r in done]),
         "input_tokens": input_tokens,
@@ -61,7 +75,6 @@ def summarize(results: list[RequestResult], duration_s: float, config: MultiTurn
                       for tier, h in hit_rates.items()},
         "errors": sorted({r.error for r in results if r.error is not None}),
     }
-    return report
 
 
 def _ttft_by_turn(done: list[RequestResult], num_turns: int) -> list[dict[str, Any]]:

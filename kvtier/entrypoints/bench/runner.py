@@ -33,7 +33,9 @@ async def run_multi_turn(config: MultiTurnConfig, target: BenchTarget, label: st
                          show_progress: bool = True) -> dict[str, Any]:
     """Drive all conversations concurrently and return the report (see report.REPORT_FIELDS)."""
     scripts = build_conversations(config)
-    async with _open_session(target, config) as session:
+    # One connection per conversation: turns of a conversation are sequential, so this is
+    # exactly the concurrency the workload asks for.
+    async with open_session(target, max_connections=config.num_conversations) as session:
         before = await session.scrape()
         started = time.perf_counter()
         client = session.client(config.output_tokens, started)
@@ -47,15 +49,14 @@ async def run_multi_turn(config: MultiTurnConfig, target: BenchTarget, label: st
                      label or session.name)
 
 
-def _open_session(target: BenchTarget,
-                  config: MultiTurnConfig) -> AbstractAsyncContextManager[BenchSession]:
+def open_session(target: BenchTarget,
+                 max_connections: int) -> AbstractAsyncContextManager[BenchSession]:
+    """The target opened for one run; a server gets up to `max_connections` connections."""
     if isinstance(target, EngineTarget):
         # Imported here: it loads torch and the server's modules, which a server run never needs.
         from kvtier.entrypoints.bench.engine_client import open_engine_session
         return open_engine_session(target)
-    # One connection per conversation: turns of a conversation are sequential, so this is
-    # exactly the concurrency the workload asks for.
-    return open_server_session(target, max_connections=config.num_conversations)
+    return open_server_session(target, max_connections=max_connections)
 
 
 async def _run_all(scripts: list[ConversationScript], client: TurnClient,

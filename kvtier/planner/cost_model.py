@@ -1,0 +1,94 @@
+"""The planner's cost model: seconds per engine step and per KV byte moved between tiers.
+
+One engine step runs the prefill tokens and the decoding sequences scheduled together:
+
+    step_s = step_s_base + prefill_s_per_token * prefill tokens + decode_s_per_seq * decoding seqs
+
+and a prefix loaded from a tier costs its bytes times that tier's `load_s_per_byte` (a chunk on
+disk is read into host memory and then copied to the device: both costs). `kvtier plan
+calibrate` measures the model on this machine and fits the coefficients; a JSON file of them
+lets one plan for other hardware.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# A cost model names the machine and model it was measured on; these keys are its numbers.
+_NUMBERS = ("step_s_base", "prefill_s_per_token", "decode_s_per_seq")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Linear step costs and per-byte tier loads (seconds). `load_s_per_byte` maps a tier
+    kind (`host`, `disk`, `fs`) to the seconds one byte takes to reach the level above it."""
+
+    step_s_base: float
+    prefill_s_per_token: float
+    decode_s_per_seq: float
+    load_s_per_byte: dict[str, float] = field(default_factory=dict)
+    model: str = ""
+    machine: str = ""
+
+    def __post_init__(self) -> None:
+        for name in _NUMBERS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"cost model {name} must be a number >= 0, got {value!r}")
+        for tier, value in self.load_s_per_byte.items():
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"cost model load_s_per_byte[{tier!r}] must be a number >= 0, "
+                                 f"got {value!r}")
+
+    def step_s(self, num_prefill_tokens: int, num_decode_seqs: int) -> float:
+        return (self.step_s_base + self.prefill_s_per_token * num_prefill_tokens
+                + self.decode_s_per_seq * num_decode_seqs)
+
+    def load_s(self, tier_kind: str, num_bytes: int) -> float:
+        """Seconds to bring `num_bytes` from `tier_kind` one level up."""
+        if tier_kind not in self.load_s_per_byte:
+            raise ValueError(f"the cost model has no load cost for the {tier_kind!r} tier; add "
+                             f"load_s_per_byte.{tier_kind} to it (has "
+                             f"{sorted(self.load_s_per_byte)})")
+        return self.load_s_per_byte[tier_kind] * num_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: Any, where: str = "cost model") -> CostModel:
+        if not isinstance(raw, dict):
+            raise ValueError(f"{where} must be a JSON object, got {type(raw).__name__}")
+        known = {"load_s_per_byte", "model", "machine", "measurements", *_NUMBERS}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; keys are {sorted(known)}")
+        missing = [name for name in _NUMBERS if name not in raw]
+        if missing:
+            raise ValueError(f"{where}: missing {missing}; run `kvtier plan calibrate` to "
+                             "measure them")
+        return cls(**{k: v for k, v in raw.items() if k != "measurements"})
+
+
+def load_cost_model(path: Path) -> CostModel:
+    try:
+        raw = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the cost model {path}: {exc}") from exc
+    return CostModel.from_json(raw, f"cost model {path}")
+
+
+def write_cost_model(model: CostModel, path: Path, measurements: list[dict] | None = None) -> None:
+    payload = model.to_json()
+    if measurements is not None:
+        payload["measurements"] = measurements  # the raw timings the fit came from
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def default_cost_model_path() -> Path:
+    """The cost model shipped with kvtier: SmolLM2-135M on a 2-core VM (see its `machine`)."""
+    return Path(__file__).parent / "cost_models" / "smollm2-135m-2core.json"

@@ -1,0 +1,84 @@
+"""A model's KV cache layout for planning: the engine's own KV cache groups and block count,
+from the model's config alone (an HF config.json needs no weights beside it, so one can plan for
+a model this machine could never load)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from kvtier.kv import KVCacheConfig, KVCacheGroupSpec
+from kvtier.models.config import ModelConfig
+
+DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class ModelKV:
+    """The KV cache groups of a model at one block size and dtype, and its context limit."""
+
+    name: str
+    groups: tuple[KVCacheGroupSpec, ...]
+    max_model_len: int
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].kv_cache_spec.block_size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes one block of every layer takes (what a device block or an offload chunk of one
+        block costs)."""
+        return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in self.groups)
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_block / self.block_size
+
+    def kv_cache_config(self, device_bytes: int) -> KVCacheConfig:
+        """The device pool `device_bytes` holds, the null block included, as the engine counts
+        it (every layer holds one page per block)."""
+        num_blocks = device_bytes // self.bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(f"--device-kv {device_bytes} bytes holds {num_blocks} KV blocks of "
+                             f"{self.bytes_per_block} bytes; give at least "
+                             f"{2 * self.bytes_per_block} bytes")
+        return KVCacheConfig(num_blocks, list(self.groups))
+
+
+def read_model_config(model: str | None) -> ModelConfig:
+    """ModelConfig of an HF directory (or its config.json), a .gguf file, or None for the
+    engine's default model. Raises ModelLoadError naming the file."""
+    from kvtier.models.errors import ModelLoadError
+    from kvtier.models.hf_config import parse_hf_config
+    from kvtier.models.loader import DEFAULT_MODEL_FILE, default_model_path
+
+    if model is None:
+        return _gguf_config(default_model_path(), DEFAULT_MODEL_FILE)
+    path = os.path.expanduser(model)
+    if os.path.basename(path) == "config.json":
+        path = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        return parse_hf_config(path, model)
+    if path.endswith(".gguf") and os.path.exists(path):
+        return _gguf_config(path, model)
+    raise ModelLoadError(path, "expected an HF model directory (config.json is enough), its "
+                               "config.json, or a .gguf file")
+
+
+def _gguf_config(path: str, name: str) -> ModelConfig:
+    from kvtier.models.gguf_file import GGUFModelFile
+
+    return GGUFModelFile(path).model_config(name)
+
+
+def model_kv(model: str | None, block_size: int = 16, dtype: str = "bfloat16",
+             max_model_len: int | None = None) -> ModelKV:
+    """The engine's KV cache groups for `model` (see read_model_config)."""
+    from kvtier.worker.kv_cache import build_kv_cache_groups
+
+    if dtype not in DTYPE_SIZES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
+    config = read_model_config(model)
+    groups = build_kv_cache_groups(config, block_size=block_size, dtype_size=DTYPE_SIZES[dtype])
+    return ModelKV(config.name, tuple(groups), max_model_len or config.max_position_embeddings)

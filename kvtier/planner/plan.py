@@ -1,0 +1,147 @@
+"""One plan: a trace, a model's KV layout, a device pool and offload tiers, simulated, and the
+report: per-tier hit rates, prefill saved, predicted TTFT and throughput, the working set."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.entrypoints.bench.trace import ScaledRequest, TraceScaling, load_trace, scale_trace
+from kvtier.offload.config import OffloadConfig
+from kvtier.planner.blocks import BlockKeys
+from kvtier.planner.cost_model import CostModel
+from kvtier.planner.model_kv import ModelKV
+from kvtier.planner.simulator import SchedulerLimits, SimRequest, Simulation
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What to simulate. `offload` None: the device cache alone; `cost` None: hits only (every
+    step takes no time, so the report has no TTFT or throughput)."""
+
+    trace: Path
+    model: ModelKV
+    device_bytes: int
+    offload: OffloadConfig | None = None
+    cost: CostModel | None = None
+    scaling: TraceScaling = TraceScaling()
+    limits: SchedulerLimits = SchedulerLimits()
+
+
+def plan_requests(requests: list[ScaledRequest], keys: BlockKeys) -> list[SimRequest]:
+    return [SimRequest(r.index, r.arrival_s, r.num_prompt_tokens, r.output_tokens,
+                       keys.prompt_keys(r.hash_ids, r.num_prompt_tokens)) for r in requests]
+
+
+def run_plan(config: PlanConfig, scaled: list[ScaledRequest] | None = None) -> dict[str, Any]:
+    """Simulate the trace once and return the report."""
+    started = time.perf_counter()
+    if scaled is None:
+        scaled = scale_trace(load_trace(config.trace), config.scaling)
+    keys = BlockKeys(config.scaling.tokens_per_block, config.model.block_size)
+    requests = plan_requests(scaled, keys)
+    simulation = Simulation(config.model, config.device_bytes, config.offload, config.cost,
+                            config.limits)
+    simulation.run(requests)
+    report = {
+        "trace": str(config.trace),
+        "scaling": asdict(config.scaling),
+        "model": config.model.name,
+        "block_size": config.model.block_size,
+        "device_kv_bytes": config.device_bytes,
+        "num_device_blocks": simulation.manager.kv_cache_config.num_blocks,
+        **summarize_plan(simulation, requests),
+        "working_set": working_set(requests, keys, config.model, simulation),
+        "cost_model": None if config.cost is None else config.cost.to_json(),
+        "num_steps": simulation.num_steps,
+        "planner_runtime_s": time.perf_counter() - started,
+    }
+    return report
+
+
+def summarize_plan(simulation: Simulation, requests: list[SimRequest]) -> dict[str, Any]:
+    served = [r for r in requests if r.rejected is None]
+    prompt_tokens = sum(r.num_prompt_tokens for r in served)
+    names = simulation.level_names
+    per_level = [sum(r.hit_tokens[i] for r in served) for i in range(len(names))]
+    saved = sum(per_level)
+    hit_rate = {name: _share(tokens, prompt_tokens) for name, tokens in zip(names, per_level)}
+    hit_rate["total"] = _share(saved, prompt_tokens)
+    hit_rate["ceiling"] = _share(ceiling_hits(served, simulation.block_size), prompt_tokens)
+    summary: dict[str, Any] = {
+        "num_requests": len(requests),
+        "num_rejected": len(requests) - len(served),
+        "rejected": sorted({r.rejected for r in requests if r.rejected is not None})[:5],
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": sum(r.output_tokens for r in served),
+        "hit_rate": hit_rate,
+        "hit_tokens": dict(zip(names, per_level)),
+        "prefill_tokens_saved": saved,
+        "prefill_tokens_computed": prompt_tokens - saved,
+    }
+    if simulation.cost is not None:
+        summary.update(_timing(served))
+    return summary
+
+
+def _timing(served: list[SimRequest]) -> dict[str, Any]:
+    ttfts = [r.first_token_s - r.arrival_s for r in served]
+    start = min((r.arrival_s for r in served), default=0.0)
+    end = max((r.finished_s for r in served), default=0.0)
+    duration = end - start
+    output = sum(r.output_tokens for r in served)
+    return {
+        "ttft_s": _percentiles(ttfts),
+        "duration_s": duration,
+        "output_tokens_per_s": output / duration if duration > 0 else 0.0,
+        "requests_per_s": len(served) / duration if duration > 0 else 0.0,
+    }
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    stats: dict[str, float | None] = {"mean": float(np.mean(values)) if values else None}
+    for p in (50, 90, 99):
+        stats[f"p{p}"] = float(np.percentile(values, p)) if values else None
+    return stats
+
+
+def _share(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+def ceiling_hits(requests: list[SimRequest], block_size: int) -> int:
+    """Prompt tokens an unbounded cache would serve: each request's longest prefix of blocks
+    seen before, in arrival order, capped as the engine caps a hit."""
+    seen: set[Any] = set()
+    total = 0
+    for request in sorted(requests, key=lambda r: (r.arrival_s, r.index)):
+        num_hit = 0
+        cap = (request.num_prompt_tokens - 1) // block_size
+        while num_hit < min(cap, len(request.keys)) and request.keys[num_hit] in seen:
+            num_hit += 1
+        total += num_hit * block_size
+        seen.update(request.keys)
+    return total
+
+
+def working_set(requests: list[SimRequest], keys: BlockKeys, model: ModelKV,
+                simulation: Simulation) -> dict[str, Any]:
+    """Distinct full prompt blocks of the trace against what each tier holds."""
+    distinct_bytes = keys.num_distinct * model.bytes_per_block
+    capacities = {"device": simulation.manager.kv_cache_config.num_blocks * model.bytes_per_block}
+    if simulation.offload is not None:
+        capacities.update({t.name: t.capacity_bytes for t in simulation.offload.all_tiers})
+    return {
+        "distinct_blocks": keys.num_distinct,
+        "bytes_per_block": model.bytes_per_block,
+        "bytes_per_token": model.bytes_per_token,
+        "bytes": distinct_bytes,
+        "tiers": {name: {"capacity_bytes": capacity,
+                         "share_of_working_set": (None if capacity is None
+                                                  else _share(capacity, distinct_bytes))}
+                  for name, capacity in capacities.items()},
+    }

@@ -1,0 +1,103 @@
+"""`kvtier plan`: a model planned from its config.json alone, timing from a cost model file,
+sweeps and their plot, and the errors a user gets."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtier.entrypoints import cli
+from kvtier.entrypoints.bench.trace import TraceScaling
+from kvtier.planner.cost_model import CostModel, write_cost_model
+from kvtier.planner.model_kv import model_kv
+from kvtier.planner.plan import PlanConfig, run_plan
+
+from ..tiny_models import make_hf_model
+
+TRACE = Path(__file__).parent / "data" / "agree_trace.jsonl"
+# A 70B-class Llama: 80 layers, 8 KV heads of 128: 2 * 80 * 8 * 128 * 2 bytes = 320 KiB a token.
+LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256,
+             "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+             "num_attention_heads": 64, "num_key_value_heads": 8,
+             "max_position_embeddings": 131072, "rms_norm_eps": 1e-5}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("model")
+    make_hf_model("llama", directory)
+    return str(directory)
+
+
+def test_plans_a_70b_model_from_its_config_alone(tmp_path, capsys):
+    (tmp_path / "llama70b").mkdir()
+    (tmp_path / "llama70b" / "config.json").write_text(json.dumps(LLAMA_70B))
+    out = tmp_path / "plan.json"
+    code = cli.main(["plan", "--trace", str(TRACE), "--model", str(tmp_path / "llama70b"),
+                     "--device-kv", "40GiB", "--kv-offload", "host=1TiB,disk=4TiB",
+                     "--hits-only", "--output-json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert report["working_set"]["bytes_per_token"] == 2 * 80 * 8 * 128 * 2
+    assert report["working_set"]["bytes_per_block"] == 16 * 327680
+    assert report["num_rejected"] == 0 and "ttft_s" not in report
+    assert set(report["hit_rate"]) == {"device", "host", "disk", "total", "ceiling"}
+    disk = report["working_set"]["tiers"]["disk"]["capacity_bytes"]
+    # The disk file: a header page, then slots of a header page and a 5 MiB chunk each.
+    chunk = 16 * 327680
+    assert disk == (4 * 2**40 - 4096) // (4096 + chunk) * chunk
+    # 512 tokens per hash id: whole prefixes of the trace's repeated hash ids are hit.
+    assert report["hit_rate"]["device"] == pytest.approx(report["hit_rate"]["ceiling"])
+
+
+def test_timing_follows_the_cost_model(model_dir, tmp_path):
+    trace = tmp_path / "one.jsonl"
+    trace.write_text('{"timestamp": 0, "input_length": 1536, "output_length": 3, '
+                     '"hash_ids": [0, 1, 2]}\n')
+    cost = CostModel(0.01, 0.001, 0.002, {"host": 0.0})
+    model = model_kv(model_dir, 4, "float32")
+    config = PlanConfig(trace, model, 64 * model.bytes_per_block, cost=cost,
+                        scaling=TraceScaling(tokens_per_block=8))
+    report = run_plan(config)
+    ttft = 0.01 + 24 * 0.001  # one prefill step of the 24-token prompt
+    assert report["ttft_s"]["p50"] == pytest.approx(ttft)
+    # Two decode steps of one sequence after the first token.
+    assert report["duration_s"] == pytest.approx(ttft + 2 * (0.01 + 0.002))
+    assert report["output_tokens_per_s"] == pytest.approx(3 / report["duration_s"])
+
+
+def test_sweep_draws_hit_rate_against_host_size(model_dir, tmp_path, capsys):
+    cost = tmp_path / "cost.json"
+    write_cost_model(CostModel(0.01, 0.001, 0.002, {"host": 1e-9}), cost)
+    out, plot = tmp_path / "plan.json", tmp_path / "sweep.png"
+    block = model_kv(model_dir, 4, "float32").bytes_per_block
+    code = cli.main(["plan", "--trace", str(TRACE), "--model", model_dir, "--dtype", "float32",
+                     "--block-size", "4", "--tokens-per-block", "8",
+                     "--device-kv", str(12 * block), "--kv-offload", f"host={2 * block}",
+                     "--cost-model", str(cost), "--sweep", f"host={2 * block}..{16 * block}",
+                     "--output-json", str(out), "--output-plot", str(plot)])
+    assert code == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    points = report["sweep"]["points"]
+    assert [p["bytes"] for p in points] == [2 * block, 4 * block, 8 * block, 16 * block]
+    totals = [p["hit_rate"]["total"] for p in points]
+    assert totals == sorted(totals) and totals[-1] > totals[0]
+    assert all(t <= report["sweep"]["ceiling"] for t in totals)
+    assert points[0]["hit_rate"] == report["hit_rate"]
+    assert plot.stat().st_size > 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "--trace and --device-kv are required"),
+    (["--device-kv", "1GiB", "--model", "MODEL"], "give --cost-model FILE"),
+    (["--device-kv", "1GiB", "--model", "MODEL", "--hits-only", "--sweep", "ssd=1GiB..2GiB",
+      "--kv-offload", "host=1GiB"], "--sweep tier 'ssd' is not in --kv-offload"),
+    (["--device-kv", "1GiB", "--model", "MODEL", "--hits-only", "--output-plot", "x.png"],
+     "--output-plot draws the sweep"),
+])
+def test_errors_name_the_fix(model_dir, capsys, extra, message):
+    argv = ["plan", "--trace", str(TRACE), *[model_dir if a == "MODEL" else a for a in extra]]
+    assert cli.main(argv) == cli.USAGE_ERROR
+    assert message in capsys.readouterr().err

@@ -1,0 +1,73 @@
+"""The cost model: its JSON form, its sums, and the calibration fit."""
+
+import json
+
+import pytest
+import torch
+
+from kvtier.entrypoints import cli
+from kvtier.planner.calibrate import Measurement, _fit
+from kvtier.planner.cost_model import (
+    CostModel,
+    default_cost_model_path,
+    load_cost_model,
+    write_cost_model,
+)
+
+from ..tiny_models import make_hf_model
+
+torch.set_num_threads(1)
+
+
+def test_step_and_load_costs_add_up():
+    cost = CostModel(0.01, 1e-4, 2e-3, {"host": 1e-9, "disk": 4e-9})
+    assert cost.step_s(1000, 10) == pytest.approx(0.01 + 0.1 + 0.02)
+    assert cost.load_s("disk", 10**6) == pytest.approx(4e-3)
+    with pytest.raises(ValueError, match="no load cost for the 'fs' tier"):
+        cost.load_s("fs", 1)
+
+
+def test_json_round_trip_and_bad_files(tmp_path):
+    cost = CostModel(0.01, 1e-4, 2e-3, {"host": 1e-9}, model="m", machine="here")
+    path = tmp_path / "cost.json"
+    write_cost_model(cost, path, measurements=[{"prefill_tokens": 1}])
+    assert load_cost_model(path) == cost
+    raw = json.loads(path.read_text())
+    for broken, message in (({**raw, "speed": 1}, "unknown keys"),
+                            ({k: v for k, v in raw.items() if k != "decode_s_per_seq"},
+                             "missing"),
+                            ({**raw, "step_s_base": -1}, "must be a number >= 0")):
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=message):
+            load_cost_model(path)
+    with pytest.raises(ValueError, match="cannot read the cost model"):
+        load_cost_model(tmp_path / "missing.json")
+
+
+def test_shipped_cost_model_loads():
+    cost = load_cost_model(default_cost_model_path())
+    assert cost.prefill_s_per_token > 0 and {"host", "disk"} <= set(cost.load_s_per_byte)
+
+
+def test_fit_recovers_linear_costs():
+    truth = CostModel(0.005, 2e-4, 3e-3)
+    rows = [(128, 0), (512, 0), (1024, 0), (0, 1), (0, 4), (0, 16)]
+    measurements = [Measurement(p, d, truth.step_s(p, d)) for p, d in rows]
+    assert _fit(measurements) == pytest.approx((0.005, 2e-4, 3e-3))
+
+
+def test_calibrate_measures_a_real_model(tmp_path, capsys):
+    directory = tmp_path / "model"
+    make_hf_model("llama", directory)
+    out = tmp_path / "cost.json"
+    code = cli.main(["plan", "calibrate", "--model", str(directory), "--dtype", "float32",
+                     "--disk-dir", str(tmp_path), "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    cost = load_cost_model(out)
+    raw = json.loads(out.read_text())
+    # The tiny model's context (256) caps the prefills at 128 tokens; three decode batches.
+    assert [(m["prefill_tokens"], m["decode_seqs"]) for m in raw["measurements"]] == \
+        [(128, 0), (0, 1), (0, 4), (0, 16)]
+    assert all(m["step_s"] > 0 for m in raw["measurements"])
+    assert cost.step_s(128, 0) > 0 and cost.load_s("host", 10**6) > 0
+    assert cost.load_s("disk", 10**6) > 0 and cost.model == str(directory)
