@@ -17,6 +17,7 @@ COUNTERS = ("sent", "send_failed", "received", "recv_failed", "bytes_sent", "byt
             "refused_namespace", "refused_secret", "refused_protocol", "malformed",
             "late_messages")
 
+
 @dataclass
 class Connection:
     """A connection we dialed: DEALER socket, its handshake, then the peer it reached."""

@@ -29,3 +29,10 @@ def wait_results(engine: TransferEngine, count: int, timeout_s: float) -> list[T
         results += engine.get_finished()
         time.sleep(0.002)
     return results
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
