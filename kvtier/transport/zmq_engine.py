@@ -29,11 +29,10 @@ from kvtier.transport.base import (
 from kvtier.transport.config import TransportConfig
 from kvtier.transport.handshake import LocalIdentity
 from kvtier.transport.zmq_loop import IOLoop
-from kvtier.transport.zmq_state import Receiving, Sending, State, Stop
+from kvtier.transport.zmq_state import Receiving, Sending, State, Stop, make_socket
 
 # connect() waits this much past its own deadline for the I/O thread's verdict, which is final.
 _CONNECT_GRACE_S = 1.0
-_SOCKET_HWM = 100_000
 
 
 class ZmqTransferEngine(TransferEngine):
@@ -69,14 +68,7 @@ class ZmqTransferEngine(TransferEngine):
         self._thread.start()
 
     def _socket(self, kind: int) -> zmq.Socket:
-        socket = self._ctx.socket(kind)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.SNDHWM, _SOCKET_HWM)
-        socket.setsockopt(zmq.RCVHWM, _SOCKET_HWM)
-        if kind == zmq.ROUTER:
-            # zmq refuses larger frames before allocating them: a peer cannot exhaust memory.
-            socket.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
-        return socket
+        return make_socket(self._ctx, kind, self.config.max_frame_bytes)
 
     @property
     def address(self) -> str:

@@ -37,6 +37,7 @@ from kvtier.transport.zmq_state import (
     State,
     Stop,
     direction_of,
+    make_socket,
     scatter,
 )
 
@@ -114,18 +115,26 @@ class IOLoop:
         # Take everything queued on the socket, so one busy peer cannot starve the others'
         # deadlines for more than one batch.
         for _ in range(256):
+            if socket.closed:
+                return  # closed while handling an earlier message
             try:
                 frames = socket.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if socket is self.wake:
-                self._run_commands()
-            elif socket is self.listener:
-                self._on_incoming(frames[0].bytes, frames[1:])
-            else:
-                self._on_dialed(self.conns[socket], frames)
-            if socket not in self.conns and socket not in (self.wake, self.listener):
-                return  # the connection was closed while handling its message
+            try:
+                self._handle(socket, frames)
+            except Exception:
+                # A bug costs one message, never this thread, which every transfer waits on.
+                self.counts["internal_errors"] += 1
+                logger.exception("transport: failed to handle a message; dropped it")
+
+    def _handle(self, socket: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        if socket is self.wake:
+            self._run_commands()
+        elif socket is self.listener:
+            self._on_incoming(frames[0].bytes, frames[1:])
+        else:
+            self._on_dialed(self.conns[socket], frames)
 
     # ---- commands from the caller ------------------------------------------------------------
 
@@ -150,9 +159,7 @@ class IOLoop:
         if self.stop is not None:
             future.set_exception(ConnectionError("engine is shutting down"))
             return
-        socket = self.ctx.socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 0)
-        socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
+        socket = make_socket(self.ctx, zmq.DEALER, self.max_frame_bytes)
         conn = Connection(socket, Dialing(self.local, address), deadline, future)
         try:
             socket.connect(address)

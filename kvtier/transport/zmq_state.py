@@ -15,7 +15,7 @@ from kvtier.transport.handshake import Dialing
 
 COUNTERS = ("sent", "send_failed", "received", "recv_failed", "bytes_sent", "bytes_received",
             "refused_namespace", "refused_secret", "refused_protocol", "malformed",
-            "late_messages")
+            "late_messages", "internal_errors")
 
 
 @dataclass
@@ -69,6 +69,17 @@ class State:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     results: deque[TransferResult] = field(default_factory=deque)
     commands: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+
+
+def make_socket(ctx: zmq.Context, kind: int, max_frame_bytes: int) -> zmq.Socket:
+    socket = ctx.socket(kind)
+    socket.setsockopt(zmq.LINGER, 0)
+    # No send limit: a full queue would block or drop accepts and dones. Queued frames are
+    # headers and zero-copy views of the caller's buffers, so pending transfers bound them.
+    socket.setsockopt(zmq.SNDHWM, 0)
+    # zmq refuses larger frames before allocating them: a peer cannot exhaust our memory.
+    socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    return socket
 
 
 def direction_of(command: Sending | Receiving) -> Direction:

@@ -194,3 +194,20 @@ def test_shutdown_with_transfers_in_flight_returns_within_its_deadline(make_engi
         assert len(results) == 8 and not any(r.ok for r in results)
     with pytest.raises(TransportError, match="shut down"):
         sender.send(peer, TransferId("late"), [Region("src", 0, 1)], timeout_s=1)
+
+
+def test_thousands_of_transfers_queued_at_once_all_complete(make_engine):
+    # More than zmq's default queue limit (1000 messages) in flight on one connection.
+    receiver, sender, peer = _pair(make_engine)
+    n, size = 3000, 64
+    src = bytearray(os.urandom(n * size))
+    dst = bytearray(n * size)
+    sender.register_buffer("src", memoryview(src))
+    receiver.register_buffer("dst", memoryview(dst))
+    for i in range(n):
+        sender.send(peer, TransferId(f"q{i}"), [Region("src", i * size, size)], timeout_s=60)
+    for i in range(n):
+        receiver.recv(TransferId(f"q{i}"), [Region("dst", i * size, size)], timeout_s=60)
+    assert all(r.ok for r in wait_results(receiver, n, timeout_s=60))
+    assert all(r.ok for r in wait_results(sender, n, timeout_s=10))
+    assert dst == src
