@@ -21,7 +21,8 @@ BACKENDS: dict[str, Callable[[TransportConfig], TransferEngine]] = {
 
 
 def wait_results(engine: TransferEngine, count: int, timeout_s: float) -> list[TransferResult]:
-    """The first `count` results of `engine`, in completion order; fails past `timeout_s`."""
+    """At least `count` results of `engine` (all it had), in completion order; fails past
+    `timeout_s`."""
     results: list[TransferResult] = []
     deadline = time.monotonic() + timeout_s
     while len(results) < count:
