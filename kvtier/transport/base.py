@@ -46,7 +46,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NewType
 
-# Names a transfer on both sides; the caller makes it unique per pair of engines.
+# Names a transfer on both sides; unique among the receiver's pending transfers (a second
+# offer of an id the receiver is already receiving fails).
 TransferId = NewType("TransferId", str)
 # Names a registered buffer inside one engine.
 BufferId = NewType("BufferId", str)

@@ -18,7 +18,8 @@ from kvtier.transport.base import MalformedMessageError
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 64 * 1024
-MAX_REGIONS = 65536
+# Regions of one side of a transfer: their sizes must fit in one header.
+MAX_REGIONS = 4096
 NONCE_BYTES = 32
 
 _BYTES = (bytes,)

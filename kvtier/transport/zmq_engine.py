@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 import zmq
 
+from kvtier.transport import protocol
 from kvtier.transport.base import (
     BufferId,
     Direction,
@@ -31,6 +32,7 @@ from kvtier.transport.handshake import LocalIdentity
 from kvtier.transport.zmq_loop import IOLoop
 from kvtier.transport.zmq_state import Receiving, Sending, State, Stop, make_socket
 
+MAX_ID_CHARS = 1024
 # connect() waits this much past its own deadline for the I/O thread's verdict, which is final.
 _CONNECT_GRACE_S = 1.0
 
@@ -98,8 +100,9 @@ class ZmqTransferEngine(TransferEngine):
                 raise TransportError(f"buffer {buffer_id!r} is not registered")
 
     def _views(self, regions: Sequence[Region], writable: bool) -> list[memoryview]:
-        if not regions:
-            raise TransportError("a transfer needs at least one region")
+        if not 0 < len(regions) <= protocol.MAX_REGIONS:
+            raise TransportError(f"a transfer needs 1 to {protocol.MAX_REGIONS} regions, got "
+                                 f"{len(regions)} (merge adjacent ones)")
         views = []
         for region in regions:
             buffer = self._buffers.get(region.buffer_id)
@@ -139,6 +142,9 @@ class ZmqTransferEngine(TransferEngine):
     def _claim(self, direction: Direction, transfer_id: TransferId,
                regions: Sequence[Region]) -> None:
         key = (direction, transfer_id)
+        if not isinstance(transfer_id, str) or not 0 < len(transfer_id) <= MAX_ID_CHARS:
+            raise TransportError(f"a transfer id is a string of 1 to {MAX_ID_CHARS} "
+                                 f"characters, got {transfer_id!r:.80}")
         if key in self._active:
             raise TransportError(f"{direction.value} {transfer_id!r} is already pending")
         self._active[key] = [region.buffer_id for region in regions]

@@ -128,6 +128,10 @@ def test_bad_calls_raise_at_once(make_engine):
         engine.recv(TransferId("a"), [Region("nope", 0, 1)], timeout_s=1)
     with pytest.raises(TransportError, match="timeout_s"):
         engine.recv(TransferId("a"), [Region("b", 0, 1)], timeout_s=0)
+    with pytest.raises(TransportError, match="transfer id"):
+        engine.recv(TransferId("x" * 2000), [Region("b", 0, 1)], timeout_s=1)
+    with pytest.raises(TransportError, match="regions"):
+        engine.recv(TransferId("a"), [Region("b", 0, 1)] * 5000, timeout_s=1)
     engine.recv(TransferId("a"), [Region("b", 0, 1)], timeout_s=1)
     with pytest.raises(TransportError, match="already pending"):
         engine.recv(TransferId("a"), [Region("b", 1, 1)], timeout_s=1)

@@ -12,6 +12,10 @@ from kvtier.transport.zmq_state import scatter
 def test_every_message_round_trips():
     msg = protocol.decode(protocol.encode("offer", id="t1", sizes=[1, 2, 3]))
     assert msg == {"t": "offer", "id": "t1", "sizes": [1, 2, 3]}
+    # The largest offer a sender may make fits in one header.
+    biggest = ["x" * 200, [(1 << 63) - 1] * protocol.MAX_REGIONS]
+    frame = protocol.encode("offer", id=biggest[0], sizes=biggest[1])
+    assert protocol.decode(frame)["sizes"] == biggest[1]
 
 
 @pytest.mark.parametrize("frame", [
