@@ -136,3 +136,4 @@ def test_silent_acceptor_times_out(make_engine):
 def test_handshake_errors_share_a_base():
     assert issubclass(NamespaceMismatchError, HandshakeError)
     assert issubclass(AuthenticationError, HandshakeError)
+
