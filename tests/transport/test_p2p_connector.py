@@ -97,3 +97,18 @@ def test_lost_transfer_is_recomputed_and_frees_the_producer(model, engines):
     _drain(producer)
     assert 4.0 < time.monotonic() - start < 8.0  # send_timeout_s is 5
     assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_kv_transfer_params_and_options_are_checked():
+    from kvtier.connector.p2p.metadata import LoadParams, P2PConnectorOptions, SendParams
+
+    assert SendParams.parse(None) is None and LoadParams.parse({"other": 1}) is None
+    assert LoadParams.parse({"transfer_id": "t", "num_tokens": 8}) == LoadParams("t", 8)
+    with pytest.raises(ValueError, match="num_tokens"):
+        LoadParams.parse({"transfer_id": "t", "num_tokens": "8"})
+    with pytest.raises(ValueError, match="consumer_address"):
+        SendParams.parse({"transfer_id": "t", "consumer_address": 5})
+    with pytest.raises(ValueError, match="port"):
+        P2PConnectorOptions(port=70000)
+    with pytest.raises(ValueError, match="send_timeout_s"):
+        P2PConnectorOptions(send_timeout_s=0)
