@@ -70,7 +70,14 @@ def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
         decode = _run(consumer, f"c{i}", prompt, GREEDY, prefill.kv_transfer_params)
         tokens.append(decode.outputs[0].token_ids)
         cached.append(decode.num_cached_tokens)
+    start = time.monotonic()
     _drain(producer)
+    # Every send ended well before send_timeout_s (5 s), the one of the prompt the consumer
+    # found in its own prefix cache too: the consumer took that transfer and dropped it.
+    assert time.monotonic() - start < 3.0
+    assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == len(prompts)
+    # (19, 16, 13, 23, 6 tokens) -> 4, 3, -, 5, 1 blocks; the third found locally.
+    assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13
     _drain(consumer)
     assert tokens == expected
     # Every full block before the last token came from the producer (or, for the prompt that
@@ -87,6 +94,7 @@ def test_lost_transfer_is_recomputed_and_frees_the_producer(model, engines):
     decode = _run(consumer, "c0", prompts[0], GREEDY, {"transfer_id": "never", "num_tokens": 16})
     assert decode.outputs[0].token_ids == expected[0]
     assert decode.num_cached_tokens == 0
+    assert consumer.get_metrics()["kvtier:p2p_connector_load_errors"] == 4
     # The producer sends to a consumer that never asks: its blocks are freed at send_timeout_s.
     _run(producer, "p0", prompts[0], PREFILL,
          {"transfer_id": "unwanted", "consumer_address": consumer.engine.runner.connector.address})
@@ -97,6 +105,7 @@ def test_lost_transfer_is_recomputed_and_frees_the_producer(model, engines):
     _drain(producer)
     assert 4.0 < time.monotonic() - start < 8.0  # send_timeout_s is 5
     assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    assert producer.get_metrics()["kvtier:p2p_connector_send_errors"] == 1
 
 
 def test_kv_transfer_params_and_options_are_checked():

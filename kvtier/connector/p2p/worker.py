@@ -30,6 +30,7 @@ from kvtier.transport.zmq_engine import ZmqTransferEngine
 
 logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 5.0
+_COUNTED = ("requests_sent", "send_errors", "blocks_loaded", "load_errors")
 # Sends still in flight at shutdown get this long (a consumer may be waiting for them).
 _SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -57,6 +58,10 @@ class P2PConnectorWorker(KVConnectorWorker):
         # Requests whose send failed before it started; reported as finished sending.
         self._sent_failed: set[str] = set()
         self._stats: Counter[str] = Counter()
+        self._counters = {} if context.metrics is None else {
+            name: context.metrics.counter(f"kvtier:p2p_connector_{name}",
+                                          f"P2PConnector {name.replace('_', ' ')}")
+            for name in _COUNTED}
 
     @property
     def address(self) -> str:
@@ -110,12 +115,12 @@ class P2PConnectorWorker(KVConnectorWorker):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending, recving = self._sent_failed, set()
         self._sent_failed = set()
-        self._stats["p2p_send_errors"] += len(sending)
+        self._count("send_errors", len(sending))
         for result in self.transport.get_finished():
             pending = self._pending.pop((result.direction, result.transfer_id))
             if result.direction is Direction.SEND:
                 sending.add(pending.req_id)
-                self._stats["p2p_requests_sent" if result.ok else "p2p_send_errors"] += 1
+                self._count("requests_sent" if result.ok else "send_errors", 1)
             elif not pending.load.is_drain:
                 recving.add(pending.req_id)
                 self._finish_load(pending, result.error)
@@ -127,7 +132,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         if error is not None:
             logger.warning("P2PConnector: load of request %s failed: %s", pending.req_id, error)
             self._load_errors |= set(load.block_ids)
-            self._stats["p2p_load_errors"] += len(load.block_ids)
+            self._count("load_errors", len(load.block_ids))
             return
         block_bytes = self._block_bytes()
         with torch.inference_mode():
@@ -139,14 +144,20 @@ class P2PConnectorWorker(KVConnectorWorker):
                     block_kv.copy_(pending.payload[start:end].view(cache.dtype)
                                    .view(block_kv.shape))
                     start = end
-        self._stats["p2p_blocks_loaded"] += len(load.block_ids)
+        self._count("blocks_loaded", len(load.block_ids))
+
+    def _count(self, name: str, amount: int) -> None:
+        if amount:
+            self._stats[f"p2p_connector_{name}"] += amount
+            if name in self._counters:
+                self._counters[name].inc(amount)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def get_stats(self) -> dict[str, float]:
-        stats, self._stats = {k: v for k, v in self._stats.items() if v}, Counter()
+        stats, self._stats = dict(self._stats), Counter()
         return stats
 
     def shutdown(self) -> None:
