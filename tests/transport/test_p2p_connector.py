@@ -121,3 +121,16 @@ def test_kv_transfer_params_and_options_are_checked():
         P2PConnectorOptions(port=70000)
     with pytest.raises(ValueError, match="send_timeout_s"):
         P2PConnectorOptions(send_timeout_s=0)
+
+
+def test_aborted_prefill_sends_nothing(model, engines):
+    _, prompts, _ = model
+    producer, consumer = engines
+    producer.engine.add_request("p0", prompts[0], PREFILL, kv_transfer_params={
+        "transfer_id": "t0", "consumer_address": consumer.engine.runner.connector.address})
+    producer.engine.abort_request(["p0"])  # before any of its KV was computed
+    _drain(producer)
+    metrics = producer.get_metrics()
+    assert metrics["kvtier:p2p_connector_requests_sent"] == 0
+    assert metrics["kvtier:p2p_connector_send_errors"] == 0
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63

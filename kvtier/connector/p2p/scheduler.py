@@ -92,7 +92,9 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         params = self._params(SendParams.parse, request) if self.config.is_producer else None
         if params is None:
             return False, None
-        num_blocks = min(len(block_ids), request.num_prompt_tokens // self.context.block_size)
+        # Only blocks whose KV was computed: an aborted prefill leaves the rest unwritten.
+        num_computed = min(request.num_prompt_tokens, request.num_computed_tokens)
+        num_blocks = min(len(block_ids), num_computed // self.context.block_size)
         result = {"transfer_id": params.transfer_id,
                   "num_tokens": num_blocks * self.context.block_size}
         if num_blocks == 0:

@@ -35,6 +35,11 @@ _COUNTED = ("requests_sent", "send_errors", "blocks_loaded", "load_errors")
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
+def _buffer_id(direction: Direction, transfer_id: str) -> BufferId:
+    # An instance that both produces and consumes may send and receive the same id.
+    return BufferId(f"{direction.value}:{transfer_id}")
+
+
 @dataclass
 class _Pending:
     req_id: str
@@ -78,7 +83,8 @@ class P2PConnectorWorker(KVConnectorWorker):
             payload = torch.empty(load.num_remote_blocks * self._block_bytes(), dtype=torch.uint8)
             self._post(Direction.RECV, load.req_id, load.transfer_id, payload, load)
             self.transport.recv(TransferId(load.transfer_id),
-                                [Region(BufferId(load.transfer_id), 0, payload.numel())],
+                                [Region(_buffer_id(Direction.RECV, load.transfer_id), 0,
+                                        payload.numel())],
                                 self.config.kv_load_timeout_s)
 
     def _start_send(self, send: BlockSend) -> None:
@@ -92,23 +98,25 @@ class P2PConnectorWorker(KVConnectorWorker):
                 self._peers[send.consumer_address] = peer
             self._post(Direction.SEND, send.req_id, send.transfer_id, payload, None)
             self.transport.send(peer, TransferId(send.transfer_id),
-                                [Region(BufferId(send.transfer_id), 0, payload.numel())],
+                                [Region(_buffer_id(Direction.SEND, send.transfer_id), 0,
+                                        payload.numel())],
                                 self.options.send_timeout_s)
         except (TransportError, TimeoutError, ConnectionError) as exc:
             logger.warning("P2PConnector: cannot send request %s to %s: %s", send.req_id,
                            send.consumer_address, exc)
             self._pending.pop((Direction.SEND, send.transfer_id), None)
-            self._unregister(send.transfer_id)
+            self._unregister(Direction.SEND, send.transfer_id)
             self._sent_failed.add(send.req_id)
 
     def _post(self, direction: Direction, req_id: str, transfer_id: str, payload: torch.Tensor,
               load: BlockLoad | None) -> None:
-        self.transport.register_buffer(BufferId(transfer_id), memoryview(payload.numpy()))
+        self.transport.register_buffer(_buffer_id(direction, transfer_id),
+                                       memoryview(payload.numpy()))
         self._pending[(direction, transfer_id)] = _Pending(req_id, payload, load)
 
-    def _unregister(self, transfer_id: str) -> None:
+    def _unregister(self, direction: Direction, transfer_id: str) -> None:
         try:
-            self.transport.unregister_buffer(BufferId(transfer_id))
+            self.transport.unregister_buffer(_buffer_id(direction, transfer_id))
         except TransportError:
             pass  # never registered: the send failed before
 
@@ -124,7 +132,7 @@ class P2PConnectorWorker(KVConnectorWorker):
             elif not pending.load.is_drain:
                 recving.add(pending.req_id)
                 self._finish_load(pending, result.error)
-            self._unregister(result.transfer_id)
+            self._unregister(result.direction, result.transfer_id)
         return sending, recving
 
     def _finish_load(self, pending: _Pending, error: str | None) -> None:
