@@ -95,8 +95,9 @@ class IOLoop:
             self._close_all()
 
     def _idle(self) -> bool:
-        return not (self.sends or self.recvs or self.releasing or self.accepting
-                    or any(c.peer is None for c in self.conns.values()) or self.stop)
+        return not (self.sends or self.recvs or self.releasing or self.stop
+                    or any(not a.welcomed for a in self.accepting.values())
+                    or any(c.peer is None for c in self.conns.values()))
 
     def _finished(self) -> bool:
         if self.stop is None:
@@ -112,8 +113,8 @@ class IOLoop:
         return not (self.sends or self.recvs or self.releasing)
 
     def _drain(self, socket: zmq.Socket) -> None:
-        # Take everything queued on the socket, so one busy peer cannot starve the others'
-        # deadlines for more than one batch.
+        # At most 256 messages per socket per pass, so one busy peer cannot hold off the
+        # others or the deadlines.
         for _ in range(256):
             if socket.closed:
                 return  # closed while handling an earlier message
