@@ -29,6 +29,7 @@ _REGISTRY = PluginRegistry("connector", KVConnectorBase, ConnectorLookupError, {
     "ExampleConnector": "kvtier.connector.example:ExampleConnector",
     "MultiConnector": "kvtier.connector.multi:MultiConnector",
     "OffloadingConnector": "kvtier.connector.offloading:OffloadingConnector",
+    "P2PConnector": "kvtier.connector.p2p:P2PConnector",
 })
 
 

@@ -29,7 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def test_builtin_names_resolve():
     assert registry.registered_connectors() == ["ExampleConnector", "MultiConnector",
-                                                "OffloadingConnector"]
+                                                "OffloadingConnector", "P2PConnector"]
     assert get_connector_class(KVTransferConfig("ExampleConnector")) is ExampleConnector
     # These two parse their options with the config: it must be a valid one.
     multi = KVTransferConfig("MultiConnector", kv_connector_extra_config={
@@ -68,8 +68,8 @@ def test_unknown_name_lists_the_registered_ones():
         get_connector_class(KVTransferConfig("ExampleConector"))
     assert str(err.value) == (
         "unknown kv_connector 'ExampleConector'; registered connectors are ['ExampleConnector', "
-        "'MultiConnector', 'OffloadingConnector'] (or set kv_connector_module_path to load one "
-        "from your own module)")
+        "'MultiConnector', 'OffloadingConnector', 'P2PConnector'] (or set "
+        "kv_connector_module_path to load one from your own module)")
 
 
 def test_module_path_loads_an_out_of_tree_connector():

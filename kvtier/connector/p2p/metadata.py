@@ -1,0 +1,96 @@
+"""P2PConnector options, the kv_transfer_params it reads and writes, and its step metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.common.options import require
+from kvtier.connector.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class P2PConnectorOptions:
+    # Where this instance's transfer engine listens (a consumer's address goes to producers).
+    bind_host: str = "127.0.0.1"
+    port: int = 0
+    # A producer's send of one request, handshake included, fails (and frees its blocks) after
+    # this long, e.g. when the consumer never asks for it.
+    send_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        where = "P2PConnector extra config:"
+        require(isinstance(self.bind_host, str) and bool(self.bind_host), where,
+                "bind_host must be a host name or address", self.bind_host)
+        require(type(self.port) is int and 0 <= self.port <= 65535, where,
+                "port must be in 0..65535", self.port)
+        require(isinstance(self.send_timeout_s, (int, float)) and self.send_timeout_s > 0,
+                where, "send_timeout_s must be a number of seconds > 0", self.send_timeout_s)
+
+
+@dataclass(frozen=True)
+class SendParams:
+    """A producer request's kv_transfer_params: send its prompt's KV to `consumer_address`."""
+
+    transfer_id: str
+    consumer_address: str
+
+    @classmethod
+    def parse(cls, params: dict[str, Any] | None) -> SendParams | None:
+        if not params or not {"transfer_id", "consumer_address"} <= params.keys():
+            return None
+        if not all(isinstance(params[k], str) and params[k]
+                   for k in ("transfer_id", "consumer_address")):
+            raise ValueError("kv_transfer_params: transfer_id and consumer_address must be "
+                             f"non-empty strings, got {params!r}")
+        return cls(params["transfer_id"], params["consumer_address"])
+
+
+@dataclass(frozen=True)
+class LoadParams:
+    """A consumer request's kv_transfer_params, as the producer returned them: the transfer
+    that carries the KV of the prompt's first `num_tokens` tokens."""
+
+    transfer_id: str
+    num_tokens: int
+
+    @classmethod
+    def parse(cls, params: dict[str, Any] | None) -> LoadParams | None:
+        if not params or not {"transfer_id", "num_tokens"} <= params.keys():
+            return None
+        if not (isinstance(params["transfer_id"], str) and type(params["num_tokens"]) is int
+                and params["num_tokens"] >= 0):
+            raise ValueError("kv_transfer_params: transfer_id must be a string and num_tokens "
+                             f"a count >= 0, got {params!r}")
+        return cls(params["transfer_id"], params["num_tokens"])
+
+
+@dataclass(frozen=True)
+class BlockSend:
+    req_id: str
+    transfer_id: str
+    consumer_address: str
+    # The request's first blocks, in order: the payload is their KV, block after block.
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    req_id: str
+    transfer_id: str
+    # Blocks the producer sends (all its prompt's full blocks).
+    num_remote_blocks: int
+    # block_ids[i] receives remote block first_block + i; none when the request found all of
+    # it locally and the transfer is only taken to release the producer.
+    first_block: int
+    block_ids: list[int]
+
+    @property
+    def is_drain(self) -> bool:
+        return not self.block_ids
+
+
+@dataclass
+class P2PConnectorMetadata(KVConnectorMetadata):
+    sends: list[BlockSend] = field(default_factory=list)
+    loads: list[BlockLoad] = field(default_factory=list)

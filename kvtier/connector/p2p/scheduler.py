@@ -1,0 +1,105 @@
+"""P2PConnector's scheduler half: which blocks a producer sends, which a consumer loads."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from kvtier.connector.base import ConnectorContext, KVConnectorScheduler
+from kvtier.connector.config import KVTransferConfig
+from kvtier.connector.p2p.metadata import (
+    BlockLoad,
+    BlockSend,
+    LoadParams,
+    P2PConnectorMetadata,
+    SendParams,
+)
+
+if TYPE_CHECKING:
+    from kvtier.kv import KVCacheBlocks, Request
+
+logger = logging.getLogger(__name__)
+
+
+class P2PConnectorScheduler(KVConnectorScheduler):
+    def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
+        super().__init__(config, context)
+        self._sends: list[BlockSend] = []
+        self._drains: list[BlockLoad] = []
+        # request id -> (request, its block ids, blocks to load), set at allocation.
+        self._pending_loads: dict[str, tuple[Request, list[int], int]] = {}
+        # Requests whose transfer was taken: a request resumes after its load and asks again.
+        self._taken: set[str] = set()
+
+    def _params(self, parse, request: Request) -> Any:
+        try:
+            return parse(request.kv_transfer_params)
+        except ValueError as exc:
+            # Checked where the request entered; a bad dict here costs its transfer only.
+            logger.warning("request %s: %s; no KV transfer for it", request.request_id, exc)
+            return None
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        params = self._params(LoadParams.parse, request) if self.config.is_consumer else None
+        if params is None or request.request_id in self._pending_loads \
+                or request.request_id in self._taken:
+            return 0, False
+        block_size = self.context.block_size
+        # The last token is always computed here: the model needs its logits to sample.
+        usable = min(params.num_tokens, (request.num_tokens - 1) // block_size * block_size)
+        num_new = max(0, usable - num_computed_tokens)
+        return num_new, num_new > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        if request.request_id in self._taken:
+            return
+        if num_external_tokens <= 0:
+            params = self._params(LoadParams.parse, request) if self.config.is_consumer else None
+            if params is not None and params.num_tokens > 0:
+                self._taken.add(request.request_id)
+                # Nothing to load (all of it hit locally), but the producer holds its blocks
+                # until its send ends: take the transfer and drop it.
+                self._drains.append(BlockLoad(request.request_id, params.transfer_id,
+                                              params.num_tokens // self.context.block_size, 0,
+                                              []))
+            return
+        block_ids = blocks.get_block_ids()
+        if len(block_ids) != 1:
+            raise NotImplementedError("P2PConnector supports models with one KV cache group")
+        self._taken.add(request.request_id)
+        self._pending_loads[request.request_id] = (
+            request, list(block_ids[0]), num_external_tokens // self.context.block_size)
+
+    def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
+        meta = P2PConnectorMetadata(sends=self._sends, loads=self._drains)
+        self._sends, self._drains = [], []
+        for req_id, (request, block_ids, num_blocks) in self._pending_loads.items():
+            params = LoadParams.parse(request.kv_transfer_params)
+            # The scheduler has set num_computed_tokens to local hit + external tokens.
+            end = request.num_computed_tokens // self.context.block_size
+            meta.loads.append(BlockLoad(req_id, params.transfer_id,
+                                        params.num_tokens // self.context.block_size,
+                                        end - num_blocks, block_ids[end - num_blocks:end]))
+        self._pending_loads.clear()
+        return meta
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._pending_loads.pop(request.request_id, None)
+        self._taken.discard(request.request_id)
+        params = self._params(SendParams.parse, request) if self.config.is_producer else None
+        if params is None:
+            return False, None
+        # Only blocks whose KV was computed: an aborted prefill leaves the rest unwritten.
+        num_computed = min(request.num_prompt_tokens, request.num_computed_tokens)
+        num_blocks = min(len(block_ids), num_computed // self.context.block_size)
+        result = {"transfer_id": params.transfer_id,
+                  "num_tokens": num_blocks * self.context.block_size}
+        if num_blocks == 0:
+            return False, result
+        # The worker sends from these blocks: they stay allocated until it reports the send.
+        self._sends.append(BlockSend(request.request_id, params.transfer_id,
+                                     params.consumer_address, list(block_ids[:num_blocks])))
+        return True, result

@@ -1,0 +1,66 @@
+"""Transfer engine options, and the shared secret read from the environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+# The secret never comes from the command line, where other users of the machine can read it.
+SECRET_ENV = "KVTIER_TRANSPORT_SECRET"
+SECRET_FILE_ENV = "KVTIER_TRANSPORT_SECRET_FILE"
+_MIN_SECRET_BYTES = 16
+
+
+@dataclass(frozen=True)
+class TransportConfig:
+    """How one engine listens and whom it accepts.
+
+    `namespace` is `KVIdentity.namespace`: peers with another digest are refused. `secret`,
+    when set, must be proven by both sides of every connection (see `load_secret`).
+    """
+
+    namespace: bytes
+    # 127.0.0.1 unless told otherwise: listening on other interfaces is the operator's choice.
+    bind_host: str = "127.0.0.1"
+    # 0: any free port (read it back from the engine's `address`).
+    port: int = 0
+    secret: bytes | None = None
+    # Largest frame accepted from a peer, checked by zmq before anything is allocated for it.
+    max_frame_bytes: int = 1 << 30
+    # Handshakes not finished in this time are forgotten (a peer that went quiet).
+    handshake_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if len(self.namespace) != 32:
+            raise ValueError(f"namespace must be the 32-byte KVIdentity.namespace digest, got "
+                             f"{len(self.namespace)} bytes")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.secret is not None and len(self.secret) < _MIN_SECRET_BYTES:
+            raise ValueError(f"the transport secret must be at least {_MIN_SECRET_BYTES} bytes")
+        if self.max_frame_bytes <= 0 or self.handshake_timeout_s <= 0:
+            raise ValueError("max_frame_bytes and handshake_timeout_s must be > 0")
+
+
+def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:
+    """The shared secret from $KVTIER_TRANSPORT_SECRET or the file $KVTIER_TRANSPORT_SECRET_FILE
+    names (trailing newline dropped); None when neither is set."""
+    env = os.environ if environ is None else environ
+    value, path = env.get(SECRET_ENV), env.get(SECRET_FILE_ENV)
+    if value is not None and path is not None:
+        raise ValueError(f"set only one of {SECRET_ENV} and {SECRET_FILE_ENV}")
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                secret = f.read().rstrip(b"\r\n")
+        except OSError as exc:
+            raise ValueError(f"cannot read {SECRET_FILE_ENV}={path!r}: {exc}") from exc
+    elif value is not None:
+        secret = value.encode()
+    else:
+        return None
+    if len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(f"the transport secret must be at least {_MIN_SECRET_BYTES} bytes; "
+                         f"generate one with `openssl rand -hex 32`")
+    return secret

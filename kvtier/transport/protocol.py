@@ -1,0 +1,102 @@
+"""The wire protocol: one msgpack header frame per message, then the payload frames of `data`.
+
+Every header is a msgpack map with a type `t` and exactly the fields `MESSAGES` lists for it,
+each of the listed types. Anything else (not msgpack, extension types, unknown or missing
+fields, oversized values) is a MalformedMessageError and is dropped: nothing that arrives is
+ever unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+import msgpack
+
+from kvtier.transport.base import MalformedMessageError
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+# Regions of one side of a transfer: their sizes must fit in one header.
+MAX_REGIONS = 4096
+NONCE_BYTES = 32
+
+_BYTES = (bytes,)
+_STR = (str,)
+_SIZES = (list,)
+_OPTIONAL_BYTES = (bytes, type(None))
+MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
+    # Handshake, initiator -> acceptor -> initiator -> acceptor -> initiator.
+    "hello": {"v": (int,), "engine": _STR, "ns": _STR, "nonce": _BYTES, "auth": (bool,)},
+    "hello_ack": {"engine": _STR, "ns": _STR, "nonce": _BYTES, "auth": (bool,),
+                  "proof": _OPTIONAL_BYTES},
+    "proof": {"proof": _OPTIONAL_BYTES},
+    "welcome": {},
+    "refused": {"code": _STR, "reason": _STR},
+    # A transfer: sender offers, receiver accepts once its recv is posted, sender sends the
+    # data frames, receiver says done; either side may fail it.
+    "offer": {"id": _STR, "sizes": _SIZES},
+    "accept": {"id": _STR},
+    "data": {"id": _STR},
+    "done": {"id": _STR},
+    "fail": {"id": _STR, "error": _STR},
+}
+# Refusal codes, so the initiator raises the matching error type.
+REFUSED_NAMESPACE = "namespace"
+REFUSED_SECRET = "secret"
+REFUSED_PROTOCOL = "protocol"
+REFUSAL_CODES = (REFUSED_NAMESPACE, REFUSED_SECRET, REFUSED_PROTOCOL)
+
+
+def encode(kind: str, **fields: Any) -> bytes:
+    assert fields.keys() == MESSAGES[kind].keys(), (kind, fields.keys())
+    return msgpack.packb({"t": kind, **fields}, use_bin_type=True)
+
+
+def decode(frame: bytes | memoryview) -> dict[str, Any]:
+    """The checked header in `frame`; raises MalformedMessageError for anything else."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise MalformedMessageError(f"header of {len(frame)} bytes (limit {MAX_HEADER_BYTES})")
+    try:
+        message = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_ext_len=0,
+                                  max_bin_len=1024, max_str_len=4096, max_map_len=16,
+                                  max_array_len=MAX_REGIONS)
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise MalformedMessageError(f"header is not msgpack: {exc}") from None
+    if not isinstance(message, dict):
+        raise MalformedMessageError("header is not a map")
+    kind = message.pop("t", None)
+    schema = MESSAGES.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise MalformedMessageError(f"unknown message type {kind!r}")
+    if message.keys() != schema.keys():
+        raise MalformedMessageError(f"{kind} has fields {sorted(message)}, expected "
+                                    f"{sorted(schema)}")
+    for name, types in schema.items():
+        # bool is an int in Python; a field that wants an int never takes True.
+        if not isinstance(message[name], types) or (types == (int,)
+                                                    and isinstance(message[name], bool)):
+            raise MalformedMessageError(f"{kind}.{name} has type {type(message[name]).__name__}")
+    if kind == "offer":
+        _check_sizes(message["sizes"])
+    message["t"] = kind
+    return message
+
+
+def _check_sizes(sizes: list[Any]) -> None:
+    if not sizes or not all(type(size) is int and size >= 0 for size in sizes):
+        raise MalformedMessageError("offer.sizes must be a non-empty list of byte counts")
+
+
+def prove(secret: bytes, role: str, my_nonce: bytes, their_nonce: bytes, namespace: str,
+          initiator: str, acceptor: str) -> bytes:
+    """HMAC that `role` ("initiator" / "acceptor") knows `secret`, bound to this connection:
+    both nonces (no replay), both engine ids and the namespace (no relaying to a third peer)."""
+    text = msgpack.packb([role, my_nonce, their_nonce, namespace, initiator, acceptor],
+                         use_bin_type=True)
+    return hmac.new(secret, text, hashlib.sha256).digest()
+
+
+def proof_matches(expected: bytes, got: bytes | None) -> bool:
+    return got is not None and hmac.compare_digest(expected, got)

@@ -1,0 +1,136 @@
+"""P2PConnector end to end on a tiny random Llama: one engine prefills, another decodes with the
+KV it received over the transport, token for token as HF's greedy generation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtier import LLM, SamplingParams
+from tests.tiny_models import hf_greedy, make_block_prompts, make_hf_model
+
+BLOCK_SIZE = 4
+MAX_TOKENS = 6
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+PREFILL = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    model_dir = str(tmp_path_factory.mktemp("model"))
+    prompts = make_block_prompts()
+    return model_dir, prompts, hf_greedy(make_hf_model("llama", model_dir), prompts, MAX_TOKENS)
+
+
+def _llm(model_dir: str, role: str, **fields) -> LLM:
+    extra = {"send_timeout_s": 5.0} if role == "kv_producer" else {}
+    return LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
+               kv_transfer_config={"kv_connector": "P2PConnector", "kv_role": role,
+                                   "kv_connector_extra_config": extra, **fields})
+
+
+def _run(llm: LLM, request_id: str, prompt, params, kv_transfer_params):
+    llm.engine.add_request(request_id, prompt, params, kv_transfer_params=kv_transfer_params)
+    for _ in range(10_000):
+        for output in llm.engine.step():
+            if output.request_id == request_id and output.finished:
+                return output
+    raise AssertionError(f"{request_id} did not finish")
+
+
+def _drain(llm: LLM) -> None:
+    """Step until held blocks are freed (the producer's sends ended)."""
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.engine.check_invariants()
+
+
+@pytest.fixture
+def engines(model):
+    model_dir = model[0]
+    producer = _llm(model_dir, "kv_producer")
+    consumer = _llm(model_dir, "kv_consumer", kv_load_timeout_s=2.0)
+    yield producer, consumer
+    for llm in (producer, consumer):
+        llm.engine.shutdown()
+
+
+def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
+    _, prompts, expected = model
+    producer, consumer = engines
+    address = consumer.engine.runner.connector.address
+    tokens, cached = [], []
+    for i, prompt in enumerate(prompts):
+        prefill = _run(producer, f"p{i}", prompt, PREFILL,
+                       {"transfer_id": f"t{i}", "consumer_address": address})
+        assert prefill.kv_transfer_params == {"transfer_id": f"t{i}",
+                                              "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
+        producer.engine.step()  # as its serving loop would: the worker starts the send
+        decode = _run(consumer, f"c{i}", prompt, GREEDY, prefill.kv_transfer_params)
+        tokens.append(decode.outputs[0].token_ids)
+        cached.append(decode.num_cached_tokens)
+    start = time.monotonic()
+    _drain(producer)
+    # Every send ended well before send_timeout_s (5 s), the one of the prompt the consumer
+    # found in its own prefix cache too: the consumer took that transfer and dropped it.
+    assert time.monotonic() - start < 4.5
+    assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == len(prompts)
+    # (19, 16, 13, 23, 6 tokens) -> 4, 3, -, 5, 1 blocks; the third found locally.
+    assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13
+    _drain(consumer)
+    assert tokens == expected
+    # Every full block before the last token came from the producer (or, for the prompt that
+    # shares its first blocks with an earlier one, from the consumer's own prefix cache).
+    assert cached == [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_lost_transfer_is_recomputed_and_frees_the_producer(model, engines):
+    _, prompts, expected = model
+    producer, consumer = engines
+    # The consumer expects a transfer nobody sends: its load fails at kv_load_timeout_s and
+    # the prompt is computed locally.
+    decode = _run(consumer, "c0", prompts[0], GREEDY, {"transfer_id": "never", "num_tokens": 16})
+    assert decode.outputs[0].token_ids == expected[0]
+    assert decode.num_cached_tokens == 0
+    assert consumer.get_metrics()["kvtier:p2p_connector_load_errors"] == 4
+    # The producer sends to a consumer that never asks: its blocks are freed at send_timeout_s.
+    _run(producer, "p0", prompts[0], PREFILL,
+         {"transfer_id": "unwanted", "consumer_address": consumer.engine.runner.connector.address})
+    # Held while the send is pending: freeing them would let another request overwrite the KV
+    # the transport may still be reading.
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() < 63
+    start = time.monotonic()
+    _drain(producer)
+    assert 4.0 < time.monotonic() - start < 8.0  # send_timeout_s is 5
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    assert producer.get_metrics()["kvtier:p2p_connector_send_errors"] == 1
+
+
+def test_kv_transfer_params_and_options_are_checked():
+    from kvtier.connector.p2p.metadata import LoadParams, P2PConnectorOptions, SendParams
+
+    assert SendParams.parse(None) is None and LoadParams.parse({"other": 1}) is None
+    assert LoadParams.parse({"transfer_id": "t", "num_tokens": 8}) == LoadParams("t", 8)
+    with pytest.raises(ValueError, match="num_tokens"):
+        LoadParams.parse({"transfer_id": "t", "num_tokens": "8"})
+    with pytest.raises(ValueError, match="consumer_address"):
+        SendParams.parse({"transfer_id": "t", "consumer_address": 5})
+    with pytest.raises(ValueError, match="port"):
+        P2PConnectorOptions(port=70000)
+    with pytest.raises(ValueError, match="send_timeout_s"):
+        P2PConnectorOptions(send_timeout_s=0)
+
+
+def test_aborted_prefill_sends_nothing(model, engines):
+    _, prompts, _ = model
+    producer, consumer = engines
+    producer.engine.add_request("p0", prompts[0], PREFILL, kv_transfer_params={
+        "transfer_id": "t0", "consumer_address": consumer.engine.runner.connector.address})
+    producer.engine.abort_request(["p0"])  # before any of its KV was computed
+    _drain(producer)
+    metrics = producer.get_metrics()
+    assert metrics["kvtier:p2p_connector_requests_sent"] == 0
+    assert metrics["kvtier:p2p_connector_send_errors"] == 0
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63

@@ -1,0 +1,80 @@
+"""Headers are checked msgpack maps of known shape; the secret comes from the environment."""
+
+from __future__ import annotations
+
+import msgpack
+import pytest
+
+from kvtier.transport import MalformedMessageError, TransportConfig, load_secret, protocol
+from kvtier.transport.zmq_state import scatter
+
+
+def test_every_message_round_trips():
+    msg = protocol.decode(protocol.encode("offer", id="t1", sizes=[1, 2, 3]))
+    assert msg == {"t": "offer", "id": "t1", "sizes": [1, 2, 3]}
+    # The largest offer a sender may make fits in one header.
+    biggest = ["x" * 200, [(1 << 63) - 1] * protocol.MAX_REGIONS]
+    frame = protocol.encode("offer", id=biggest[0], sizes=biggest[1])
+    assert protocol.decode(frame)["sizes"] == biggest[1]
+
+
+@pytest.mark.parametrize("frame", [
+    b"",
+    msgpack.packb([1, 2]),                                          # not a map
+    msgpack.packb({"t": "launch"}),                                 # unknown type
+    msgpack.packb({"t": "accept"}),                                 # missing field
+    msgpack.packb({"t": "accept", "id": "a", "extra": 1}),          # unknown field
+    msgpack.packb({"t": "accept", "id": 5}),                        # wrong type
+    msgpack.packb({"t": "hello", "v": True, "engine": "e", "ns": "n", "nonce": b"x",
+                   "auth": False}),                                 # a bool is not a version
+    msgpack.packb({"t": "offer", "id": "a", "sizes": []}),          # no regions
+    msgpack.packb({"t": "offer", "id": "a", "sizes": [-1]}),        # negative size
+    msgpack.packb({"t": "accept", "id": msgpack.ExtType(1, b"x")}),  # extension type
+    msgpack.packb({"t": "accept", "id": "a"}) + b"trailing",
+    b"\x81" + msgpack.packb("t") + b"\xc6" + b"\xff" * 4,          # bin longer than the frame
+    b"x" * (protocol.MAX_HEADER_BYTES + 1),
+])
+def test_malformed_headers_are_rejected(frame):
+    with pytest.raises(MalformedMessageError):
+        protocol.decode(frame)
+
+
+def test_proofs_bind_secret_nonces_and_ids():
+    base = (b"s" * 16, "initiator", b"a", b"b", "ns", "i", "r")
+    proof = protocol.prove(*base)
+    assert protocol.proof_matches(proof, protocol.prove(*base))
+    for i in range(7):
+        changed = list(base)
+        changed[i] = changed[i] + (b"!" if isinstance(changed[i], bytes) else "!")
+        assert not protocol.proof_matches(proof, protocol.prove(*changed))
+    assert not protocol.proof_matches(proof, None)
+
+
+def test_secret_comes_from_env_or_file(tmp_path):
+    assert load_secret({}) is None
+    assert load_secret({"KVTIER_TRANSPORT_SECRET": "x" * 20}) == b"x" * 20
+    path = tmp_path / "secret"
+    path.write_bytes(b"y" * 32 + b"\n")
+    assert load_secret({"KVTIER_TRANSPORT_SECRET_FILE": str(path)}) == b"y" * 32
+    with pytest.raises(ValueError, match="only one"):
+        load_secret({"KVTIER_TRANSPORT_SECRET": "x" * 20,
+                     "KVTIER_TRANSPORT_SECRET_FILE": str(path)})
+    with pytest.raises(ValueError, match="at least 16"):
+        load_secret({"KVTIER_TRANSPORT_SECRET": "short"})
+    with pytest.raises(ValueError, match="cannot read"):
+        load_secret({"KVTIER_TRANSPORT_SECRET_FILE": str(tmp_path / "missing")})
+
+
+def test_config_checks_its_fields():
+    with pytest.raises(ValueError, match="32-byte"):
+        TransportConfig(namespace=b"short")
+    with pytest.raises(ValueError, match="port"):
+        TransportConfig(namespace=bytes(32), port=70000)
+
+
+def test_scatter_copies_across_unequal_cuts():
+    data = bytes(range(100))
+    parts = [memoryview(data)[:7], memoryview(data)[7:50], memoryview(data)[50:]]
+    out = [bytearray(30), bytearray(0), bytearray(1), bytearray(69)]
+    scatter(parts, [memoryview(b) for b in out])
+    assert b"".join(out) == data
