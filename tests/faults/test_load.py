@@ -58,6 +58,7 @@ def test_mixed_load_loses_and_leaks_nothing(server):
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(SOAK_S + 600)
 def test_soak_keeps_memory_and_kv_usage_flat(server):
     pid, rounds, rss = server.process.pid, 0, []
     deadline = time.monotonic() + SOAK_S
@@ -67,6 +68,8 @@ def test_soak_keeps_memory_and_kv_usage_flat(server):
         _check_round(server.url, result)
         rss.append(_rss_bytes(pid))
         rounds += 1
+        print(f"soak round {rounds}: RSS {rss[-1] >> 20} MiB, statuses {result.statuses}",
+              flush=True)
     assert rounds >= 2, "KVTIER_SOAK_S too short for two rounds"
     print(f"soak: {rounds} rounds, RSS {rss[0] >> 20} -> {rss[-1] >> 20} MiB, "
           f"max {max(rss) >> 20} MiB; gauges {gauges(server.url)}")
