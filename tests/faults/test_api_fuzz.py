@@ -57,6 +57,7 @@ def _fuzz_operation(url: str, schema, method: str, path: str) -> list[str]:
             failures.append(f"/health {health.status_code} after {case.body!r:.300}")
 
     run_case()
+    print(f"fuzz {method.upper()} {path}: responses by status {dict(sorted(statuses.items()))}")
     # Cases that reached the engine: without any, the run proved only the validation layer.
     if not statuses.get(200):
         failures.append(f"{path}: no generated case was accepted ({statuses})")
