@@ -42,7 +42,7 @@ def _port_is_free(port: int) -> bool:
 
 def free_ports(count: int, grpc_offset: int | None = None) -> list[int]:
     """`count` free ports; with `grpc_offset`, port + offset is free too (SeaweedFS puts each
-    server's gRPC port there)."""
+    server's gRPC port there, a Valkey cluster node its cluster bus)."""
     ports: list[int] = []
     while len(ports) < count:
         port = random.randrange(20000, 30000)
@@ -169,7 +169,8 @@ class SeaweedS3(_Server):
 class ValkeyServer(_Server):
     def __init__(self, directory: Path, port: int | None = None, cluster: bool = False,
                  extra_args: tuple[str, ...] = ()) -> None:
-        self.port = free_ports(1)[0] if port is None else port
+        # A cluster node also listens on port + 10000 (the cluster bus).
+        self.port = free_ports(1, 10000 if cluster else None)[0] if port is None else port
         super().__init__(directory, f"valkey-{self.port}")
         self.cluster = cluster
         self.extra_args = extra_args
@@ -191,9 +192,13 @@ class ValkeyServer(_Server):
                            socket_timeout=10, **kwargs)
 
     def _answers(self) -> bool:
+        import redis
+
         try:
             return bool(self.client().ping())
-        except Exception:
+        except (redis.AuthenticationError, redis.ResponseError):  # NOAUTH: the server is up
+            return True
+        except redis.RedisError:
             return False
 
 
@@ -237,9 +242,26 @@ class ValkeyCluster:
                             "\n".join(node.log_tail(800) for node in self.nodes))
             time.sleep(0.1)
 
-    def __exit__(self, *exc_info) -> None:
+    def kill(self) -> None:
         for node in self.nodes:
             node.kill()
+
+    def start(self) -> None:
+        """Restart the killed nodes (they rejoin from their nodes.conf)."""
+        for node in self.nodes:
+            node.start()
+        self.wait_ok()
+
+    def pause(self) -> None:
+        for node in self.nodes:
+            node.pause()
+
+    def resume(self) -> None:
+        for node in self.nodes:
+            node.resume()
+
+    def __exit__(self, *exc_info) -> None:
+        self.kill()
 
 
 def _cluster_ok(node: ValkeyServer) -> bool:
