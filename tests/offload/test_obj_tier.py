@@ -180,3 +180,31 @@ def test_store_killed_mid_run_then_restarted(model, aws_env, prefix, s3):
 def test_paused_store_costs_misses_not_a_hang(model, aws_env, prefix, s3):
     e2e.paused_store_misses(model, _obj_tier(prefix, connect_timeout_s=0.5, timeout_s=0.5),
                             "obj", s3)
+
+
+def test_an_engine_on_a_missing_bucket_fails_at_start_up_with_one_line(model, aws_env):
+    from kvtier import LLM
+
+    with pytest.raises(ObjTierError, match="bucket 'no-such-bucket' does not exist") as e:
+        LLM(model[0], dtype="float32", block_size=4, num_device_blocks=24,
+            kv_offload="host=1MiB,obj=s3://no-such-bucket/p")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("flag, tier", [
+    ("obj=s3://kv-cache", {"type": "obj", "bucket": "kv-cache"}),
+    ("obj=s3://kv-cache/a/b:2GiB", {"type": "obj", "bucket": "kv-cache", "prefix": "a/b",
+                                    "max_bytes": 2 * 2**30}),
+])
+def test_the_obj_flag_form(flag, tier):
+    from kvtier.offload.config import parse_kv_offload
+
+    assert parse_kv_offload(f"host=1GiB,{flag}")["secondary_tiers"] == [tier]
+
+
+@pytest.mark.parametrize("flag", ["obj=kv-cache/p", "obj=s3:///p"])
+def test_a_bad_obj_flag_names_the_form(flag):
+    from kvtier.offload.config import parse_kv_offload
+
+    with pytest.raises(ValueError, match=r"expected s3://BUCKET/PREFIX\[:SIZE\]"):
+        parse_kv_offload(f"host=1GiB,{flag}")

@@ -204,3 +204,24 @@ def test_server_killed_mid_run_then_restarted(model, server, prefix):
 def test_paused_server_costs_misses_not_a_hang(model, server, prefix):
     tier = _redis_tier(server.url, prefix, connect_timeout_s=0.5, timeout_s=0.5)
     e2e.paused_store_misses(model, tier, "redis", server)
+
+
+@pytest.mark.parametrize("url", ["redis://10.0.0.1:6379/2", "redis+cluster://10.0.0.1:7000",
+                                 "rediss://cache.example:6380/0"])
+def test_the_redis_flag_form(url):
+    from kvtier.offload.config import OffloadConfig, parse_kv_offload
+
+    extra = parse_kv_offload(f"host=1GiB,redis={url}")
+    assert extra["secondary_tiers"] == [{"type": "redis", "url": url}]
+    assert OffloadConfig.from_extra_config(extra).secondary_tiers[0].options.url == url
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("redis=127.0.0.1:6379", "expected a URL such as redis://HOST:PORT/0"),
+    ("redis=http://127.0.0.1:6379", "must be a URL with a scheme in"),
+])
+def test_a_bad_redis_flag_names_the_form(flag, message):
+    from kvtier.offload.config import OffloadConfig, parse_kv_offload
+
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig.from_extra_config(parse_kv_offload(f"host=1GiB,{flag}"))
