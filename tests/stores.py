@@ -151,6 +151,20 @@ class SeaweedS3(_Server):
             return False
         return True
 
+    def create_bucket(self, bucket: str) -> None:
+        """Create `bucket`, retried while the store finishes starting (its filer and volume
+        server come up after the S3 port answers)."""
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:
+            try:
+                self.client().create_bucket(Bucket=bucket)
+                return
+            except Exception as exc:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"cannot create bucket {bucket!r} ({exc}); log tail:\n"
+                                f"{self.log_tail()}")
+            time.sleep(0.2)
+
     def env(self) -> dict[str, str]:
         """The standard AWS settings that point a client at this store."""
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -187,9 +201,11 @@ class ValkeyServer(_Server):
 
     def client(self, **kwargs):
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=2,
-                           socket_timeout=10, **kwargs)
+                           socket_timeout=10, retry=Retry(NoBackoff(), 0), **kwargs)
 
     def _answers(self) -> bool:
         import redis

@@ -21,7 +21,7 @@ _prefixes = itertools.count()
 @pytest.fixture(scope="module")
 def s3(tmp_path_factory):
     with SeaweedS3(tmp_path_factory.mktemp("seaweedfs")) as server:
-        server.client().create_bucket(Bucket=BUCKET)
+        server.create_bucket(BUCKET)
         yield server
 
 
@@ -208,3 +208,16 @@ def test_a_bad_obj_flag_names_the_form(flag):
 
     with pytest.raises(ValueError, match=r"expected s3://BUCKET/PREFIX\[:SIZE\]"):
         parse_kv_offload(f"host=1GiB,{flag}")
+
+
+def test_a_store_down_at_start_up_is_a_miss(aws_env, monkeypatch, prefix):
+    from ..stores import free_ports
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_ports(1)[0]}")
+    tier = ObjTier(ObjTierOptions(bucket=BUCKET, prefix=prefix, connect_timeout_s=0.5),
+                   TierContext("obj", NAMESPACE))
+    try:
+        assert _settled_lookup(tier, 7) is LookupResult.NOT_FOUND
+        assert not tier_store(tier, 7)
+    finally:
+        tier.shutdown()

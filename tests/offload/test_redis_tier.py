@@ -225,3 +225,16 @@ def test_a_bad_redis_flag_names_the_form(flag, message):
 
     with pytest.raises(ValueError, match=message):
         OffloadConfig.from_extra_config(parse_kv_offload(f"host=1GiB,{flag}"))
+
+
+@pytest.mark.parametrize("scheme", ["redis", "redis+cluster"])
+def test_a_server_down_at_start_up_is_a_miss_until_it_answers(make_tier, scheme, tmp_path):
+    server = ValkeyServer(tmp_path, cluster=False)
+    tier = make_tier(f"{scheme}://127.0.0.1:{server.port}", connect_timeout_s=0.5)
+    assert _settled_lookup(tier, 7) is LookupResult.NOT_FOUND
+    assert not tier_store(tier, 7)
+    if scheme == "redis":  # a lone node is no cluster; the single server shows the recovery
+        with server:
+            time.sleep(1.2)  # the tier's "down" mark lapses
+            assert tier_store(tier, 7)
+            assert tier_load(tier, 7) == (True, chunk_bytes(7))

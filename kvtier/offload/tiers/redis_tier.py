@@ -91,19 +91,19 @@ class RedisTier(RemoteTier):
         self._client: Any = None
         try:
             self._connected().ping()
-        except redis.AuthenticationError as exc:
+        except Exception as exc:  # redis-py's errors, and RedisClusterException for a cluster
+            if not (isinstance(exc, redis.AuthenticationError) or "NOAUTH" in str(exc)
+                    or "WRONGPASS" in str(exc)):
+                logger.warning("redis tier: cannot reach %s (%s); the tier misses until the "
+                               "server answers", self.endpoint, exc)
+                return
             self.shutdown()
-            raise RedisTierError(f"redis tier: {self.endpoint} refused the credentials "
-                                 f"({exc}); set the password in password_file or "
-                                 f"{options.password_env} (and username if ACLs need one)"
-                                 ) from None
-        except redis.RedisError as exc:
-            if "NOAUTH" in str(exc) or "WRONGPASS" in str(exc):
-                self.shutdown()
-                raise RedisTierError(f"redis tier: {self.endpoint} needs a password ({exc}); "
-                                     f"set password_file or {options.password_env}") from None
-            logger.warning("redis tier: cannot reach %s (%s); the tier misses until the "
-                           "server answers", self.endpoint, exc)
+            if self._settings[1]["password"] is None:
+                raise RedisTierError(f"redis tier: {self.endpoint} needs a password; put it in "
+                                     f"password_file or ${options.password_env}") from None
+            raise RedisTierError(f"redis tier: {self.endpoint} refused the credentials ({exc}); "
+                                 f"fix password_file or ${options.password_env} (and username "
+                                 f"if the server's ACLs need one)") from None
 
     def _connected(self) -> Any:
         """The client, built on first use (a cluster client asks a node for the slot map, so
