@@ -160,10 +160,19 @@ class SeaweedS3(_Server):
                 self.client().create_bucket(Bucket=bucket)
                 return
             except Exception as exc:
+                if self._has_bucket(bucket):  # an earlier try made it
+                    return
                 if time.monotonic() > deadline:
                     pytest.fail(f"cannot create bucket {bucket!r} ({exc}); log tail:\n"
                                 f"{self.log_tail()}")
             time.sleep(0.2)
+
+    def _has_bucket(self, bucket: str) -> bool:
+        try:
+            self.client().head_bucket(Bucket=bucket)
+        except Exception:
+            return False
+        return True
 
     def env(self) -> dict[str, str]:
         """The standard AWS settings that point a client at this store."""

@@ -83,6 +83,10 @@ def second_instance_gets_hits(model, flag, tier, name):
         assert tier_metric(second, "hits", name) == 4 * CHUNKS_PER_PROMPT
         assert tier_metric(second, "errors", name) == 0
         assert bytes_moved(second, f"{name}_to_host") == 4 * CHUNKS_PER_PROMPT * CHUNK_BYTES
+        gets = [value for metric, value in second.get_metrics().items()
+                if metric.startswith(f'kvtier:offload_store_request_seconds_count{{tier="{name}"')
+                and 'op="get"' in metric]
+        assert gets == [4 * CHUNKS_PER_PROMPT]  # one timed GET per chunk
         events = [e for e in second.engine.take_kv_events() if isinstance(e, TierMoveEvent)]
         assert {e.locality for e in events if name in (e.source, e.destination)} == {"remote"}
         second.engine.check_invariants()
@@ -106,7 +110,8 @@ def store_down_then_back(model, tier, name, kill, restart):
         serve_one_by_one(llm, prompts[1:2], expected[1:2])
         hits = tier_metric(llm, "hits", name)
         serve_one_by_one(llm, prompts[4:7], expected[4:7])  # out of device and host memory
-        assert generate(llm, prompts[1:2]) == (expected[1:2], [LOADABLE])
+        assert generate(llm, prompts[1:2]) == (expected[1:2], [LOADABLE]), {
+            k: v for k, v in llm.get_metrics().items() if "tier_" in k or "_request_" in k}
         assert tier_metric(llm, "hits", name) == hits + CHUNKS_PER_PROMPT
         llm.engine.check_invariants()
     finally:
