@@ -106,16 +106,28 @@ def store_down_then_back(model, tier, name, kill, restart):
         assert generate(llm, prompts[:1]) == (expected[:1], [0])  # on the tier, unreachable
         assert tier_metric(llm, "errors", name) > 0
         restart()
-        time.sleep(1.2)  # the tier's "down" mark lapses
-        serve_one_by_one(llm, prompts[1:2], expected[1:2])
-        hits = tier_metric(llm, "hits", name)
-        serve_one_by_one(llm, prompts[4:7], expected[4:7])  # out of device and host memory
-        assert generate(llm, prompts[1:2]) == (expected[1:2], [LOADABLE]), {
-            k: v for k, v in llm.get_metrics().items() if "tier_" in k or "_request_" in k}
-        assert tier_metric(llm, "hits", name) == hits + CHUNKS_PER_PROMPT
+        assert _hits_resume(llm, prompts, expected, name)
         llm.engine.check_invariants()
     finally:
         llm.engine.shutdown()
+
+
+def _hits_resume(llm, prompts, expected, name, num_tries=4):
+    """Serve prompt 1 (stored anew if the tier lacks it), push it out of device and host memory
+    and serve it again: True once all its chunks come from the tier. A store that just came back
+    may fail the first calls (connections it closed, a server still starting), which costs a
+    second of misses and dropped stores each: hence the tries."""
+    for _ in range(num_tries):
+        time.sleep(1.2)  # the tier's "down" mark lapses
+        serve_one_by_one(llm, prompts[4:7], expected[4:7])  # out of device and host memory
+        serve_one_by_one(llm, prompts[1:2], expected[1:2])
+        serve_one_by_one(llm, prompts[4:7], expected[4:7])
+        hits = tier_metric(llm, "hits", name)
+        tokens, cached = generate(llm, prompts[1:2])
+        assert tokens == expected[1:2]
+        if cached == [LOADABLE] and tier_metric(llm, "hits", name) == hits + CHUNKS_PER_PROMPT:
+            return True
+    return False
 
 
 def corrupt_values_recompute(model, tier, name, corrupt):
@@ -155,8 +167,7 @@ def paused_store_misses(model, tier, name, server):
             assert tier_metric(llm, "errors", name) > 0
         finally:
             server.resume()
-        time.sleep(1.2)  # the tier's "down" mark lapses
-        assert generate(llm, prompts[1:2]) == (expected[1:2], [LOADABLE])
+        assert _hits_resume(llm, prompts, expected, name)
         llm.engine.check_invariants()
     finally:
         llm.engine.shutdown()

@@ -155,9 +155,9 @@ def _client_settings(options: RedisTierOptions) -> tuple[bool, dict[str, Any]]:
         "password": _password(options),
         "socket_connect_timeout": options.connect_timeout_s,
         "socket_timeout": options.timeout_s,
-        # No retries: the tier's own deadline and down-marking decide, a retry would only
-        # stretch a call past the job's deadline.
-        "retry": Retry(NoBackoff(), 0),
+        # One retry, on a broken connection only (a pooled connection the server closed, e.g.
+        # across its restart); never on a timeout, which would stretch a call past its deadline.
+        "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
     }
     if use_ssl or options.ssl:
         kwargs.update(ssl=True, ssl_ca_certs=options.ssl_ca_file)
