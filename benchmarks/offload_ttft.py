@@ -5,6 +5,7 @@ For each prompt length, one fresh prompt is served four ways:
   device     again at once: a device prefix-cache hit
   host       after reset_prefix_cache() drops the device copy: loaded from host memory
   disk       in a second engine on the same disk directory (cold device and host): from disk
+             (or from the network store named by --store: an obj bucket or a redis server)
 TTFT is arrival -> first token of a max_tokens=1 request. Each hit is checked in the metrics.
 
 Throughput of the tiers is printed next to this machine's raw figures, measured in the same run
@@ -19,6 +20,8 @@ rename, no fsync, like the tier), and one file of all the bytes for reference.
 
     python benchmarks/offload_ttft.py                     # SmolLM2-135M, 1k / 4k / 8k (8191)
     python benchmarks/offload_ttft.py --lengths 1024 --json
+    python benchmarks/offload_ttft.py --store obj=s3://kv-cache/bench   # AWS_* settings
+    python benchmarks/offload_ttft.py --store redis=redis://127.0.0.1:6379/0
 Targets (issue 5): at 4k tokens disk-hit TTFT <= 1/4 of recompute, host-hit <= 1/8; tier
 throughput >= 70% of the raw figures.
 """
@@ -53,7 +56,10 @@ _DIRECTIONS = ("device_to_host", "host_to_device", "host_to_fs", "fs_to_host")
 def main() -> None:
     args = _parse_args()
     disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="kvtier-offload-ttft-")
-    offload = f"host={args.host},fs={disk_dir}:{args.disk}"  # the fs tier: a file per chunk
+    # The tier behind host memory: by default the fs tier (a file per chunk), or --store.
+    store = args.store or f"fs={disk_dir}:{args.disk}"
+    store_tier = store.partition("=")[0]
+    offload = f"host={args.host},{store}"
     engine_args = dict(dtype=args.dtype, device=args.device, kv_offload=offload,
                        kv_cache_memory_bytes=args.device_kv, max_num_batched_tokens=args.chunk,
                        max_model_len=max(args.lengths) + 1)
@@ -66,7 +72,7 @@ def main() -> None:
     for n, prompt in prompts.items():
         results["ttft_s"][n], results["checks"][n] = _first_engine(llm, prompt)
     _wait_idle(llm)  # the cascade to disk must not share the disk with the measurement
-    results["tier_throughput_bytes_per_s"] = _tier_throughput(llm.get_metrics())
+    results["tier_throughput_bytes_per_s"] = _tier_throughput(llm.get_metrics(), store_tier)
     results["component_bytes_per_s"], shape = _component_throughput(llm, disk_dir)
     # Right after the components, on the same bytes, so that both see the same machine load.
     results["raw_bytes_per_s"] = _raw_bandwidth(disk_dir, args.device, shape)
@@ -74,11 +80,12 @@ def main() -> None:
     second = LLM(args.model, **engine_args)
     _warm_up(second, rng, vocab)
     for n, prompt in prompts.items():
-        ttft, cached, hits = _timed(second, prompt, "fs")
+        ttft, cached, hits = _timed(second, prompt, store_tier)
         results["ttft_s"][n]["disk"] = ttft
-        results["checks"][n]["disk"] = {"cached_tokens": cached, "fs_hits": hits}
-    disk_rates = _tier_throughput(second.get_metrics())
-    results["tier_throughput_bytes_per_s"]["fs_to_host"] = disk_rates["fs_to_host"]
+        results["checks"][n]["disk"] = {"cached_tokens": cached, f"{store_tier}_hits": hits}
+    load = f"{store_tier}_to_host"
+    results["tier_throughput_bytes_per_s"][load] = _tier_throughput(second.get_metrics(),
+                                                                    store_tier)[load]
     second.engine.shutdown()
     _report(results, args.json)
 
@@ -117,9 +124,11 @@ def _wait_idle(llm: LLM) -> None:
         raise TimeoutError("offloading did not go idle within 120 s")
 
 
-def _tier_throughput(metrics: dict[str, float]) -> dict[str, float | None]:
+def _tier_throughput(metrics: dict[str, float], tier: str) -> dict[str, float | None]:
+    """In-engine bytes per busy second of each direction (None: nothing moved); `tier`'s
+    directions besides the fs tier's, which the component figures compare with."""
     rates: dict[str, float | None] = {}
-    for direction in _DIRECTIONS:
+    for direction in dict.fromkeys((*_DIRECTIONS, f"host_to_{tier}", f"{tier}_to_host")):
         num_bytes = metrics.get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
         seconds = metrics.get(f'kvtier:offload_busy_seconds_total{{direction="{direction}"}}',
                               0.0)
@@ -274,6 +283,9 @@ def _report(results: dict, as_json: bool) -> None:
         print(f"{tier_direction:>15}: {component:>10.2f} {in_engine:>10} "
               f"{raw[raw_name] / gib:>10.2f}  ({raw_name}, "
               f"{100 * component * gib / raw[raw_name]:.0f}% of raw{memcpy})")
+    for direction, rate in results["tier_throughput_bytes_per_s"].items():
+        if direction not in dict(pairs):
+            print(f"{direction:>15}: {'':>10} {'n/a' if rate is None else f'{rate / gib:.2f}':>10}")
     print(f"{'raw memcpy':>15}: {raw['memcpy'] / gib:.2f} GiB/s (one thread, same bytes); one "
           f"file of the same bytes: write {raw['one_file_write'] / gib:.2f}, read "
           f"{raw['one_file_read'] / gib:.2f} GiB/s")
@@ -290,6 +302,10 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--disk", default="4GiB", help="disk tier budget")
     parser.add_argument("--disk-dir", default=None,
                         help="disk tier directory (default: a temp dir)")
+    parser.add_argument("--store", default=None,
+                        help="the tier the 'disk' column reads, as a --kv-offload pair such as "
+                             "obj=s3://BUCKET/PREFIX or redis=redis://HOST:PORT/0 (default: "
+                             "fs=DISK_DIR:DISK)")
     parser.add_argument("--device-kv", default="1GiB", help="device KV cache budget")
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--seed", type=int, default=0)

@@ -54,7 +54,10 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     transfer.add_argument("--kv-offload", default=None,
                           help="tiered offloading in one flag, e.g. host=4GiB,disk=/path:50GiB "
                                "(disk: this instance's preallocated file; fs=DIR[:SIZE]: a file "
-                               "per chunk, shared between instances); "
+                               "per chunk, shared between instances; obj=s3://BUCKET/PREFIX: "
+                               "an object per chunk in an S3-compatible bucket; "
+                               "redis=redis://HOST:PORT/DB or redis+cluster://HOST:PORT: "
+                               "Valkey/Redis, password from $REDIS_PASSWORD); "
                                "optional policy=lru|arc, blocks_per_chunk=N, write=through|back "
                                "(when chunks go on to disk: at once, or when host memory needs "
                                "room and at shutdown)")

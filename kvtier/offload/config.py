@@ -147,7 +147,7 @@ def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:
     return f"{tier_type}{index}"
 
 
-_FLAG_KEYS = "host, disk, fs, policy, blocks_per_chunk, write"
+_FLAG_KEYS = "host, disk, fs, obj, redis, policy, blocks_per_chunk, write"
 _FLAG_EXAMPLE = "host=4GiB,disk=/var/cache/kvtier:50GiB"
 
 
@@ -159,6 +159,10 @@ def parse_kv_offload(flag: str, where: str = "--kv-offload") -> dict[str, Any]:
     `host` (required) is the host tier's byte budget. `disk=DIR:SIZE` adds a disk tier (this
     instance's slot file of SIZE bytes in DIR), `fs=DIR[:SIZE]` an fs tier (a file per chunk,
     shared by the instances that mount DIR; SIZE is its byte budget); both may repeat.
+    `obj=s3://BUCKET/PREFIX[:SIZE]` adds an obj tier (an object per chunk in an S3-compatible
+    bucket, configured by the standard AWS settings; SIZE bounds what this instance writes),
+    `redis=redis://HOST:PORT/DB` a redis tier (`rediss://` for TLS, `redis+cluster://HOST:PORT`
+    for a cluster; the password comes from $REDIS_PASSWORD).
     `policy=lru|arc`, `blocks_per_chunk=N` and `write=through|back` (the write policy) are
     optional. Each value is checked here, so an error names the flag's own key; per-tier
     policies need the JSON form. `OffloadConfig.from_extra_config` parses the result.
@@ -188,6 +192,10 @@ def _apply_flag_pair(extra: dict[str, Any], key: str, value: str, where: str) ->
         extra["secondary_tiers"].append(_parse_disk(value, where))
     elif key == "fs":
         extra["secondary_tiers"].append(_parse_fs(value, where))
+    elif key == "obj":
+        extra["secondary_tiers"].append(_parse_obj(value, where))
+    elif key == "redis":
+        extra["secondary_tiers"].append(_parse_redis(value, where))
     elif key == "policy":
         require(value in get_args(EvictionPolicyName), f"{where} policy",
                 "must be lru or arc, e.g. policy=arc", value)
@@ -227,3 +235,24 @@ def _parse_fs(value: str, where: str) -> dict[str, Any]:
     if size is None:
         return {"type": "fs", "root_dir": root}
     return {"type": "fs", "root_dir": root, "max_bytes": parse_size(size, f"{where} fs")}
+
+
+def _parse_obj(value: str, where: str) -> dict[str, Any]:
+    url, size = _split_dir_size(value)
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    if not url.startswith("s3://") or not bucket:
+        raise ValueError(f"{where} obj={value}: expected s3://BUCKET/PREFIX[:SIZE], e.g. "
+                         f"obj=s3://kv-cache/llama:100GiB")
+    tier: dict[str, Any] = {"type": "obj", "bucket": bucket}
+    if prefix:
+        tier["prefix"] = prefix
+    if size is not None:
+        tier["max_bytes"] = parse_size(size, f"{where} obj")
+    return tier
+
+
+def _parse_redis(value: str, where: str) -> dict[str, Any]:
+    if "://" not in value:
+        raise ValueError(f"{where} redis={value}: expected a URL such as redis://HOST:PORT/0, "
+                         f"rediss://HOST:PORT/0 (TLS) or redis+cluster://HOST:PORT")
+    return {"type": "redis", "url": value}

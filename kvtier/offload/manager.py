@@ -101,6 +101,8 @@ class TieringManager:
         # (tier index, key) pairs whose load failed; bounded, oldest forgotten first.
         self._failed: OrderedDict[tuple[int, ChunkKey], None] = OrderedDict()
         self._max_remembered = 16 * self.area.num_slots
+        # (tier index, key) pairs whose tier answered UNKNOWN to a counted query; bounded too.
+        self._undecided: OrderedDict[tuple[int, ChunkKey], None] = OrderedDict()
         # Requests seen per chunk, for store_threshold; bounded like _failed.
         self._uses: OrderedDict[ChunkKey, int] = OrderedDict()
         # Loads from host memory into the device per chunk, for admit_after_hits; bounded too.
@@ -148,6 +150,16 @@ class TieringManager:
         except Exception:  # a broken tier is a miss, never a crash
             self.metrics.error(self.tier_names[index])
             return LookupResult.NOT_FOUND
+        # A query counts once, with its final answer: a tier that answered UNKNOWN (a remote
+        # check in flight) is asked again with record=False, and that answer is the one counted.
+        if answer is LookupResult.UNKNOWN:
+            if record:
+                self._undecided[(index, key)] = None
+                if len(self._undecided) > self._max_remembered:
+                    self._undecided.popitem(last=False)
+            return answer
+        if self._undecided.pop((index, key), False) is None:
+            record = True
         if record:
             self.metrics.lookup(self.tier_names[index], answer is LookupResult.FOUND,
                                 self._clock() - start)

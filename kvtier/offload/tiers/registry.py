@@ -25,6 +25,8 @@ _REGISTRY = PluginRegistry("tier", SecondaryTier, TierLookupError, {
     "memory": "kvtier.offload.tiers.memory:MemoryTier",
     "fs": "kvtier.offload.tiers.fs:FsTier",
     "disk": "kvtier.offload.tiers.disk:DiskTier",
+    "obj": "kvtier.offload.tiers.obj:ObjTier",
+    "redis": "kvtier.offload.tiers.redis_tier:RedisTier",
 })
 
 
