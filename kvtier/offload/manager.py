@@ -176,7 +176,10 @@ class TieringManager:
         often enough yet, or no slot free of transfers."""
         if self._uses.get(key, 0) < self.config.store_threshold:
             return None
-        return self.host.prepare_store(key, num_bytes)
+        slot = self.host.prepare_store(key, num_bytes)
+        if slot is None and key not in self.host.entries:
+            self.metrics.skipped_store("no_host_slot")
+        return slot
 
     def complete_store(self, key: ChunkKey, ok: bool) -> None:
         """The device->host copy of `key` ended; on success, cascade it to the write_through
