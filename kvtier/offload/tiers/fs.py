@@ -139,6 +139,11 @@ class FsTier(ThreadedTier):
                                    f"writes through a symlink)") from exc
         except FileNotFoundError:
             pass  # read-only and empty: every lookup misses
+        except OSError as exc:
+            if exc.errno not in _READ_ONLY_ERRNOS:
+                raise FsTierSetupError(f"cannot open the fs tier's directory {self.directory}: "
+                                       f"{exc.strerror}") from exc
+            read_only = True
         if read_only:
             logger.warning("fs tier %s: %s is read-only; its chunks are loaded, stores are "
                            "skipped", self.context.name, self.root)
