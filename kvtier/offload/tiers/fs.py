@@ -103,8 +103,9 @@ class FsTier(ThreadedTier):
         self.read_only = self._open_directory()
         self._last_full_log: float | None = None
         self._warned_symlink = False
-        # Bytes in the namespace's directory (all instances'); None until the first scan.
-        self._used_bytes: int | None = None
+        # Bytes in the namespace's directory (all instances'), from the start-up scan on.
+        self._used_bytes = 0
+        self._scanned = threading.Event()
         labels = {"tier": context.name}
         metrics = context.metrics
         self._used_gauge = None if metrics is None else metrics.gauge(
@@ -115,7 +116,7 @@ class FsTier(ThreadedTier):
             "to make room on a full disk", ["tier"]).labels(**labels)
         # The first job of the write pool: the gauge shows what the directory holds from
         # start-up, without a scan of a large directory delaying it.
-        self._writers.submit(self._account, 0)
+        self._writers.submit(self._count_used)
 
     def _open_directory(self) -> bool:
         """Create the root and namespace directories (0700) unless read-only; True if the
@@ -171,6 +172,9 @@ class FsTier(ThreadedTier):
     def _store(self, job: TransferJob) -> None:
         if self.read_only:
             raise StoreSkipped("read_only")
+        # A file written before the start-up scan ends would be counted twice.
+        if not self._scanned.wait(max(0.0, job.deadline - time.monotonic())):
+            raise TimeoutError(f"the start-up scan of {self.directory} has not ended")
         try:
             added = self._write(job)
         except OSError as exc:
@@ -237,19 +241,22 @@ class FsTier(ThreadedTier):
             self._used_bytes = self._evict_down_to(files, int(used * _EVICT_TO))
             self._set_gauge()
 
+    def _count_used(self) -> None:
+        with self._evict_lock:
+            self._used_bytes = sum(size for _, _, size, _ in self._scan())
+        self._scanned.set()
+        self._account(0)
+
     def _account(self, added: int) -> None:
         budget = self.options.max_bytes
         with self._evict_lock:
-            if self._used_bytes is None:
-                self._used_bytes = sum(size for _, _, size, _ in self._scan())
-            else:
-                self._used_bytes += added
+            self._used_bytes += added
             if budget is not None and self._used_bytes > budget:
                 self._used_bytes = self._evict_down_to(self._scan(), int(budget * _EVICT_TO))
             self._set_gauge()
 
     def _set_gauge(self) -> None:
-        if self._used_gauge is not None and self._used_bytes is not None:
+        if self._used_gauge is not None:
             self._used_gauge.set(self._used_bytes)
 
     def _evict_down_to(self, files: list[tuple[str, str, int, float]], target: int) -> int:
