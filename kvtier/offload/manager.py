@@ -175,7 +175,7 @@ class TieringManager:
 
     def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
         """A host slot to copy `key` into from the device, or None: already in host, not used
-        often enough yet, or no slot free of transfers."""
+        often enough yet, or no slot free of transfers (counted as a skipped store)."""
         if self._uses.get(key, 0) < self.config.store_threshold:
             return None
         slot = self.host.prepare_store(key, num_bytes)

@@ -54,7 +54,8 @@ class OffloadMetrics:
         self._dropped_stores = registry.counter(
             "kvtier:offload_tier_dropped_stores",
             "Chunks not stored on a secondary tier (reason backpressure: the tier had "
-            "max_pending_stores stores in flight)", ["tier", "reason"])
+            "max_pending_stores stores in flight; read_only: the tier's directory is "
+            "read-only)", ["tier", "reason"])
         self._skipped_stores = registry.counter(
             "kvtier:offload_skipped_stores",
             "Chunks not copied from the device to host memory (reason no_host_slot: every host "

@@ -4,8 +4,9 @@ Lookups walk a waiting request's chunks left to right from its local prefix hit:
 extend the answer, a chunk on its way up from a secondary tier makes the answer None (RETRY: the
 scheduler asks again next step; for at most `tier_job_timeout_s`, then the host's chunks are
 taken as they are), the first miss ends it. Stores are planned every step for the
-chunks that became full; the worker copies them after the forward and the cascade to secondary
-tiers starts when the copy is reported.
+chunks that became full, the prompt's and (unless `offload_prompt_only`) those decoding fills,
+which a conversation's next turn starts with; the worker copies them after the forward and the
+cascade to secondary tiers starts when the copy is reported.
 
 Hybrid models: a full-attention group needs every chunk of the hit, a sliding-window group only
 the chunks its window reaches at the end of the hit, a Mamba group only the last one; blocks the
