@@ -5,6 +5,7 @@ undisturbed server's (greedy, fp32)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import httpx
@@ -14,7 +15,7 @@ from ..entrypoints.server_process import ServerProcess
 from ..offload.mounts import read_only_view, small_tmpfs
 from ..offload.test_chunk_mac_e2e import _forge
 from ..tiny_models import make_hf_model
-from .test_restart_faults import _answers, _metric, _wait_stored
+from .test_restart_faults import STORE_DEADLINE_S, _answers, _metric, _wait_stored
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,20 @@ def _files(directory: Path) -> dict[str, int]:
     return {str(p): p.stat().st_size for p in directory.rglob("*.kvc")}
 
 
+def _wait_skipped(url: str) -> float:
+    """The read-only skips, once counted. A tier's outcomes are collected at engine steps and
+    an idle engine takes none: a one-token request after each look gives it one."""
+    deadline = time.monotonic() + STORE_DEADLINE_S
+    while True:
+        skipped = _metric(url, "kvtier:offload_tier_dropped_stores", tier="fs",
+                          reason="read_only")
+        if skipped > 0 or time.monotonic() > deadline:
+            return skipped
+        httpx.post(f"{url}/v1/completions", timeout=120,
+                   json={"prompt": "step", "max_tokens": 1}).raise_for_status()
+        time.sleep(0.2)
+
+
 def test_read_only_shared_directory_serves_hits_and_skips_stores(model_dir, tmp_path):
     expected = _first_answers(model_dir, tmp_path / "shared")
     before = _files(tmp_path / "shared")
@@ -53,10 +68,9 @@ def test_read_only_shared_directory_serves_hits_and_skips_stores(model_dir, tmp_
             response = httpx.post(f"{server.url}/v1/completions", timeout=120, json={
                 "prompt": "a prompt no server has seen " * 4, "max_tokens": 8})
             assert response.status_code == 200, response.text
+            skipped = _wait_skipped(server.url)
             hits = _metric(server.url, "kvtier:offload_tier_hits", tier="fs")
             errors = _metric(server.url, "kvtier:offload_tier_errors", tier="fs")
-            skipped = _metric(server.url, "kvtier:offload_tier_dropped_stores", tier="fs",
-                              reason="read_only")
         finally:
             server.stop()
     assert hits > 0 and errors == 0 and skipped > 0  # the new prompt's chunks
