@@ -19,17 +19,21 @@ with the namespace and block hash as its key, length and checksum) whose payload
 every layer in turn, each (2, block_size, kv_heads, head_dim) in the cache's dtype. A file that
 fails the check is a failed load (counted, and recomputed per kv_load_failure_policy), never
 data; nothing is unpickled. Writes go to a temporary file renamed into place, so a reader never
-sees half a block.
+sees half a block. With a chunk secret (`secret_file`, or $KVTIER_CHUNK_SECRET_FILE /
+$KVTIER_CHUNK_SECRET) every file carries a MAC and one without a valid MAC is a failed load.
+Files are opened without following symlinks (offload/safe_dir.py), created 0600 in a 0700
+directory. The I/O threads are daemon threads: a write hung past `flush_timeout_s` at shutdown
+never holds the process.
 
-Extra config: {"shared_storage_path": DIR, "flush_timeout_s": 30.0}. Models with one KV cache
-group only (all layers full attention, or all the same sliding window).
+Extra config: {"shared_storage_path": DIR, "flush_timeout_s": 30.0, "secret_file": null}.
+Models with one KV cache group only (all layers full attention, or all the same sliding window).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
-import threading
+import stat
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -38,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvtier.common.cpu_threads import use_one_cpu_thread
+from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.connector.base import (
     ConnectorContext,
     KVConnectorBase,
@@ -50,20 +55,28 @@ from kvtier.offload.chunk_format import (
     FORMAT_NAME,
     ChunkFormatError,
     drop_bad_file,
+    load_chunk_secret,
     read_chunk_into,
     write_chunk,
     write_description,
 )
+from kvtier.offload.safe_dir import open_file, opened_dir, write_atomically
 
 if TYPE_CHECKING:
     from kvtier.kv import KVCacheBlocks, Request
     from kvtier.sched.output import SchedulerOutput
+
+# Seconds shutdown gives a load in flight (loads are not waited for: no one needs them then).
+_LOAD_GRACE_S = 0.5
+
 
 @dataclass(frozen=True)
 class ExampleConnectorOptions:
     shared_storage_path: str
     # Deadline for writes still in flight when the engine shuts down.
     flush_timeout_s: float = 30.0
+    # File holding the secret that authenticates the block files (offload/chunk_format.py).
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.shared_storage_path, str) or not self.shared_storage_path:
@@ -72,6 +85,10 @@ class ExampleConnectorOptions:
         if not isinstance(self.flush_timeout_s, (int, float)) or self.flush_timeout_s <= 0:
             raise ValueError("ExampleConnector extra config: flush_timeout_s must be a number "
                              f"of seconds > 0, got {self.flush_timeout_s!r}")
+        if self.secret_file is not None and (not isinstance(self.secret_file, str)
+                                             or not self.secret_file):
+            raise ValueError("ExampleConnector extra config: secret_file must be a file path, "
+                             f"got {self.secret_file!r}")
 
 
 def _parse_options(config: KVTransferConfig) -> ExampleConnectorOptions:
@@ -86,15 +103,21 @@ class BlockFiles:
         self.namespace = namespace
         self.directory = os.path.join(root, namespace.hex())
 
+    def name(self, block_hash: bytes) -> str:
+        return block_hash.hex() + ".kv"
+
     def path(self, block_hash: bytes) -> str:
-        return os.path.join(self.directory, block_hash.hex() + ".kv")
+        return os.path.join(self.directory, self.name(block_hash))
 
     def key(self, block_hash: bytes) -> bytes:
         """What a file's header must name: a file never passes for another model's or block's."""
         return self.namespace + block_hash
 
     def exists(self, block_hash: bytes) -> bool:
-        return os.path.exists(self.path(block_hash))
+        try:
+            return stat.S_ISREG(os.stat(self.path(block_hash), follow_symlinks=False).st_mode)
+        except OSError:
+            return False
 
 
 @dataclass(frozen=True)
@@ -210,11 +233,12 @@ class ExampleConnectorWorker(KVConnectorWorker):
         super().__init__(config, context)
         self.options = _parse_options(config)
         self.files = BlockFiles(self.options.shared_storage_path, context.namespace)
+        self._secret = load_chunk_secret(self.options.secret_file)
         # Separate threads so that a slow write never delays a load.
-        self._loader = concurrent.futures.ThreadPoolExecutor(1, "example-connector-load",
-                                                             initializer=use_one_cpu_thread)
-        self._saver = concurrent.futures.ThreadPoolExecutor(1, "example-connector-save",
-                                                            initializer=use_one_cpu_thread)
+        self._loader = DaemonThreadPool(1, "example-connector-load",
+                                        initializer=use_one_cpu_thread)
+        self._saver = DaemonThreadPool(1, "example-connector-save",
+                                       initializer=use_one_cpu_thread)
         self._loads: dict[str, tuple[concurrent.futures.Future, list[BlockTransfer]]] = {}
         # One block of every layer, as bytes; reused by the single load thread.
         self._load_buffer: torch.Tensor | None = None
@@ -250,14 +274,15 @@ class ExampleConnectorWorker(KVConnectorWorker):
             num_bytes = sum(cache[:, 0].nbytes for cache in self.kv_caches.values())
             self._load_buffer = torch.empty(num_bytes, dtype=torch.uint8)
         buffer = self._load_buffer
-        path = self.files.path(block.block_hash)
+        name = self.files.name(block.block_hash)
         try:
-            with open(path, "rb") as f:
+            with opened_dir(self.files.directory) as dir_fd, \
+                    os.fdopen(open_file(name, dir_fd, os.O_RDONLY), "rb") as f:
                 try:
                     read_chunk_into(f, self.files.key(block.block_hash),
-                                    memoryview(buffer.numpy()))
+                                    memoryview(buffer.numpy()), self._secret)
                 except ChunkFormatError:
-                    drop_bad_file(f, path)  # else no save would ever replace it
+                    drop_bad_file(f, name, dir_fd)  # else no save would ever replace it
                     raise
         except (OSError, ChunkFormatError):
             return False  # missing, unreadable, damaged, or another block's or model's file
@@ -277,20 +302,15 @@ class ExampleConnectorWorker(KVConnectorWorker):
             self._saves.append(self._saver.submit(self._write, block.block_hash, payload))
 
     def _write(self, block_hash: bytes, payload: torch.Tensor) -> None:
-        path = self.files.path(block_hash)
-        os.makedirs(self.files.directory, exist_ok=True)
+        os.makedirs(self.files.directory, 0o700, exist_ok=True)
         if not self._described:
             write_description(self.files.directory, self.files.namespace,
                               {**self.context.kv_identity.describe(), "format": FORMAT_NAME})
             self._described = True
-        temp_path = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
-        try:
-            with open(temp_path, "wb") as f:
-                write_chunk(f, self.files.key(block_hash), memoryview(payload.numpy()))
-            os.replace(temp_path, path)
-        except BaseException:
-            _unlink_quietly(temp_path)
-            raise
+        key, data = self.files.key(block_hash), memoryview(payload.numpy())
+        with opened_dir(self.files.directory) as dir_fd:
+            write_atomically(self.files.name(block_hash), dir_fd,
+                             lambda f: write_chunk(f, key, data, self._secret))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         finished_recving = set()
@@ -325,17 +345,10 @@ class ExampleConnectorWorker(KVConnectorWorker):
         return stats
 
     def shutdown(self) -> None:
-        # Another process may be waiting for these files: give pending writes a deadline.
-        concurrent.futures.wait(self._saves, timeout=self.options.flush_timeout_s)
-        self._saver.shutdown(wait=False)
-        self._loader.shutdown(wait=False, cancel_futures=True)
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+        # Another process may be waiting for these files: give pending writes a deadline, and
+        # abandon a write hung past it (a daemon thread: it ends with the process).
+        self._saver.shutdown(self.options.flush_timeout_s)
+        self._loader.shutdown(_LOAD_GRACE_S, cancel_pending=True)
 
 
 class ExampleConnector(KVConnectorBase):

@@ -10,7 +10,9 @@ Wire format (what llm-d's indexer, Dynamo's relay and vLLM's example subscriber 
 Block hashes go out as unsigned 64-bit ints (the low 64 bits of the hash), which is what vLLM
 sends by default and what those consumers index on; the paged cache's medium goes out as "GPU".
 Events of other types (the offloading connector's tier moves) go out as
-[type name, *dataclass fields in declaration order].
+[type name, *dataclass fields in declaration order]. With "include_token_ids": false (not one of
+vLLM's keys) BlockStored carries an empty token id list: a subscriber learns which blocks are
+cached, never the text of someone's prompt.
 
 An optional ROUTER replay socket answers a request [start seq (8-byte big-endian)] with one
 [seq, payload] message per buffered batch from that seq on, then [END_SEQ, b""].
@@ -73,6 +75,8 @@ class KVEventsConfig:
     # Batches waiting for the publisher thread; past it new batches are dropped and counted.
     max_queue_size: int = 100_000
     topic: str = ""
+    # False: BlockStored events carry no token ids (an empty list, the layout unchanged).
+    include_token_ids: bool = True
 
     def __post_init__(self) -> None:
         publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
@@ -86,6 +90,8 @@ class KVEventsConfig:
             (self.buffer_steps >= 1, "buffer_steps", "must be >= 1"),
             (self.hwm >= 1, "hwm", "must be >= 1"),
             (self.max_queue_size >= 1, "max_queue_size", "must be >= 1"),
+            (isinstance(self.include_token_ids, bool), "include_token_ids",
+             "must be true or false"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -123,7 +129,7 @@ def external_block_hash(block_hash: bytes | int | None) -> int | None:
     return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
 
 
-def encode_event(event: Any) -> list[Any]:
+def encode_event(event: Any, include_token_ids: bool = True) -> list[Any]:
     """One event as the tagged msgpack array consumers decode."""
     name = type(event).__name__
     fields = _WIRE_FIELDS.get(name)
@@ -136,6 +142,8 @@ def encode_event(event: Any) -> list[Any]:
             value = [external_block_hash(h) for h in value]
         elif field_name in _HASH_FIELDS:
             value = external_block_hash(value)
+        elif field_name == "token_ids" and not include_token_ids:
+            value = []
         elif field_name == "medium":
             value = _WIRE_MEDIUM.get(value, value)
         elif field_name == "lora_id" and not isinstance(value, int):
@@ -147,10 +155,11 @@ def encode_event(event: Any) -> list[Any]:
     return wire
 
 
-def encode_batch(ts: float, events: Iterable[Any], data_parallel_rank: int = 0) -> bytes:
+def encode_batch(ts: float, events: Iterable[Any], data_parallel_rank: int = 0,
+                 include_token_ids: bool = True) -> bytes:
     """A KVEventBatch payload: [ts, [events...], data_parallel_rank]."""
-    return msgpack.packb([ts, [encode_event(e) for e in events], data_parallel_rank],
-                         use_bin_type=True)
+    return msgpack.packb([ts, [encode_event(e, include_token_ids) for e in events],
+                          data_parallel_rank], use_bin_type=True)
 
 
 class EventPublisher:
@@ -236,7 +245,8 @@ class ZmqEventPublisher(EventPublisher):
             except queue.Empty:
                 continue
             try:
-                payload = encode_batch(ts, events, self.data_parallel_rank)
+                payload = encode_batch(ts, events, self.data_parallel_rank,
+                                       self.config.include_token_ids)
             except Exception:
                 # One bad event must not end the thread: every later batch would be lost.
                 logger.exception("dropping a KV event batch that cannot be encoded")

@@ -39,6 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help='KV event publishing as JSON, vLLM\'s shape, e.g. '
                             '\'{"enable_kv_cache_events": true, "publisher": "zmq", '
                             '"endpoint": "tcp://127.0.0.1:5557", "topic": "kv-events"}\'')
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens (off by default: "
+                            "on a shared server it tells a client how much of its prompt "
+                            "matched earlier requests, perhaps another client's)")
     group.add_argument("--max-request-body-bytes", default="8MiB",
                        help="largest request body accepted, e.g. 8MiB (default) or 1048576; "
                             "larger ones get a 413 before they are read")
@@ -95,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
     model_arg = config.model.model
     names = tuple(args.served_model_name or [model_arg or engine.model_name])
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
-                        ServerMetrics(engine.metrics))
+                        ServerMetrics(engine.metrics),
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
                     max_request_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(

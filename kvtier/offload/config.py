@@ -68,7 +68,8 @@ class OffloadConfig:
     spec_name: str = SPEC_NAME
     blocks_per_chunk: int = 1
     eviction_policy: EvictionPolicyName = "lru"
-    # Offload only the prompt's blocks (decode blocks are rarely shared).
+    # Offload only the prompt's blocks; False also offloads the blocks decoding fills (a
+    # conversation's next turn starts with them).
     offload_prompt_only: bool = False
     # A chunk is stored only once this many requests have contained it (1: always store).
     store_threshold: int = 1
@@ -79,6 +80,9 @@ class OffloadConfig:
     # shutdown), so a working set that fits the host writes nothing.
     write_policy: WritePolicyName = "write_through"
     secondary_tiers: tuple[TierSpec, ...] = field(default=())
+    # A file holding the secret that authenticates the chunks written to secondary tiers
+    # (offload/chunk_format.py); None: $KVTIER_CHUNK_SECRET_FILE or $KVTIER_CHUNK_SECRET if set.
+    secret_file: str | None = None
 
     def __post_init__(self) -> None:
         require(self.spec_name == SPEC_NAME, f"{_WHERE}.spec_name", f"must be {SPEC_NAME!r}",
@@ -99,6 +103,9 @@ class OffloadConfig:
                 self.tier_job_timeout_s)
         require(self.write_policy in get_args(WritePolicyName), f"{_WHERE}.write_policy",
                 f"must be one of {list(get_args(WritePolicyName))}", self.write_policy)
+        require(self.secret_file is None or (isinstance(self.secret_file, str)
+                                             and self.secret_file != ""),
+                f"{_WHERE}.secret_file", "must be a file path", self.secret_file)
 
     @classmethod
     def from_extra_config(cls, raw: Mapping[str, Any]) -> OffloadConfig:

@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvtier.offload.chunk_format import load_chunk_secret
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
 from kvtier.offload.host_area import HostArea, SlotId
@@ -85,10 +86,11 @@ class TieringManager:
         self.area = area
         self.host = HostCache(self.area, make_policy(config.eviction_policy, self.area.num_slots))
         self.metrics = OffloadMetrics(metrics_registry)
+        secret = load_chunk_secret(config.secret_file) if config.secondary_tiers else None
         self.tiers: list[SecondaryTier] = [
             create_tier(spec.type, spec.module_path, spec.options,
                         TierContext(spec.name, namespace, metrics_registry,
-                                    self.area.slot_bytes, description))
+                                    self.area.slot_bytes, description, secret))
             for spec in config.secondary_tiers]
         self.tier_names = [tier.context.name for tier in self.tiers]
         self._tier_write_back = [(spec.write_policy or config.write_policy) == "write_back"
@@ -185,10 +187,13 @@ class TieringManager:
 
     def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
         """A host slot to copy `key` into from the device, or None: already in host, not used
-        often enough yet, or no slot free of transfers."""
+        often enough yet, or no slot free of transfers (counted as a skipped store)."""
         if self._uses.get(key, 0) < self.config.store_threshold:
             return None
-        return self.host.prepare_store(key, num_bytes)
+        slot = self.host.prepare_store(key, num_bytes)
+        if slot is None and key not in self.host.entries:
+            self.metrics.skipped_store("no_host_slot")
+        return slot
 
     def complete_store(self, key: ChunkKey, ok: bool) -> None:
         """The device->host copy of `key` ended; on success, cascade it to the write_through
@@ -303,7 +308,9 @@ class TieringManager:
 
     def _finish(self, job: _TierJob, result: JobResult) -> None:
         name, ok = self.tier_names[job.tier], result.ok
-        if not ok and not job.expired:
+        if result.skipped is not None:
+            self.metrics.dropped_store(name, result.skipped)
+        elif not ok and not job.expired:
             self.metrics.error(name)
         ok = ok and not job.expired
         if job.kind == "promote":

@@ -54,7 +54,12 @@ class OffloadMetrics:
         self._dropped_stores = registry.counter(
             "kvtier:offload_tier_dropped_stores",
             "Chunks not stored on a secondary tier (reason backpressure: the tier had "
-            "max_pending_stores stores in flight)", ["tier", "reason"])
+            "max_pending_stores stores in flight; read_only: the tier's directory is "
+            "read-only)", ["tier", "reason"])
+        self._skipped_stores = registry.counter(
+            "kvtier:offload_skipped_stores",
+            "Chunks not copied from the device to host memory (reason no_host_slot: every host "
+            "slot was busy with a transfer)", ["reason"])
         self._errors = registry.counter("kvtier:offload_tier_errors",
                                         "Failed tier operations (I/O errors, corrupt data, "
                                         "deadlines, exceptions)", ["tier"])
@@ -93,6 +98,11 @@ class OffloadMetrics:
                     f'reason="{reason}"}}'] += 1
         if self._registry is not None:
             self._dropped_stores.labels(tier=tier, reason=reason).inc()
+
+    def skipped_store(self, reason: str) -> None:
+        self.values[f'kvtier:offload_skipped_stores_total{{reason="{reason}"}}'] += 1
+        if self._registry is not None:
+            self._skipped_stores.labels(reason=reason).inc()
 
     def transfer(self, direction: str, num_bytes: int, seconds: float,
                  ended: float | None = None) -> None:

@@ -83,7 +83,8 @@ def test_connector_options_parse_into_their_dataclass():
     options = parse_options(ExampleConnectorOptions, {"shared_storage_path": "/tmp/kv"}, "Ex")
     assert options == ExampleConnectorOptions(shared_storage_path="/tmp/kv", flush_timeout_s=30.0)
     with pytest.raises(ValueError, match=r"^Ex: unknown key 'path'; valid keys are "
-                                         r"\['flush_timeout_s', 'shared_storage_path'\]$"):
+                                         r"\['flush_timeout_s', 'secret_file', "
+                                         r"'shared_storage_path'\]$"):
         parse_options(ExampleConnectorOptions, {"path": "/tmp/kv"}, "Ex")
     with pytest.raises(ValueError, match="^Ex: missing required key 'shared_storage_path'$"):
         parse_options(ExampleConnectorOptions, {}, "Ex")

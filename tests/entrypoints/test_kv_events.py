@@ -38,6 +38,20 @@ def test_events_encode_in_vllm_layout():
     assert payload == [12.5, [["BlockRemoved", [2 ** 64 - 1], "GPU"], ["AllBlocksCleared"]], 0]
 
 
+def test_token_ids_can_be_left_out():
+    stored = BlockStored([HASH_A], None, [1, 2, 3, 4], 4, None, "device", 0)
+    low_a = int.from_bytes(HASH_A[-8:], "big")
+    assert encode_event(stored, include_token_ids=False) == ["BlockStored", [low_a], None, [],
+                                                             4, None, "GPU"]
+    payload = msgpack.unpackb(encode_batch(1.0, [stored], include_token_ids=False))
+    assert payload[1][0][3] == []
+    config = KVEventsConfig.from_json('{"enable_kv_cache_events": true, '
+                                      '"include_token_ids": false}')
+    assert config.include_token_ids is False and KVEventsConfig().include_token_ids is True
+    with pytest.raises(KVEventsConfigError, match="include_token_ids must be true or false"):
+        KVEventsConfig(include_token_ids="no")
+
+
 def test_config_defaults_and_errors():
     config = KVEventsConfig.from_json('{"enable_kv_cache_events": true, "topic": "t"}')
     assert (config.publisher, config.endpoint, config.is_publishing) == \
@@ -115,6 +129,25 @@ def test_an_unencodable_batch_is_dropped_and_later_ones_still_go_out():
         assert int.from_bytes(seq, "big") == 0
         assert msgpack.unpackb(payload)[1] == [["AllBlocksCleared"]]
         assert publisher.num_encode_errors == 1
+    finally:
+        sub.close(linger=0)
+        publisher.shutdown()
+
+
+def test_publisher_without_token_ids_sends_none():
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    publisher = make_event_publisher(KVEventsConfig.from_json(
+        f'{{"enable_kv_cache_events": true, "endpoint": "{endpoint}", '
+        f'"include_token_ids": false}}'))
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.RCVTIMEO, RECV_DEADLINE_MS)
+    sub.connect(endpoint)
+    try:
+        time.sleep(0.5)  # let the subscription reach the PUB socket
+        publisher.publish([BlockStored([HASH_A], None, [7, 8, 9, 10], 4, None, "device", 0)])
+        event = msgpack.unpackb(sub.recv_multipart()[2])[1][0]
+        assert event[0] == "BlockStored" and event[3] == []
     finally:
         sub.close(linger=0)
         publisher.shutdown()

@@ -17,6 +17,7 @@ from kvtier.models.tokenizer import Tokenizer
 
 from ..tiny_models import hf_greedy
 from .server_process import ServerProcess, free_port
+from .test_privacy import PROMPT, usages
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -130,6 +131,13 @@ def test_n_and_request_id_header(server):
     assert data["id"] == "cmpl-abc123"
     assert sorted(c["index"] for c in data["choices"]) == [0, 1, 2]
     assert data["usage"]["completion_tokens"] == 12
+
+
+def test_cached_tokens_are_not_reported_by_default(server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for usage in usages(server, MODEL, headers):
+        assert usage["prompt_tokens"] == len(PROMPT)
+        assert "prompt_tokens_details" not in usage
 
 
 def test_models_health_version(server, client):

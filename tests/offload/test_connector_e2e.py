@@ -68,7 +68,8 @@ def test_evicted_from_device_reloads_from_host(model):
         metrics = llm.get_metrics()
         assert tokens == expected[:1] and cached == [LOADABLE]
         assert _bytes(metrics, "host_to_device") == 7 * CHUNK_BYTES
-        assert _bytes(metrics, "device_to_host") == 4 * 7 * CHUNK_BYTES
+        # 8 blocks of each prompt: 7 of the prompt, the 8th filled by decoding (30 + 4 tokens).
+        assert _bytes(metrics, "device_to_host") == 4 * 8 * CHUNK_BYTES
         assert _tier(metrics, "hits", "host") >= 7
         llm.engine.check_invariants()
     finally:
@@ -211,14 +212,10 @@ def _wait_for_cascade(llm):
     assert llm.engine.scheduler.connector.flush(timeout_s=30), "cascade to the tiers hangs"
 
 
-@pytest.mark.parametrize("tier", [
-    {"type": "fs", "root_dir": "/sys/kvtier-read-only"},
-    {"type": "RaisingTier", "module_path": FAULTY_TIERS},
-])
-def test_broken_tier_costs_errors_not_output(model, tier):
+def test_broken_tier_costs_errors_not_output(model):
     model_dir, prompts, expected = model
-    if tier["type"] == "fs" and os.access("/sys", os.W_OK) and _sys_is_writable():
-        pytest.skip("/sys is writable here; no read-only file system to test against")
+    # (A read-only fs tier is no failure: its stores are skipped, tests/offload/test_fs_safety.py.)
+    tier = {"type": "RaisingTier", "module_path": FAULTY_TIERS}
     config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
         "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 16 * CHUNK_BYTES,
         "secondary_tiers": [tier]}}
@@ -239,15 +236,6 @@ def test_broken_tier_costs_errors_not_output(model, tier):
         assert _tier(metrics, "hits", tier["type"]) == 0
     finally:
         llm.engine.shutdown()
-
-
-def _sys_is_writable():
-    try:
-        os.makedirs("/sys/kvtier-read-only")
-    except OSError:
-        return False
-    os.rmdir("/sys/kvtier-read-only")
-    return True
 
 
 def test_sliding_window_group_reloads_only_its_window(tmp_path):

@@ -69,6 +69,20 @@ def test_chunks_under_cascade_are_not_evicted(make_manager):
     assert manager.prepare_store(key(2), CHUNK) == 0
 
 
+def test_store_without_a_free_host_slot_is_counted(make_manager):
+    manager = make_manager(offload_config(1))
+    manager.record_use(key(1))
+    manager.record_use(key(2))
+    assert manager.prepare_store(key(1), CHUNK) == 0  # the copy from the device is in flight
+    assert manager.prepare_store(key(1), CHUNK) is None  # on its way already: no skip
+    assert manager.prepare_store(key(2), CHUNK) is None
+    skipped = 'kvtier:offload_skipped_stores_total{reason="no_host_slot"}'
+    assert manager.metrics.snapshot()[skipped] == 1
+    manager.complete_store(key(1), ok=True)
+    assert manager.prepare_store(key(2), CHUNK) == 0
+    assert manager.metrics.snapshot()[skipped] == 1
+
+
 def test_store_threshold_waits_for_repeated_use(make_manager):
     manager = make_manager(offload_config(2, store_threshold=2))
     manager.record_use(key(1))

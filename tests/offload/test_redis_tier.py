@@ -50,9 +50,9 @@ def model(tmp_path_factory):
 def make_tier(prefix):
     tiers = []
 
-    def make(url, **options):
+    def make(url, secret=None, **options):
         tier = RedisTier(RedisTierOptions(url=url, key_prefix=prefix, **options),
-                         TierContext("redis", NAMESPACE))
+                         TierContext("redis", NAMESPACE, chunk_secret=secret))
         tiers.append(tier)
         return tier
 
@@ -119,6 +119,20 @@ def test_a_corrupt_value_fails_its_load_and_is_deleted(make_tier, server):
     assert not ok
     assert _raw(server, tier._name(key(3))) == (None, None)
     assert tier.lookup(key(3)) is not LookupResult.FOUND
+
+
+def test_with_a_secret_only_chunks_with_its_mac_load(make_tier, single):
+    secret = b"s" * 32
+    signed = make_tier(single.url, secret=secret)
+    assert tier_store(signed, 7)
+    assert tier_load(signed, 7)[0]  # written and read with the secret
+    unsigned = make_tier(single.url)
+    assert tier_store(unsigned, 8)  # written without the secret, under the same name
+    checking = make_tier(single.url, secret=secret)
+    assert not tier_load(checking, 8)[0]
+    other = make_tier(single.url, secret=b"t" * 32)
+    assert tier_store(other, 9)
+    assert not tier_load(checking, 9)[0]
 
 
 def test_a_paused_server_costs_misses_within_the_timeouts(make_tier, server):

@@ -4,8 +4,9 @@ Lookups walk a waiting request's chunks left to right from its local prefix hit:
 extend the answer, a chunk on its way up from a secondary tier makes the answer None (RETRY: the
 scheduler asks again next step; for at most `tier_job_timeout_s`, then the host's chunks are
 taken as they are), the first miss ends it. Stores are planned every step for the
-chunks that became full; the worker copies them after the forward and the cascade to secondary
-tiers starts when the copy is reported.
+chunks that became full, the prompt's and (unless `offload_prompt_only`) those decoding fills,
+which a conversation's next turn starts with; the worker copies them after the forward and the
+cascade to secondary tiers starts when the copy is reported.
 
 Hybrid models: a full-attention group needs every chunk of the hit, a sliding-window group only
 the chunks its window reaches at the end of the hit, a Mamba group only the last one; blocks the
@@ -55,6 +56,9 @@ class _RequestState:
     block_ids: list[list[int]] | None = None
     # Chunks before this one were already planned for storing.
     next_store_chunk: int = 0
+    # Chunks before this one were counted as used by this request (store_threshold): those
+    # whole at admission then, the ones decoding fills as they fill.
+    num_used_chunks: int = 0
     plan: _Plan | None = None
     # (group, chunk) pairs looked up: a request re-asks while they are promoted, and the tier
     # counters count each once.
@@ -166,10 +170,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         state.retrying_since = None  # admitted: a later ask (after a preemption) may wait
         block_ids = [list(ids) for ids in blocks.get_block_ids()]
         if state.block_ids is None:
-            num_chunks = len(request.block_hashes) // self.options.blocks_per_chunk
-            for chunk in range(num_chunks):
-                for g in range(len(self.groups)):
-                    self.manager.record_use(self.chunk_key(request, g, chunk))
+            self._record_uses(state, len(request.block_hashes) // self.options.blocks_per_chunk)
         state.block_ids = block_ids
         plan, state.plan = state.plan, None
         if plan is None or num_external_tokens == 0:
@@ -239,10 +240,19 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             num_tokens = min(num_tokens, request.num_prompt_tokens)
         num_blocks = min(len(request.block_hashes), num_tokens // self.block_size)
         num_chunks = num_blocks // self.options.blocks_per_chunk
+        # Without this, a chunk filled by decoding counts no use and never meets the threshold.
+        self._record_uses(state, num_chunks)
         for chunk in range(state.next_store_chunk, num_chunks):
             for g in range(len(self.groups)):
                 self._plan_store(request, g, chunk, state.block_ids[g], stores)
         state.next_store_chunk = max(state.next_store_chunk, num_chunks)
+
+    def _record_uses(self, state: _RequestState, num_chunks: int) -> None:
+        """Count this request's use of its chunks before `num_chunks` (each chunk once)."""
+        for chunk in range(state.num_used_chunks, num_chunks):
+            for g in range(len(self.groups)):
+                self.manager.record_use(self.chunk_key(state.request, g, chunk))
+        state.num_used_chunks = max(state.num_used_chunks, num_chunks)
 
     def _plan_store(self, request: Any, group_id: int, chunk: int, block_ids: list[int],
                     stores: list[ChunkTransfer]) -> None:

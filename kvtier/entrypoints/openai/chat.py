@@ -96,7 +96,7 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
             stop_reason=completion.stop_reason,
             token_ids=completion.token_ids if body.return_token_ids else None))
     num_completion = sum(len(c.token_ids) for c in final.outputs)
-    usage = usage_info(len(prompt.token_ids), num_completion, final.num_cached_tokens)
+    usage = usage_info(ctx, len(prompt.token_ids), num_completion, final.num_cached_tokens)
     return ChatCompletionResponse(
         id=response_id, model=ctx.model_name, choices=choices, usage=usage,
         prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
@@ -110,7 +110,8 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
     options = body.stream_options
 
     def usage() -> UsageInfo:
-        return usage_info(len(prompt.token_ids), tracker.num_completion_tokens, num_cached)
+        return usage_info(ctx, len(prompt.token_ids), tracker.num_completion_tokens,
+                          num_cached)
 
     try:
         async for output in outputs:

@@ -109,7 +109,7 @@ def _response(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt]
                 prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
                 token_ids=completion.token_ids if body.return_token_ids else None))
     num_completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
-    usage = usage_info(sum(len(p.token_ids) for p in prompts), num_completion,
+    usage = usage_info(ctx, sum(len(p.token_ids) for p in prompts), num_completion,
                        sum(f.num_cached_tokens for f in finals))
     return CompletionResponse(id=response_id, model=ctx.model_name, choices=choices,
                               usage=usage, kv_transfer_params=finals[0].kv_transfer_params)
@@ -123,7 +123,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Pro
     options = body.stream_options
 
     def usage() -> UsageInfo:
-        return usage_info(num_prompt, sum(t.num_completion_tokens for t in trackers),
+        return usage_info(ctx, num_prompt, sum(t.num_completion_tokens for t in trackers),
                           sum(num_cached))
 
     try:

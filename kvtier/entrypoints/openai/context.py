@@ -51,6 +51,8 @@ class ServerContext:
     model_path: str | None
     api_key: str | None
     metrics: ServerMetrics
+    # Report usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details).
+    enable_prompt_tokens_details: bool = False
     # The tokenizer is safe to share with these threads: encoding and decoding never change it.
     tokenize_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_TOKENIZE_THREADS, thread_name_prefix="kvtier-tokenize"))

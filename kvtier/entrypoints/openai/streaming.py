@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
@@ -15,6 +16,9 @@ from kvtier.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+
+if TYPE_CHECKING:
+    from kvtier.entrypoints.openai.context import ServerContext
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -74,7 +78,11 @@ class DeltaTracker:
         return sum(num_tokens for _, num_tokens, _ in self._sent.values())
 
 
-def usage_info(num_prompt: int, num_completion: int, num_cached: int) -> UsageInfo:
+def usage_info(ctx: ServerContext, num_prompt: int, num_completion: int,
+               num_cached: int) -> UsageInfo:
+    """The usage block; the cached token count only with --enable-prompt-tokens-details (it
+    tells a client how much of its prompt another request had sent before)."""
+    details = PromptTokensDetails(cached_tokens=num_cached) \
+        if ctx.enable_prompt_tokens_details else None
     return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_completion,
-                     total_tokens=num_prompt + num_completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached))
+                     total_tokens=num_prompt + num_completion, prompt_tokens_details=details)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvtier.offload.keys import ChunkKey
@@ -45,6 +45,9 @@ class JobResult:
     # Seconds the I/O itself took, if the tier measured it (throughput metrics); None: the
     # manager uses submit-to-report time, which includes queueing.
     seconds: float | None = None
+    # Why a store was not attempted (e.g. "read_only"): counted as a dropped store, not as an
+    # error; None otherwise. Such a result has ok=False.
+    skipped: str | None = None
     # time.monotonic() when that I/O ended, so that jobs running at the same time count their
     # shared seconds once in the busy time; None: when the manager collects the result.
     ended: float | None = None
@@ -65,6 +68,9 @@ class TierContext:
     # What the namespace digest covers (model, weights digest, dtype, ...), for a tier that
     # keeps files to write beside them for operators; None: nothing to write.
     description: Mapping[str, Any] | None = None
+    # The shared secret chunks written outside the process are authenticated with
+    # (offload/chunk_format.py); None: checksums only.
+    chunk_secret: bytes | None = field(default=None, repr=False)
 
 
 class SecondaryTier(ABC):
@@ -74,7 +80,8 @@ class SecondaryTier(ABC):
     * `submit_store` / `submit_load` queue the job and return; they may raise only for a
       programming error (the manager turns any exception into a failed job).
     * every submitted job is reported exactly once by `get_finished_jobs`, `ok=False` for a
-      failure of any kind (missing, corrupt, full, read-only, I/O error). A load that reports
+      failure of any kind (missing, corrupt, full, I/O error); a store the tier does not try
+      (read-only) reports `skipped`. A load that reports
       ok=True must have written exactly the bytes that a store of the same key read.
     * the tier must not touch a job's buffer after reporting the job.
     """

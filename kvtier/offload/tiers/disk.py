@@ -11,22 +11,31 @@ saying what the namespace covers (for operators):
 
     file header (4 KiB): magic b"KVTD", format version u16, flags u16 (0), slot stride u64
     slot i at 4 KiB + i * stride:
-        slot header (4 KiB): the chunk header and key of offload/chunk_format.py (magic, version,
-            key and payload lengths, xxh3-128 of the payload) at its start, the store sequence
-            number (u64) in its last 8 bytes
+        slot header (4 KiB): the chunk header, key and MAC (with a chunk secret) of
+            offload/chunk_format.py at its start, the store sequence number (u64) in its last
+            8 bytes
         payload: the chunk in the standard host layout
 
 The index (key -> slot, least recently used first) is kept in memory and rebuilt at start-up
-from the slot headers, in store order, so the cache survives restarts. A slot whose header, key,
-length or checksum does not match is a miss, never data: a store torn by a crash fails its
-checksum at load and the slot is reused. A file of another stride is started afresh.
+from the slot headers, in store order, so the cache survives restarts; a slot whose header was
+written but is damaged (or, with a chunk secret, carries no MAC) is left out, logged and counted
+as a tier error. A slot whose header, key, length, checksum or MAC does not match is a miss,
+never data: a store torn by a crash fails its checksum at load and the slot is reused. A file of
+another stride is started afresh.
+
+The root directory is resolved once at start-up (a symlink to a real directory is normal) and
+the slot file is opened without following a symlink: one planted in its place is refused, never
+truncated or grown. The file is created 0600 in a 0700 directory.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
+import logging
 import os
+import stat
 import struct
 import threading
 from collections import OrderedDict
@@ -39,6 +48,7 @@ from kvtier.common.sizes import parse_size
 from kvtier.offload.chunk_format import (
     FORMAT_NAME,
     HEADER_BYTES,
+    MAC_BYTES,
     ChunkFormatError,
     check_header,
     check_payload,
@@ -47,8 +57,11 @@ from kvtier.offload.chunk_format import (
     write_description,
 )
 from kvtier.offload.keys import ChunkKey
+from kvtier.offload.safe_dir import DIR_MODE, FILE_MODE
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
+
+logger = logging.getLogger(__name__)
 
 FILE_MAGIC = b"KVTD"
 FORMAT_VERSION = 2
@@ -56,7 +69,7 @@ _FILE_HEADER = struct.Struct("<4sHHQ")
 _SEQUENCE = struct.Struct("<Q")
 _PAGE = 4096  # the file header and each slot header take one page; payloads start page-aligned
 _SEQUENCE_AT = _PAGE - _SEQUENCE.size
-_MAX_KEY_BYTES = _SEQUENCE_AT - HEADER_BYTES
+_MAX_KEY_BYTES = _SEQUENCE_AT - HEADER_BYTES - MAC_BYTES
 _SUFFIX = ".kvslots"
 
 
@@ -101,22 +114,26 @@ class DiskTier(ThreadedTier):
         if self.num_slots < 1:
             raise ValueError(f"disk.max_bytes={options.max_bytes} holds no chunk; it must be at "
                              f"least {_PAGE + self.stride} bytes (one {self.stride}-byte slot)")
-        self.path = os.path.join(options.root_dir, context.namespace.hex() + _SUFFIX)
+        self.root = os.path.realpath(options.root_dir)
+        self.path = os.path.join(self.root, context.namespace.hex() + _SUFFIX)
+        self._secret = context.chunk_secret
         try:
-            os.makedirs(options.root_dir, exist_ok=True)
+            os.makedirs(self.root, DIR_MODE, exist_ok=True)
         except OSError as exc:
             raise DiskTierSetupError(f"cannot create the disk tier's directory "
-                                     f"{options.root_dir}: {exc.strerror}; choose a writable "
+                                     f"{self.root}: {exc.strerror}; choose a writable "
                                      f"directory") from exc
         self._fd = _open_locked(self.path)
         try:
             self._prepare_file()
-            entries = self._read_slot_headers(context.namespace)
+            entries, num_damaged = self._read_slot_headers(context.namespace)
         except BaseException:
             os.close(self._fd)
             raise
+        if num_damaged:
+            _report_damaged(context, self.path, num_damaged)
         if context.description is not None:
-            write_description(options.root_dir, context.namespace,
+            write_description(self.root, context.namespace,
                               {**context.description, "format": f"KVTD/{FORMAT_VERSION} slots of "
                                                                  f"{FORMAT_NAME} chunks"})
         super().__init__(options, context)
@@ -166,7 +183,7 @@ class DiskTier(ThreadedTier):
             sequence = next(self._sequence)
         try:
             header = bytearray(_PAGE)
-            chunk_header = encode_header(job.key, job.buffer)
+            chunk_header = encode_header(job.key, job.buffer, self._secret)
             header[:len(chunk_header)] = chunk_header
             _SEQUENCE.pack_into(header, _SEQUENCE_AT, sequence)
             _pwrite_all(self._fd, [header, job.buffer], self._offset(slot))
@@ -192,7 +209,7 @@ class DiskTier(ThreadedTier):
         try:
             header = bytearray(_PAGE)
             _pread_all(self._fd, [header, job.buffer], self._offset(slot))
-            problem = _slot_problem(header, job.key, job.buffer)
+            problem = _slot_problem(header, job.key, job.buffer, self._secret)
         finally:
             with self._lock:
                 if problem is not None and self._index.get(job.key) == slot:
@@ -244,35 +261,58 @@ class DiskTier(ThreadedTier):
                                      f"{self.path}: {exc.strerror}; lower its size or free "
                                      f"space") from exc
 
-    def _read_slot_headers(self, namespace: bytes) -> list[tuple[int, ChunkKey, int]]:
-        """(sequence, key, slot) of every slot whose header is whole and of this namespace."""
+    def _read_slot_headers(self, namespace: bytes) -> tuple[list[tuple[int, ChunkKey, int]],
+                                                            int]:
+        """(sequence, key, slot) of every slot whose header is whole and of this namespace, and
+        the number of written slots whose header is not (never-written slots are zeros)."""
         entries: dict[ChunkKey, tuple[int, ChunkKey, int]] = {}
+        num_damaged = 0
         for slot in range(self.num_slots):
             header = os.pread(self._fd, _PAGE, self._offset(slot))
-            if len(header) < _PAGE:
+            if len(header) < _PAGE or not any(header):
                 continue
-            try:
-                chunk = decode_header(header)
-            except ChunkFormatError:
-                continue  # never written, or not whole
-            if chunk.key_bytes > _MAX_KEY_BYTES or chunk.payload_bytes > self.stride - _PAGE:
-                continue
-            key = ChunkKey(header[HEADER_BYTES:HEADER_BYTES + chunk.key_bytes])
-            if not key.startswith(namespace):
+            key = self._key_of(header, namespace)
+            if key is None:
+                num_damaged += 1
                 continue
             (sequence,) = _SEQUENCE.unpack_from(header, _SEQUENCE_AT)
             if key not in entries or entries[key][0] < sequence:
                 entries[key] = (sequence, key, slot)
-        return list(entries.values())
+        return list(entries.values()), num_damaged
+
+    def _key_of(self, header: bytes, namespace: bytes) -> ChunkKey | None:
+        """The key a slot header names, or None if the header is not a whole one of this
+        namespace (with a chunk secret: of a chunk with a MAC)."""
+        try:
+            chunk = decode_header(header)
+        except ChunkFormatError:
+            return None
+        if chunk.key_bytes > _MAX_KEY_BYTES or chunk.payload_bytes > self.stride - _PAGE:
+            return None
+        if self._secret is not None and not chunk.mac_bytes:
+            return None
+        key = ChunkKey(header[HEADER_BYTES:HEADER_BYTES + chunk.key_bytes])
+        return key if key.startswith(namespace) else None
 
 
-def _slot_problem(header: bytearray, key: ChunkKey, payload: memoryview) -> str | None:
+def _report_damaged(context: TierContext, path: str, num_damaged: int) -> None:
+    """Log the slots left out of the index at start-up and count them as tier errors."""
+    logger.warning("disk tier %s: %d slot header(s) in %s are damaged (or carry no MAC under "
+                   "a chunk secret); those slots are reused", context.name, num_damaged, path)
+    if context.metrics is not None:
+        context.metrics.counter("kvtier:offload_tier_errors", "Failed tier operations",
+                                ["tier"]).labels(tier=context.name).inc(num_damaged)
+
+
+def _slot_problem(header: bytearray, key: ChunkKey, payload: memoryview,
+                  secret: bytes | None) -> str | None:
     """Why the slot just read is not `key`'s chunk, or None when it is."""
     try:
         chunk = decode_header(header)
-        stored_key = bytes(header[HEADER_BYTES:HEADER_BYTES + chunk.key_bytes])
-        check_header(chunk, stored_key, key, len(payload))
-        check_payload(chunk, payload)
+        key_end = HEADER_BYTES + chunk.key_bytes
+        check_header(chunk, bytes(header[HEADER_BYTES:key_end]), key, len(payload), secret)
+        check_payload(chunk, payload, secret, bytes(header[:key_end]),
+                      bytes(header[key_end:key_end + chunk.mac_bytes]))
     except ChunkFormatError as exc:
         return str(exc)
     return None
@@ -280,10 +320,17 @@ def _slot_problem(header: bytearray, key: ChunkKey, payload: memoryview) -> str 
 
 def _open_locked(path: str) -> int:
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DiskTierSetupError(f"the disk tier's file {path} is a symlink; refused (it "
+                                     f"would write wherever it points): remove it") from None
         raise DiskTierSetupError(f"cannot open the disk tier's file {path}: {exc.strerror}; "
                                  f"choose a writable directory") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DiskTierSetupError(f"the disk tier's file {path} is not a regular file; remove "
+                                 f"it")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -9,12 +9,24 @@ of one chunk (threads or processes) simply race to rename identical bytes. Looku
 on the caller's thread; reads and writes run on the thread pools of `ThreadedTier`. The byte
 budget is kept by deleting the least recently used files (mtime, which loads bump), scanned on
 the write pool. One instance's private overflow is cheaper in the disk tier (tiers/disk.py).
+
+The directory may be shared with others. The root is resolved once at start-up (a root that is
+a symlink to a real directory is normal); below it nothing is read, written or deleted through a
+symlink (offload/safe_dir.py). A read-only directory (a read-only mount, or one this user may
+not write) is a read-only tier: lookups and loads work, stores are skipped and counted. A full
+disk evicts the namespace's least recently used tenth and the store is tried once more.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
+import stat
 import threading
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -30,13 +42,33 @@ from kvtier.offload.chunk_format import (
     write_description,
 )
 from kvtier.offload.keys import ChunkKey, key_digest
+from kvtier.offload.safe_dir import (
+    DIR_MODE,
+    SymlinkRefusedError,
+    is_regular_file,
+    open_file,
+    opened_dir,
+    unlink_quietly,
+    write_atomically,
+)
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
-from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
+from kvtier.offload.tiers.threaded import StoreSkipped, ThreadedTier, check_thread_options
+
+logger = logging.getLogger(__name__)
 
 _SUFFIX = ".kvc"
-# After an eviction pass the directory is brought down to this share of the budget, so that
-# passes (a directory scan each) are rare.
+# After an eviction pass the directory is brought down to this share of the budget (or, on a
+# full disk, of what it holds), so that passes (a directory scan each) are rare.
 _EVICT_TO = 0.9
+# A write that fails with one of these means the directory is read-only for this process.
+_READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# A full disk is logged at most this often.
+_FULL_LOG_INTERVAL_S = 60.0
+
+
+class FsTierSetupError(ValueError):
+    """The fs tier's directory cannot be used (the message says why and what to do)."""
 
 
 @dataclass(frozen=True)
@@ -63,19 +95,60 @@ class FsTier(ThreadedTier):
 
     def __init__(self, options: FsTierOptions, context: TierContext) -> None:
         super().__init__(options, context)
-        self.directory = os.path.join(options.root_dir, context.namespace.hex())
+        self.root = os.path.realpath(options.root_dir)
+        self.directory = os.path.join(self.root, context.namespace.hex())
+        self._secret = context.chunk_secret
         self._evict_lock = threading.Lock()
         self._described = False
-        # Bytes this instance believes are in the directory; None until the first scan.
-        self._used_bytes: int | None = None
+        self.read_only = self._open_directory()
+        self._last_full_log: float | None = None
+        self._warned_symlink = False
+        # Bytes in the namespace's directory (all instances'), from the start-up scan on.
+        self._used_bytes = 0
+        self._scanned = threading.Event()
         labels = {"tier": context.name}
         metrics = context.metrics
         self._used_gauge = None if metrics is None else metrics.gauge(
             "kvtier:offload_fs_used_bytes", "Bytes of chunk files in the fs tier's directory",
             ["tier"]).labels(**labels)
         self._evictions = None if metrics is None else metrics.counter(
-            "kvtier:offload_fs_evictions", "Chunk files deleted to keep the fs byte budget",
-            ["tier"]).labels(**labels)
+            "kvtier:offload_fs_evictions", "Chunk files deleted to keep the fs byte budget or "
+            "to make room on a full disk", ["tier"]).labels(**labels)
+        # The first job of the write pool: the gauge shows what the directory holds from
+        # start-up, without a scan of a large directory delaying it.
+        self._writers.submit(self._count_used)
+
+    def _open_directory(self) -> bool:
+        """Create the root and namespace directories (0700) unless read-only; True if the
+        directory is read-only for this process. A symlinked namespace directory is refused."""
+        try:
+            os.makedirs(self.root, DIR_MODE, exist_ok=True)
+        except OSError as exc:
+            if not os.path.isdir(self.root):
+                raise FsTierSetupError(f"cannot create the fs tier's directory {self.root}: "
+                                       f"{exc.strerror}; choose a directory this user can "
+                                       f"create or read") from exc
+        read_only = bool(os.statvfs(self.root).f_flag & os.ST_RDONLY) or \
+            not os.access(self.root, os.W_OK | os.X_OK)
+        try:
+            with opened_dir(self.root) as root_fd, \
+                    opened_dir(os.path.basename(self.directory), root_fd, create=not read_only):
+                pass
+        except SymlinkRefusedError as exc:
+            raise FsTierSetupError(f"the fs tier's namespace directory {self.directory} is a "
+                                   f"symlink or not a directory; remove it (the tier never "
+                                   f"writes through a symlink)") from exc
+        except FileNotFoundError:
+            pass  # read-only and empty: every lookup misses
+        except OSError as exc:
+            if exc.errno not in _READ_ONLY_ERRNOS:
+                raise FsTierSetupError(f"cannot open the fs tier's directory {self.directory}: "
+                                       f"{exc.strerror}") from exc
+            read_only = True
+        if read_only:
+            logger.warning("fs tier %s: %s is read-only; its chunks are loaded, stores are "
+                           "skipped", self.context.name, self.root)
+        return read_only
 
     def path_for(self, key: ChunkKey) -> str:
         digest = key_digest(key)
@@ -83,91 +156,163 @@ class FsTier(ThreadedTier):
 
     def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
         # Existence only: a damaged file fails its load (a counted error) and is dropped then.
-        if os.path.exists(self.path_for(key)):
-            return LookupResult.FOUND
-        return LookupResult.NOT_FOUND
+        try:
+            found = stat.S_ISREG(os.stat(self.path_for(key), follow_symlinks=False).st_mode)
+        except OSError:
+            found = False
+        return LookupResult.FOUND if found else LookupResult.NOT_FOUND
+
+    @contextlib.contextmanager
+    def _subdir(self, name: str, create: bool = False) -> Iterator[int]:
+        """A descriptor of the namespace's subdirectory `name`, opened without following a
+        symlink at either level."""
+        with opened_dir(self.directory) as ns_fd, opened_dir(name, ns_fd, create) as fd:
+            yield fd
 
     def _store(self, job: TransferJob) -> None:
-        path = self.path_for(job.key)
-        if os.path.exists(path):
-            os.utime(path)  # content-addressed: the same bytes are there already
-            return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        if not self._described and self.context.description is not None:
-            write_description(self.directory, self.context.namespace,
-                              {**self.context.description, "format": FORMAT_NAME})
-            self._described = True  # racing write threads both write the same file: harmless
-        tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+        if self.read_only:
+            raise StoreSkipped("read_only")
+        # A file written before the start-up scan ends would be counted twice.
+        if not self._scanned.wait(max(0.0, job.deadline - time.monotonic())):
+            raise TimeoutError(f"the start-up scan of {self.directory} has not ended")
         try:
-            with open(tmp, "wb") as f:
-                write_chunk(f, job.key, job.buffer)
-            os.replace(tmp, path)
-        except BaseException:
-            _unlink_quietly(tmp)
-            raise
-        self._account(file_size(job.key, len(job.buffer)))
+            added = self._write(job)
+        except OSError as exc:
+            if exc.errno in _READ_ONLY_ERRNOS:
+                self._become_read_only(exc)
+                raise StoreSkipped("read_only") from exc
+            if exc.errno not in _FULL_ERRNOS:
+                raise
+            self._make_room(exc)
+            added = self._write(job)  # once: a second failure fails the job
+        self._account(added)
+
+    def _write(self, job: TransferJob) -> int:
+        """Write the job's chunk file; the bytes it added (0: the same chunk was there)."""
+        digest = key_digest(job.key)
+        name = digest + _SUFFIX
+        with self._subdir(digest[:2], create=True) as dir_fd:
+            if is_regular_file(name, dir_fd):
+                # Content-addressed: the same bytes are there already; mark them used.
+                with contextlib.suppress(OSError):
+                    os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
+                return 0
+            if not self._described and self.context.description is not None:
+                write_description(self.directory, self.context.namespace,
+                                  {**self.context.description, "format": FORMAT_NAME})
+                self._described = True  # racing write threads write the same file: harmless
+            write_atomically(name, dir_fd,
+                             lambda f: write_chunk(f, job.key, job.buffer, self._secret))
+        return file_size(job.key, len(job.buffer), self._secret)
 
     def _load(self, job: TransferJob) -> None:
-        path = self.path_for(job.key)
-        with open(path, "rb") as f:
+        digest = key_digest(job.key)
+        name = digest + _SUFFIX
+        with self._subdir(digest[:2]) as dir_fd, \
+                os.fdopen(open_file(name, dir_fd, os.O_RDONLY), "rb") as f:
             try:
-                read_chunk_into(f, job.key, job.buffer)
+                read_chunk_into(f, job.key, job.buffer, self._secret)
             except ChunkFormatError:
-                drop_bad_file(f, path)
+                drop_bad_file(f, name, dir_fd)
                 raise
-        os.utime(path)  # the access time the budget's LRU eviction goes by
+            # The access time the budget's LRU eviction goes by; a read-only directory keeps
+            # the old one.
+            with contextlib.suppress(OSError):
+                os.utime(f.fileno())
+
+    def _become_read_only(self, exc: OSError) -> None:
+        if not self.read_only:
+            self.read_only = True
+            logger.warning("fs tier %s: a write in %s failed (%s); the tier is read-only from "
+                           "now on: its chunks are loaded, stores are skipped",
+                           self.context.name, self.directory, exc.strerror)
+
+    def _make_room(self, exc: OSError) -> None:
+        """The disk is full: delete the least recently used tenth of the namespace's files."""
+        now = time.monotonic()
+        if self._last_full_log is None or now - self._last_full_log > _FULL_LOG_INTERVAL_S:
+            self._last_full_log = now
+            logger.warning("fs tier %s: %s (%s); evicting this namespace's least recently used "
+                           "chunks (set a byte budget, fs=DIR:SIZE, to keep below it)",
+                           self.context.name, exc.strerror, self.directory)
+        with self._evict_lock:
+            files = self._scan()
+            used = sum(size for _, _, size, _ in files)
+            self._used_bytes = self._evict_down_to(files, int(used * _EVICT_TO))
+            self._set_gauge()
+
+    def _count_used(self) -> None:
+        with self._evict_lock:
+            self._used_bytes = sum(size for _, _, size, _ in self._scan())
+        self._scanned.set()
+        self._account(0)
 
     def _account(self, added: int) -> None:
         budget = self.options.max_bytes
         with self._evict_lock:
-            if self._used_bytes is None:
-                self._used_bytes = sum(size for _, size, _ in self._scan())
-            else:
-                self._used_bytes += added
+            self._used_bytes += added
             if budget is not None and self._used_bytes > budget:
-                self._used_bytes = self._evict_down_to(int(budget * _EVICT_TO))
-            if self._used_gauge is not None:
-                self._used_gauge.set(self._used_bytes)
+                self._used_bytes = self._evict_down_to(self._scan(), int(budget * _EVICT_TO))
+            self._set_gauge()
 
-    def _evict_down_to(self, target: int) -> int:
-        files = sorted(self._scan(), key=lambda entry: entry[2])  # oldest access first
-        used = sum(size for _, size, _ in files)
-        for path, size, _ in files:
+    def _set_gauge(self) -> None:
+        if self._used_gauge is not None:
+            self._used_gauge.set(self._used_bytes)
+
+    def _evict_down_to(self, files: list[tuple[str, str, int, float]], target: int) -> int:
+        files = sorted(files, key=lambda entry: entry[3])  # oldest access first
+        used = sum(size for _, _, size, _ in files)
+        for sub, name, size, _ in files:
             if used <= target:
                 break
-            if _unlink_quietly(path):
+            if self._delete(sub, name):
                 used -= size
                 if self._evictions is not None:
                     self._evictions.inc()
         return used
 
-    def _scan(self) -> list[tuple[str, int, float]]:
-        """(path, size, mtime) of every chunk file of this namespace, across all instances."""
+    def _delete(self, sub: str, name: str) -> bool:
+        try:
+            with self._subdir(sub) as dir_fd:
+                return unlink_quietly(name, dir_fd)
+        except OSError:
+            return False
+
+    def _scan(self) -> list[tuple[str, str, int, float]]:
+        """(subdirectory, name, size, mtime) of every chunk file of this namespace, across all
+        instances; symlinked subdirectories are left out (and logged once)."""
         found = []
-        for sub in _listdir(self.directory):
-            subdir = os.path.join(self.directory, sub)
-            for name in _listdir(subdir):
-                if not name.endswith(_SUFFIX):
-                    continue
-                path = os.path.join(subdir, name)
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue  # deleted by another instance meanwhile
-                found.append((path, st.st_size, st.st_mtime))
+        try:
+            with opened_dir(self.directory) as ns_fd:
+                for sub in os.scandir(ns_fd):
+                    if sub.is_symlink():
+                        self._warn_symlink(sub.name)
+                    elif sub.is_dir(follow_symlinks=False):
+                        found += self._scan_subdir(ns_fd, sub.name)
+        except OSError:
+            pass  # no directory yet (read-only), or it was removed meanwhile
         return found
 
+    def _scan_subdir(self, ns_fd: int, sub: str) -> list[tuple[str, str, int, float]]:
+        found = []
+        try:
+            with opened_dir(sub, ns_fd) as fd:
+                for entry in os.scandir(fd):
+                    if not entry.name.endswith(_SUFFIX):
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # deleted by another instance meanwhile
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((sub, entry.name, st.st_size, st.st_mtime))
+        except OSError:
+            pass  # replaced or removed meanwhile
+        return found
 
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def _unlink_quietly(path: str) -> bool:
-    try:
-        os.unlink(path)
-        return True
-    except OSError:
-        return False
+    def _warn_symlink(self, name: str) -> None:
+        if not self._warned_symlink:
+            self._warned_symlink = True
+            logger.warning("fs tier %s: %s in %s is a symlink; the tier never reads, writes or "
+                           "deletes through it (remove it)", self.context.name, name,
+                           self.directory)

@@ -66,9 +66,10 @@ def check_remote_options(options: Any, where: str) -> None:
             "must be an integer >= 1", options.max_pending_checks)
 
 
-def encode_chunk(key: ChunkKey, payload: memoryview) -> bytes:
+def encode_chunk(key: ChunkKey, payload: memoryview, secret: bytes | None = None) -> bytes:
+    """The chunk's stored value: header, key, MAC with `secret`, payload."""
     out = io.BytesIO()
-    write_chunk(out, key, payload)
+    write_chunk(out, key, payload, secret)
     return out.getvalue()
 
 
@@ -174,7 +175,8 @@ class RemoteTier(ThreadedTier):
 
     def _store(self, job: TransferJob) -> None:
         self._check_up()
-        self._call("put", self._put, job.key, encode_chunk(job.key, job.buffer))
+        self._call("put", self._put, job.key,
+                   encode_chunk(job.key, job.buffer, self.context.chunk_secret))
         with self._lock:
             self._remember(job.key)
 
@@ -182,7 +184,7 @@ class RemoteTier(ThreadedTier):
         self._check_up()
         try:
             data = self._call("get", self._get, self._name(job.key))
-            read_chunk_into(io.BytesIO(data), job.key, job.buffer)
+            read_chunk_into(io.BytesIO(data), job.key, job.buffer, self.context.chunk_secret)
         except MissingChunk:
             self._forget(job.key)
             raise

@@ -37,6 +37,9 @@ def check_thread_options(options: Any, where: str) -> None:
             f"{where}.write_nice", "must be an integer in 0..19", nice)
 
 
+class StoreSkipped(Exception):
+    """Raised by `_store` for a store not attempted (the args[0] reason, e.g. "read_only")."""
+
 
 class ThreadedTier(SecondaryTier):
     def __init__(self, options: Any, context: TierContext) -> None:
@@ -90,6 +93,8 @@ class ThreadedTier(SecondaryTier):
         start = time.monotonic()
         try:
             action(job)
+        except StoreSkipped as skipped:
+            self._finished.put(JobResult(job.job_id, ok=False, skipped=skipped.args[0]))
         except Exception as exc:  # any tier failure is a failed job, never a lost one
             self._finished.put(JobResult(job.job_id, ok=False, error=f"{type(exc).__name__}: "
                                                                      f"{exc}"))
