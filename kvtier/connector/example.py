@@ -64,7 +64,6 @@ from kvtier.offload.safe_dir import open_file, opened_dir, write_atomically
 
 if TYPE_CHECKING:
     from kvtier.kv import KVCacheBlocks, Request
-    from kvtier.sched.output import SchedulerOutput
 
 # Seconds shutdown gives a load in flight (loads are not waited for: no one needs them then).
 _LOAD_GRACE_S = 0.5
@@ -173,7 +172,7 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
         if num_external_tokens > 0:
             self._pending_loads[request.request_id] = num_external_tokens // self.context.block_size
 
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ExampleConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: Any) -> ExampleConnectorMetadata:
         meta = ExampleConnectorMetadata(loads=self._take_loads())
         for new_req in scheduler_output.scheduled_new_reqs:
             self._block_ids[new_req.req_id] = list(new_req.block_ids[0])
@@ -194,7 +193,7 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
         self._pending_loads.clear()
         return loads
 
-    def _collect_saves(self, scheduler_output: SchedulerOutput) -> list[BlockTransfer]:
+    def _collect_saves(self, scheduler_output: Any) -> list[BlockTransfer]:
         saves: dict[bytes, BlockTransfer] = {}
         for data in [*scheduler_output.scheduled_new_reqs,
                      *scheduler_output.scheduled_cached_reqs]:

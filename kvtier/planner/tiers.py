@@ -13,7 +13,6 @@ before it is loaded. Transfers are instantaneous here; their time is the cost mo
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -22,10 +21,9 @@ from kvtier.offload.config import OffloadConfig, TierSpec
 from kvtier.offload.host_area import SlotId
 from kvtier.offload.host_cache import HostCache
 from kvtier.offload.policies import make_policy
+from kvtier.offload.tiers.disk import FILE_HEADER_BYTES, slot_stride
 
 HOST = "host"
-# The disk tier's slot stride: a page of header, then the chunk rounded up to whole pages.
-_PAGE = 4096
 
 
 class SlotCount:
@@ -70,16 +68,14 @@ class SimulatedOffload:
         if max_bytes is None:
             return SimTier(spec.name, spec.type, None, None, write_back, spec.admit_after_hits)
         # The disk tier's file starts with a page of header, then its slots.
-        budget = max_bytes - _PAGE if spec.type == "disk" else max_bytes
+        budget = max_bytes - FILE_HEADER_BYTES if spec.type == "disk" else max_bytes
         tier = _tier(spec.name, spec.type, budget, self._slot_bytes(spec.type), "lru",
                      self.chunk_bytes)
         tier.write_back, tier.admit_after_hits = write_back, spec.admit_after_hits
         return tier
 
     def _slot_bytes(self, kind: str) -> int:
-        if kind == "disk":
-            return _PAGE + math.ceil(self.chunk_bytes / _PAGE) * _PAGE
-        return self.chunk_bytes
+        return slot_stride(self.chunk_bytes) if kind == "disk" else self.chunk_bytes
 
     @property
     def all_tiers(self) -> list[SimTier]:

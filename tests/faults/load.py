@@ -12,7 +12,7 @@ import httpx
 
 from kvtier.entrypoints.bench.metrics_scrape import parse_samples
 
-REQUEST_TIMEOUT_S = 120.0
+REQUEST_TIMEOUT_S = float(__import__("os").environ.get("KVTIER_LOAD_TIMEOUT_S", "120"))
 # How long the server may take to settle (every request finished, every block freed).
 SETTLE_DEADLINE_S = 60.0
 

@@ -16,6 +16,9 @@ from ..tiny_models import hf_greedy, make_hf_model, random_prompts
 PROMPT_LEN = 30  # 7 loadable blocks of 4 (the last token is always recomputed)
 LOADABLE = 28
 CHUNKS_PER_PROMPT = 7
+# Stored per prompt: every full block with computed KV, decode blocks included (30 + 5 tokens
+# generated, the last not yet computed: 34 tokens, 8 blocks).
+STORED_CHUNKS_PER_PROMPT = 8
 CHUNK_BYTES = 2 * 2 * 4 * 2 * 16 * 4  # layers * (K, V) * block * kv heads * head dim * fp32
 MAX_TOKENS = 5
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -72,7 +75,7 @@ def second_instance_gets_hits(model, flag, tier, name):
                 kv_offload=f"host={16 * CHUNK_BYTES},{flag}")
     try:
         serve_one_by_one(first, prompts[:4], expected[:4])
-        assert bytes_moved(first, f"host_to_{name}") == 4 * CHUNKS_PER_PROMPT * CHUNK_BYTES
+        assert bytes_moved(first, f"host_to_{name}") == 4 * STORED_CHUNKS_PER_PROMPT * CHUNK_BYTES
     finally:
         first.engine.shutdown()
     second = make_llm(model_dir, tier, host_chunks=64)  # room for all four prompts' chunks
@@ -140,7 +143,7 @@ def corrupt_values_recompute(model, tier, name, corrupt):
     finally:
         first.engine.shutdown()
     names = corrupt()
-    assert len(names) == CHUNKS_PER_PROMPT
+    assert len(names) == STORED_CHUNKS_PER_PROMPT
     second = make_llm(model_dir, tier)
     try:
         assert generate(second, prompts[:1]) == (expected[:1], [0])

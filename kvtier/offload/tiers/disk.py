@@ -103,14 +103,23 @@ class DiskTierOptions:
         check_thread_options(self, "disk")
 
 
+# The file's own header; the slots follow it.
+FILE_HEADER_BYTES = _PAGE
+
+
+def slot_stride(max_chunk_bytes: int) -> int:
+    """Bytes one slot takes in the file: a header page, then the chunk in whole pages."""
+    return _PAGE + _round_up(max_chunk_bytes, _PAGE)
+
+
 class DiskTier(ThreadedTier):
     options_cls: ClassVar[type] = DiskTierOptions
 
     def __init__(self, options: DiskTierOptions, context: TierContext) -> None:
         if context.max_chunk_bytes is None:
             raise ValueError("the disk tier needs TierContext.max_chunk_bytes to size its slots")
-        self.stride = _PAGE + _round_up(context.max_chunk_bytes, _PAGE)
-        self.num_slots = (options.max_bytes - _PAGE) // self.stride
+        self.stride = slot_stride(context.max_chunk_bytes)
+        self.num_slots = (options.max_bytes - FILE_HEADER_BYTES) // self.stride
         if self.num_slots < 1:
             raise ValueError(f"disk.max_bytes={options.max_bytes} holds no chunk; it must be at "
                              f"least {_PAGE + self.stride} bytes (one {self.stride}-byte slot)")
