@@ -35,7 +35,6 @@ import concurrent.futures
 import os
 import stat
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +50,7 @@ from kvtier.connector.base import (
     KVConnectorWorker,
 )
 from kvtier.connector.config import KVTransferConfig, parse_options
+from kvtier.connector.counters import ConnectorCounters
 from kvtier.offload.chunk_format import (
     FORMAT_NAME,
     ChunkFormatError,
@@ -244,11 +244,9 @@ class ExampleConnectorWorker(KVConnectorWorker):
         self._described = False
         self._saves: list[concurrent.futures.Future] = []
         self._load_errors: set[int] = set()
-        self._stats: Counter[str] = Counter()
-        self._counters = {} if context.metrics is None else {
-            name: context.metrics.counter(f"kvtier:example_connector_{name}",
-                                          f"ExampleConnector {name.replace('_', ' ')}")
-            for name in ("blocks_loaded", "blocks_saved", "load_errors", "save_errors")}
+        self._counts = ConnectorCounters(
+            "example_connector", "ExampleConnector",
+            ("blocks_loaded", "blocks_saved", "load_errors", "save_errors"), context.metrics)
 
     def start_load_kv(self, forward_context: Any) -> None:
         loads = self.connector_metadata.loads
@@ -320,19 +318,13 @@ class ExampleConnectorWorker(KVConnectorWorker):
             failed = ({block.block_id for block in blocks} if future.exception() is not None
                       else future.result())
             self._load_errors |= failed
-            self._count("blocks_loaded", len(blocks) - len(failed))
-            self._count("load_errors", len(failed))
+            self._counts.add("blocks_loaded", len(blocks) - len(failed))
+            self._counts.add("load_errors", len(failed))
             finished_recving.add(req_id)
         for future in [f for f in self._saves if f.done()]:
             self._saves.remove(future)
-            self._count("save_errors" if future.exception() is not None else "blocks_saved", 1)
+            self._counts.add("save_errors" if future.exception() is not None else "blocks_saved")
         return set(), finished_recving
-
-    def _count(self, name: str, amount: int) -> None:
-        if amount:
-            self._stats[f"example_connector_{name}"] += amount
-            if name in self._counters:
-                self._counters[name].inc(amount)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -340,8 +332,7 @@ class ExampleConnectorWorker(KVConnectorWorker):
 
     def get_stats(self) -> dict[str, float]:
         """Counts since the last call."""
-        stats, self._stats = dict(self._stats), Counter()
-        return stats
+        return self._counts.take()
 
     def shutdown(self) -> None:
         # Another process may be waiting for these files: give pending writes a deadline, and

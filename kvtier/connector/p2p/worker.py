@@ -8,13 +8,13 @@ that buffer and copies the blocks it needs into the paged cache once the transfe
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.connector.base import ConnectorContext, KVConnectorWorker
 from kvtier.connector.config import KVTransferConfig, parse_options
+from kvtier.connector.counters import ConnectorCounters
 from kvtier.connector.p2p.metadata import BlockLoad, BlockSend, P2PConnectorOptions
 from kvtier.transport import (
     BufferId,
@@ -62,11 +62,8 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._load_errors: set[int] = set()
         # Requests whose send failed before it started; reported as finished sending.
         self._sent_failed: set[str] = set()
-        self._stats: Counter[str] = Counter()
-        self._counters = {} if context.metrics is None else {
-            name: context.metrics.counter(f"kvtier:p2p_connector_{name}",
-                                          f"P2PConnector {name.replace('_', ' ')}")
-            for name in _COUNTED}
+        self._counts = ConnectorCounters("p2p_connector", "P2PConnector", _COUNTED,
+                                         context.metrics)
 
     @property
     def address(self) -> str:
@@ -123,12 +120,12 @@ class P2PConnectorWorker(KVConnectorWorker):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         sending, recving = self._sent_failed, set()
         self._sent_failed = set()
-        self._count("send_errors", len(sending))
+        self._counts.add("send_errors", len(sending))
         for result in self.transport.get_finished():
             pending = self._pending.pop((result.direction, result.transfer_id))
             if result.direction is Direction.SEND:
                 sending.add(pending.req_id)
-                self._count("requests_sent" if result.ok else "send_errors", 1)
+                self._counts.add("requests_sent" if result.ok else "send_errors", 1)
             elif not pending.load.is_drain:
                 recving.add(pending.req_id)
                 self._finish_load(pending, result.error)
@@ -140,7 +137,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         if error is not None:
             logger.warning("P2PConnector: load of request %s failed: %s", pending.req_id, error)
             self._load_errors |= set(load.block_ids)
-            self._count("load_errors", len(load.block_ids))
+            self._counts.add("load_errors", len(load.block_ids))
             return
         block_bytes = self._block_bytes()
         with torch.inference_mode():
@@ -152,21 +149,14 @@ class P2PConnectorWorker(KVConnectorWorker):
                     block_kv.copy_(pending.payload[start:end].view(cache.dtype)
                                    .view(block_kv.shape))
                     start = end
-        self._count("blocks_loaded", len(load.block_ids))
-
-    def _count(self, name: str, amount: int) -> None:
-        if amount:
-            self._stats[f"p2p_connector_{name}"] += amount
-            if name in self._counters:
-                self._counters[name].inc(amount)
+        self._counts.add("blocks_loaded", len(load.block_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def get_stats(self) -> dict[str, float]:
-        stats, self._stats = dict(self._stats), Counter()
-        return stats
+        return self._counts.take()
 
     def shutdown(self) -> None:
         self.transport.shutdown(timeout_s=min(_SHUTDOWN_TIMEOUT_S, self.options.send_timeout_s))
