@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -142,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_multi_turn(args: argparse.Namespace) -> int:
     from kvtier.entrypoints.bench.plot import write_plot
-    from kvtier.entrypoints.bench.report import write_json
+    from kvtier.entrypoints.bench.report import emit_report
     from kvtier.entrypoints.bench.runner import run_multi_turn
 
     config = MultiTurnConfig(
@@ -153,13 +152,7 @@ def _run_multi_turn(args: argparse.Namespace) -> int:
     target = _target(args)
     report = asyncio.run(run_multi_turn(config, target, label=args.label,
                                         show_progress=not args.no_progress))
-    if args.output_json is not None:
-        write_json(report, args.output_json)
-    else:
-        print(json.dumps(report, indent=2))
-    if args.output_plot is not None:
-        write_plot(report, args.output_plot)
-    return 1 if report["num_failed"] else 0
+    return emit_report(report, args.output_json, args.output_plot, write_plot)
 
 
 def _target(args: argparse.Namespace) -> BenchTarget:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,16 @@ def _ttft_by_turn(done: list[RequestResult], num_turns: int) -> list[dict[str, A
 def write_json(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def emit_report(report: dict[str, Any], output_json: Path | None, output_plot: Path | None,
+                write_plot: Callable[[dict[str, Any], Path], None]) -> int:
+    """The report to `output_json` (else standard output) and its plot to `output_plot`; the
+    command's exit status: 1 if any request failed."""
+    if output_json is not None:
+        write_json(report, output_json)
+    else:
+        print(json.dumps(report, indent=2))
+    if output_plot is not None:
+        write_plot(report, output_plot)
+    return 1 if report["num_failed"] else 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 from pathlib import Path
 
@@ -41,7 +40,7 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
 
 def run_trace_command(args: argparse.Namespace, target: BenchTarget) -> int:
     """Replay, then write the report (JSON to stdout without --output-json) and the plot."""
-    from kvtier.entrypoints.bench.report import write_json
+    from kvtier.entrypoints.bench.report import emit_report
     from kvtier.entrypoints.bench.trace_runner import TraceReplayConfig, run_trace
 
     scaling = TraceScaling(tokens_per_block=args.tokens_per_block, time_scale=args.time_scale,
@@ -52,11 +51,10 @@ def run_trace_command(args: argparse.Namespace, target: BenchTarget) -> int:
     print(scaling.describe(), file=sys.stderr)
     report = asyncio.run(run_trace(config, target, label=args.label,
                                    show_progress=not args.no_progress))
-    if args.output_json is not None:
-        write_json(report, args.output_json)
-    else:
-        print(json.dumps(report, indent=2))
-    if args.output_plot is not None:
-        from kvtier.entrypoints.bench.trace_plot import write_trace_plot
-        write_trace_plot(report, args.output_plot)
-    return 1 if report["num_failed"] else 0
+    return emit_report(report, args.output_json, args.output_plot, _write_trace_plot)
+
+
+def _write_trace_plot(report: dict, path: Path) -> None:
+    # matplotlib only when a plot is asked for.
+    from kvtier.entrypoints.bench.trace_plot import write_trace_plot
+    write_trace_plot(report, path)
