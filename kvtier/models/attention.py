@@ -2,17 +2,18 @@
 reference the tests hold it to.
 
 Fast path on the CPU: the C++ kernels (kvtier/models/csrc) read the pages in place. Every sequence
-with one new token (decode) goes through paged_decode.cpp; every sequence with a few hundred new
-tokens or fewer (a chunk over a cached prefix: each later turn of a conversation) through
-paged_prefill.cpp, all of them in one call per layer. Longer prefills, and every prefill where
-the kernels are unavailable (CUDA, no compiler), gather their own blocks and run one
-scaled_dot_product_attention call with the causal offset: in fp32 and fp16 torch's flash kernel
-wins on long square prompts (measured 56 vs 66 ms for 2,048 new tokens), the C++ kernel on short
-chunks over a long context (2-3x: no gather, no per-sequence call). In bf16 on a CPU with
-AVX512-BF16 the kernel's vdpbf16ps path is ahead of the flash kernel at every length (38 vs
-45 ms for 2,048 tokens, 2.8x on 512-token prompts over a 128-token prefix). Without the decode
-kernel, decodes are gathered into one padded batch and run through two batched matmuls with a
-softmax between them.
+with one new token (decode) goes through paged_decode.cpp; every prefill through
+paged_prefill.cpp, all of them in one call per layer, except that in fp32 and fp16 prefills of
+over KERNEL_PREFILL_MAX_QUERIES new tokens, and every prefill where the kernels are unavailable
+(CUDA, no compiler), gather their own blocks and run one scaled_dot_product_attention call with
+the causal offset. In fp32 and fp16 torch's flash kernel wins on long square prompts (measured 56
+vs 66 ms for 2,048 new tokens), the C++ kernel on short chunks over a long context (2-3x: no
+gather, no per-sequence call). In bf16 on a CPU with AVX512-BF16 the kernel's vdpbf16ps tiles win
+at every length: 2.8x on 512-token prompts over a 128-token prefix, 2.8x on a 2,048-token prompt
+(31 vs 87 ms per layer), 3.4x on a 2,048-token chunk over 6,144 cached tokens (176 vs 597 ms:
+the flash kernel needs a dense mask for the causal offset). Without the decode kernel, decodes
+are gathered into one padded batch and run through two batched matmuls with a softmax between
+them.
 Sliding window: a query at position p attends keys in (p - window, p]; blocks wholly before the
 window are not read at all.
 
@@ -22,6 +23,7 @@ per step and group and shared by all layers of the group.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -101,8 +103,16 @@ class _GroupPlan:
     prefills: tuple[_PrefillPlan, ...]  # through scaled_dot_product_attention
 
 
-# Prefills with more new tokens than this go to torch's flash kernel (see the module docstring).
+# fp32 / fp16 prefills with more new tokens than this go to torch's flash kernel (see the module
+# docstring); bf16 ones where the kernel has its vdpbf16ps tiles never do.
 KERNEL_PREFILL_MAX_QUERIES = 1024
+
+
+def _kernel_prefill_max_queries(kv_cache: torch.Tensor) -> float:
+    _, _, block_size, _, head_dim = kv_cache.shape
+    if cpu_kernels.ops().paged_prefill_has_bf16_tiles(kv_cache.dtype, head_dim, block_size):
+        return math.inf
+    return KERNEL_PREFILL_MAX_QUERIES
 
 
 def _first_key(num_computed: int, window: int | None) -> int:
@@ -212,7 +222,8 @@ def _group_plan(meta: AttentionMetadata, group_id: int, window: int | None,
         else:
             decode = _decode_plan(meta, decodes, group_id, window, block_size, num_blocks)
         kernel = _cpu_kernel(kv_cache, "paged_prefill_attention") if prefills else None
-        short = [s for s in prefills if lens[s] <= KERNEL_PREFILL_MAX_QUERIES] if kernel else []
+        limit = _kernel_prefill_max_queries(kv_cache) if kernel else 0
+        short = [s for s in prefills if lens[s] <= limit]
         plan = _GroupPlan(
             decode=decode,
             kernel_prefill=(_kernel_prefill_plan(meta, short, group_id, window, kernel)

@@ -1,6 +1,7 @@
 """kvtier's C++ CPU kernels (kvtier/models/csrc): built with the machine's compiler on first use
-and cached by torch (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR), so only the first
-process on a machine pays the ~30 s build.
+and cached by torch (~/.cache/torch_extensions, or $TORCH_EXTENSIONS_DIR) under a name that
+carries a digest of the sources, so only the first process on a machine pays the ~30 s build of
+each version.
 
 The kernels are an optimisation, never a requirement: when the build fails (no compiler, no
 ninja) or `KVTIER_CPU_KERNELS=0` is set, callers get None and use the pure-torch path, which the
@@ -9,6 +10,7 @@ tests hold to the same reference.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -57,7 +59,7 @@ def _build():
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="kvtier_cpu_kernels", sources=[str(p) for p in _SOURCES],
+        load(name=_build_name(), sources=[str(p) for p in _SOURCES],
              extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
              is_python_module=False, verbose=False)
     except Exception as exc:  # any build failure: the torch path still works
@@ -66,6 +68,16 @@ def _build():
                        "the build.", _last_line(exc), DISABLE_ENV)
         return None
     return torch.ops.kvtier
+
+
+def _build_name() -> str:
+    """One build directory per version of the sources: torch rebuilds a name whenever its
+    sources differ from the last build's, so two checkouts sharing one name on a machine would
+    rebuild in turn, each undoing the other's kernels."""
+    digest = hashlib.sha256(" ".join(_CFLAGS).encode())
+    for path in _SOURCES:
+        digest.update(path.read_bytes())
+    return f"kvtier_cpu_kernels_{digest.hexdigest()[:12]}"
 
 
 def _put_ninja_on_path() -> None:

@@ -211,6 +211,22 @@ def test_long_prefills_take_the_flash_path_beside_kernel_prefills(monkeypatch):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
+def test_bf16_prefills_of_any_length_stay_in_the_kernel_where_it_has_bf16_tiles(monkeypatch):
+    """The vdpbf16ps tiles beat the flash kernel at every length, so the query limit applies to
+    the other dtypes only; the long prefill's rows still equal the fp32 reference."""
+    kernels = cpu_kernels.ops()
+    if kernels is None or not kernels.paged_prefill_has_bf16_tiles(torch.bfloat16, 64, 16):
+        pytest.skip("no vdpbf16ps prefill tiles on this CPU")
+    monkeypatch.setattr(attention, "KERNEL_PREFILL_MAX_QUERIES", 40)
+    query, kv_cache, metadata, _ = _long_prefill_scenario(64, torch.bfloat16)
+    plan = attention._group_plan(metadata, 0, None, kv_cache)
+    assert plan.kernel_prefill.query_lens.tolist() == [45, 37, 3] and plan.prefills == ()
+    reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, 0.125,
+                                          None)
+    out = paged_attention(query, kv_cache, metadata, 0, 0.125, None)
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+
+
 def test_write_kv_fills_exactly_the_mapped_slots():
     kv_cache = torch.zeros(2, 8, BLOCK, 1, 2)
     metadata = build_attention_metadata([3, 0], [2, 1], [[[5, 2], [7]]], BLOCK)

@@ -334,6 +334,16 @@ void attend_tile_bf16(const c10::BFloat16* query, const c10::BFloat16* cache,
 }
 #endif  // __AVX512BF16__
 
+// Whether paged_prefill_attention takes the vdpbf16ps tiles for this cache: then it is the
+// fastest path at every prefill length, and callers need no flash-kernel fallback for long ones.
+bool paged_prefill_has_bf16_tiles(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
+#if defined(__AVX512BF16__)
+  return dtype == at::kBFloat16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
+#else
+  return false;
+#endif
+}
+
 // Runs the tiles through attend_tile_bf16 when it can take them; false: use attend_tile.
 template <typename scalar_t, typename Run>
 bool run_bf16_tiles(scalar_t*, const Shape&, const Run&) {
@@ -343,7 +353,7 @@ bool run_bf16_tiles(scalar_t*, const Shape&, const Run&) {
 #if defined(__AVX512BF16__)
 template <typename Run>
 bool run_bf16_tiles(c10::BFloat16*, const Shape& s, const Run& run) {
-  if (s.block_size != 16 || (s.head_dim != 64 && s.head_dim != 128)) return false;
+  if (!paged_prefill_has_bf16_tiles(at::kBFloat16, s.head_dim, s.block_size)) return false;
   if (s.head_dim == 64) run(attend_tile_bf16<64>);
   else run(attend_tile_bf16<128>);
   return true;
@@ -414,6 +424,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvtier, m) {
+  m.def("paged_prefill_has_bf16_tiles(ScalarType dtype, int head_dim, int block_size) -> bool",
+        &paged_prefill_has_bf16_tiles);
   m.def("paged_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
         "Tensor query_start, Tensor num_computed, Tensor query_lens, int window, float scale, "
         "Tensor(a!) out) -> ()");
