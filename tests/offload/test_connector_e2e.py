@@ -76,6 +76,33 @@ def test_evicted_from_device_reloads_from_host(model):
         llm.engine.shutdown()
 
 
+def _steps_to_first_token(llm, request_id, prompt):
+    engine = llm.engine
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    for steps in range(1, 10):
+        if any(out.outputs[0].token_ids for out in engine.step() if out.request_id == request_id):
+            return steps
+    raise AssertionError(f"{request_id} produced no token in 9 steps")
+
+
+def test_a_host_hit_takes_as_many_steps_as_a_device_hit(model):
+    """Chunks already in host memory are copied in the step that admits the request, before
+    its forward: no step spent waiting for an asynchronous load."""
+    model_dir, prompts, expected = model
+    llm = _llm(model_dir, kv_offload="host=1MiB")
+    try:
+        _generate(llm, prompts[:1])
+        device_hit = _steps_to_first_token(llm, "device", prompts[0])
+        _generate(llm, prompts[1:4])  # pushes prompt 0 out of device memory
+        host_hit = _steps_to_first_token(llm, "host", prompts[0])
+        assert _bytes(llm.get_metrics(), "host_to_device") == 7 * CHUNK_BYTES
+        assert host_hit == device_hit == 1
+        assert _generate(llm, prompts[:1])[0] == expected[:1]
+        llm.engine.check_invariants()
+    finally:
+        llm.engine.shutdown()
+
+
 def test_multi_block_chunks_reload_whole_chunks_only(model):
     model_dir, prompts, expected = model
     llm = _llm(model_dir, kv_offload="host=1MiB,blocks_per_chunk=2,policy=arc")

@@ -3,7 +3,9 @@
 Lookups walk a waiting request's chunks left to right from its local prefix hit: host hits
 extend the answer, a chunk on its way up from a secondary tier makes the answer None (RETRY: the
 scheduler asks again next step; for at most `tier_job_timeout_s`, then the host's chunks are
-taken as they are), the first miss ends it. Stores are planned every step for the
+taken as they are), the first miss ends it. An answer therefore only ever counts chunks in host
+memory, and their load is synchronous: the worker copies them before the forward of the step
+that admits the request. Stores are planned every step for the
 chunks that became full, the prompt's and (unless `offload_prompt_only`) those decoding fills,
 which a conversation's next turn starts with; the worker copies them after the forward and the
 cascade to secondary tiers starts when the copy is reported.
@@ -156,7 +158,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if num_tokens <= 0:
             return 0, False
         state.plan = _Plan(num_computed_tokens, end)
-        return num_tokens, True
+        return num_tokens, False  # every chunk is in host memory: loaded before the forward
 
     def _waited_too_long(self, state: _RequestState) -> bool:
         since = state.retrying_since

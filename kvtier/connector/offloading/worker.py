@@ -4,13 +4,16 @@ It needs nothing but what the engine hands it: the host area and chunk layouts i
 `context.shared`, the paged KV tensors, and each step's metadata. Every copy it finishes goes
 back to the scheduler half in its `OffloadingConnectorReport`.
 
-One copy thread does every copy, so copies overlap sampling, scheduling and the next forward's
-preparation without racing each other. Loads (host -> device) fill blocks that belong to a
-request in WAITING_FOR_REMOTE_KVS, which no forward reads until the load is reported. Stores
-(device -> host) read full blocks, which never change while allocated; a block can only be
-reused after its request is freed, so the next step's `start_load_kv` first waits (with a
-deadline) for the previous step's stores. That fence is why the scheduler half never has to
-delay a free until `finished_sending`.
+Loads (host -> device) are synchronous: the scheduler half plans one only for chunks already in
+host memory, so `start_load_kv` copies them on the engine thread before the forward that reads
+them, and a host hit costs no more scheduler steps than a device hit. A load that cannot happen
+(its chunk left host memory since the lookup) or fails reports its blocks as load errors; the
+scheduler recomputes from there. Stores (device -> host) run on one copy thread, so they overlap
+sampling, scheduling and the next forward's preparation. They read full blocks, which never
+change while allocated; a block can only be reused after its request is freed, so the next
+step's `start_load_kv` first waits (with a deadline) for the previous step's stores. That fence
+is why the scheduler half never has to delay a free until `finished_sending`, and why no store
+runs while a load writes.
 """
 
 from __future__ import annotations
@@ -53,7 +56,6 @@ class OffloadingConnectorWorker(KVConnectorWorker):
                                              initializer=use_one_cpu_thread)
         self._copier: ChunkCopier | None = None
         self._stores: list[_StoreBatch] = []
-        self._loads: dict[str, list[tuple[ChunkTransfer, Future]]] = {}
         self._load_errors: set[int] = set()
         # Batches the copy thread finished, until the next report takes them.
         self._done: queue.SimpleQueue[BatchDone] = queue.SimpleQueue()
@@ -78,10 +80,10 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         self._fence_stores()
         loads = self.connector_metadata.loads
         copies = [transfer for transfer in loads if transfer.slot is not None]
-        batch = self._copy_thread.submit(self._run_loads, copies) if copies else _failed()
+        copied = self._run_loads(copies) if copies else True
         for transfer in loads:
-            outcome = batch if transfer.slot is not None else _failed()
-            self._loads.setdefault(transfer.req_id, []).append((transfer, outcome))
+            if transfer.slot is None or not copied:
+                self._load_errors.update(transfer.block_ids)
 
     def wait_for_save(self) -> None:
         stores = self.connector_metadata.stores
@@ -91,18 +93,6 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         after = self._copier.record_compute()
         future = self._copy_thread.submit(self._run_stores, stores, abandoned, after)
         self._stores.append(_StoreBatch(future, abandoned))
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        received = set()
-        for req_id, items in list(self._loads.items()):
-            if not all(future.done() for _, future in items):
-                continue
-            for transfer, future in items:
-                if future.exception() is not None or not future.result():
-                    self._load_errors.update(transfer.block_ids)
-            received.add(req_id)
-            del self._loads[req_id]
-        return set(), received
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -119,8 +109,6 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         # the deadline; the last report then carries them to the scheduler half.
         self._copy_thread.shutdown(self._timeout_s)
 
-    # ---- on the copy thread ----------------------------------------------------------------
-
     def _run_loads(self, loads: list[ChunkTransfer]) -> bool:
         """Copy every load of one step; False if the copy failed (all its blocks are bad)."""
         start, num_bytes = time.monotonic(), 0
@@ -131,6 +119,8 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             ok = False
         self._report("host_to_device", loads, ok, num_bytes, start)
         return ok
+
+    # ---- on the copy thread ----------------------------------------------------------------
 
     def _run_stores(self, stores: list[ChunkTransfer], abandoned: threading.Event,
                     after: Any) -> None:
@@ -157,10 +147,3 @@ class OffloadingConnectorWorker(KVConnectorWorker):
             if batch.future in not_done:
                 batch.abandoned.set()
         self._stores = []
-
-
-def _failed() -> Future:
-    """The outcome of a load that cannot happen (its chunk left the host tier)."""
-    future: Future = Future()
-    future.set_result(False)
-    return future
