@@ -83,8 +83,11 @@ def store_throughput(pair: str, area: HostArea, num_chunks: int,
     t = spec.type
     tier_passes = {f"host_to_{t}": lambda: run_jobs(tier, tier.submit_store, keys, area),
                    f"{t}_to_host": lambda: run_jobs(tier, tier.submit_load, keys, area)}
+    # Each raw pass on as many threads as the tier's pool, at the same niceness (the tier's
+    # writers run niced: on a busy machine they get less CPU than threads at normal priority).
     raw_passes = {f"{t}_put": lambda: _on_threads(put, names, values,
-                                                   spec.options.num_write_threads),
+                                                   spec.options.num_write_threads,
+                                                   spec.options.write_nice),
                   f"{t}_get": lambda: _on_threads(get, names, values,
                                                    spec.options.num_read_threads)}
     best: dict[str, float] = {}
@@ -133,9 +136,16 @@ def run_jobs(tier: SecondaryTier, submit: Callable[[TransferJob], None], keys: l
 
 
 def _on_threads(action: Callable[[str, bytes], Any], names: list[str], values: list[bytes],
-                num_threads: int) -> None:
-    with ThreadPoolExecutor(num_threads) as pool:
+                num_threads: int, nice: int = 0) -> None:
+    with ThreadPoolExecutor(num_threads, initializer=_renice, initargs=(nice,)) as pool:
         list(pool.map(action, names, values))
+
+
+def _renice(nice: int) -> None:
+    """Add `nice` to the calling thread's niceness (Linux keeps one per thread), as the tier's
+    write pool does."""
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, 0, os.getpriority(os.PRIO_PROCESS, 0) + nice)
 
 
 def _seconds(action: Callable[[], None]) -> float:
