@@ -13,7 +13,7 @@ and writes both reports and the comparison as JSON. The goals are hit rates with
 TTFT within 25%; the exit status is 1 when a goal is missed.
 
 The defaults are a slice of the Mooncake synthetic trace late enough to reuse prefixes within
-itself (from request 3500, whose conversations started earlier), 8 tokens per hash id, twice the
+itself (from request 3500, its conversations come back within it), 8 tokens per hash id, twice the
 trace's inter-arrival times and outputs capped at 8 tokens: about 135 s of arrivals and 5 minutes
 in all on a 2-core VM. The device pool (600 blocks of 8 tokens) holds the longest prompt of the
 slice and a tenth of its 1 GiB working set, host memory a quarter, and the disk tier all of
