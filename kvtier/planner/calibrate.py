@@ -1,10 +1,12 @@
 """`kvtier plan calibrate`: measure this machine with a model and fit the planner's cost model.
 
-Prefills of a few sizes and decodes of a few batch sizes run through `LLM` (prefix caching off,
-random token ids, greedy, no early stop); one least-squares fit of seconds per step against
-(1, prefill tokens, decoding sequences) gives the step costs. Host loads are timed as a copy of
-a buffer in memory, disk loads as a read of a file written, synced and dropped from the page
-cache first (where the OS allows), so both are per-byte costs of this machine.
+Prefills of a few sizes and decodes of a few batch sizes and context lengths run through `LLM`
+(prefix caching off, random token ids, greedy, no early stop); one least-squares fit of seconds
+per step against (1, prefill tokens, decoding sequences, prefill attention pairs, context tokens
+decoded against) gives the step costs, each row weighted by its own time so that a 20 ms decode
+step is fitted as closely as a 2 s prefill. Host loads are timed as a copy of a buffer in memory,
+disk loads as a read of a file written, synced and dropped from the page cache first (where the
+OS allows), so both are per-byte costs of this machine.
 """
 
 from __future__ import annotations
@@ -17,22 +19,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvtier.planner.cost_model import CostModel
+from kvtier.planner.cost_model import CostModel, prefill_pairs
 
-PREFILL_SIZES = (128, 512, 1024)
-DECODE_BATCHES = (1, 4, 16)
+PREFILL_SIZES = (128, 512, 1024, 2048)
+# (sequences, prompt tokens of each): the batch sizes give the per-sequence cost, the long
+# prompts the cost of the context a decoding sequence reads.
+DECODE_BATCHES = ((1, 16), (4, 16), (16, 16), (4, 1024))
 DECODE_STEPS = 16
-_PROMPT_TOKENS_PER_SEQ = 16
 _COPY_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One timed configuration: seconds of one step with these prefill tokens and decodes."""
+    """One timed configuration: seconds of one step that prefills `prefill_tokens` (from an empty
+    context) or decodes `decode_seqs` sequences of `decode_context` tokens each (a mean)."""
 
     prefill_tokens: int
     decode_seqs: int
     step_s: float
+    decode_context: float = 0.0
+
+    def features(self) -> list[float]:
+        """The step's (1, prefill tokens, decoding seqs, attention pairs, context decoded)."""
+        return [1.0, self.prefill_tokens, self.decode_seqs,
+                prefill_pairs(self.prefill_tokens, 0), self.decode_seqs * self.decode_context]
 
 
 def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
@@ -46,12 +56,13 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
         measurements = _measure_steps(llm, vocab, repeats)
     finally:
         llm.engine.shutdown()
-    base, per_token, per_seq = _fit(measurements)
+    base, per_token, per_seq, per_pair, per_context = _fit(measurements)
     loads = {"host": _host_copy_s_per_byte(), "disk": _disk_read_s_per_byte(disk_dir)}
     loads["fs"] = loads["disk"]
     cost = CostModel(base, per_token, per_seq, loads, model=model or "SmolLM2-135M-Instruct",
                      machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {dtype}, "
-                             f"device {device or 'default'}")
+                             f"device {device or 'default'}",
+                     prefill_s_per_pair=per_pair, decode_s_per_context_token=per_context)
     return cost, [m.__dict__ for m in measurements]
 
 
@@ -73,11 +84,16 @@ def _measure_steps(llm, vocab: int, repeats: int) -> list[Measurement]:
     for size in sorted({min(size, longest) for size in PREFILL_SIZES}):
         seconds = min(_timed(llm, prompts(1, size), one) for _ in range(repeats))
         measurements.append(Measurement(size, 0, seconds))
-    for batch in DECODE_BATCHES:
-        batch_prompts = prompts(batch, _PROMPT_TOKENS_PER_SEQ)
+    for batch, prompt_tokens in DECODE_BATCHES:
+        if prompt_tokens + DECODE_STEPS > longest:
+            continue
+        batch_prompts = prompts(batch, prompt_tokens)
         first = min(_timed(llm, batch_prompts, one) for _ in range(repeats))
         whole = min(_timed(llm, batch_prompts, many) for _ in range(repeats))
-        measurements.append(Measurement(0, batch, max(0.0, whole - first) / (DECODE_STEPS - 1)))
+        # Steps 2..DECODE_STEPS attend to prompt + 1 .. prompt + DECODE_STEPS - 1 tokens.
+        context = prompt_tokens + DECODE_STEPS / 2
+        measurements.append(Measurement(0, batch, max(0.0, whole - first) / (DECODE_STEPS - 1),
+                                        context))
     return measurements
 
 
@@ -87,13 +103,20 @@ def _timed(llm, prompts: list[dict], params) -> float:
     return time.perf_counter() - started
 
 
-def _fit(measurements: list[Measurement]) -> tuple[float, float, float]:
-    """Least squares of step seconds on (1, prefill tokens, decode seqs), every coefficient
-    >= 0: one that comes out negative is held at 0 and the others fitted again."""
-    rows = np.array([[1.0, m.prefill_tokens, m.decode_seqs] for m in measurements])
-    seconds = np.array([m.step_s for m in measurements])
-    free = [0, 1, 2]
-    coefficients = np.zeros(3)
+def _fit(measurements: list[Measurement]) -> tuple[float, ...]:
+    """Least squares of step seconds on Measurement.features, relative to each step's time,
+    every coefficient >= 0: one that comes out negative is held at 0 and the others fitted
+    again. A coefficient the measurements cannot tell from the ones before it (a model too
+    short for the long-context decode) is held at 0 too."""
+    # Divided by its own time, each row counts by its relative error.
+    weights = np.array([1.0 / max(m.step_s, 1e-9) for m in measurements])
+    rows = np.array([m.features() for m in measurements]) * weights[:, None]
+    seconds = np.array([m.step_s for m in measurements]) * weights
+    free: list[int] = []
+    for column in range(rows.shape[1]):
+        if np.linalg.matrix_rank(rows[:, free + [column]]) > len(free):
+            free.append(column)
+    coefficients = np.zeros(rows.shape[1])
     while free:
         fitted, *_ = np.linalg.lstsq(rows[:, free], seconds, rcond=None)
         coefficients[:] = 0.0
@@ -102,8 +125,7 @@ def _fit(measurements: list[Measurement]) -> tuple[float, float, float]:
         if not negative:
             break
         free = [column for column in free if column not in negative]
-    base, per_token, per_seq = (float(c) for c in coefficients)
-    return base, per_token, per_seq
+    return tuple(float(c) for c in coefficients)
 
 
 def _host_copy_s_per_byte() -> float:

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calibrate = commands.add_parser(
         "calibrate", help="measure this machine with a model; write a cost model JSON",
         description="A few prefills and decodes of different sizes through the engine (LLM), "
-                    "host memory copies and disk reads, fitted to the planner's linear costs.")
+                    "host memory copies and disk reads, fitted to the planner's cost model.")
     _add_model_arguments(calibrate)
     calibrate.add_argument("--device", default=None, help="torch device (default: the engine's)")
     calibrate.add_argument("--disk-dir", default=None,
@@ -79,6 +79,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--time-scale", type=float, default=1.0,
                        help="multiply the trace's inter-arrival times")
     group.add_argument("--max-requests", type=int, default=None)
+    group.add_argument("--first-request", type=int, default=0,
+                       help="start at the N-th request in arrival order, from 0")
     group.add_argument("--max-output-tokens", type=int, default=None)
     group.add_argument("--sweep", default=None,
                        help="TIER=LOW..HIGH: plan again at each power-of-two size of one tier "
@@ -120,7 +122,8 @@ def _plan_config(args: argparse.Namespace) -> PlanConfig:
                      "bfloat16" if args.dtype == "auto" else args.dtype, args.max_model_len)
     scaling = TraceScaling(tokens_per_block=args.tokens_per_block, time_scale=args.time_scale,
                            max_requests=args.max_requests,
-                           max_output_tokens=args.max_output_tokens)
+                           max_output_tokens=args.max_output_tokens,
+                           first_request=args.first_request)
     limits = SchedulerLimits(args.max_num_batched_tokens, args.max_num_seqs)
     return PlanConfig(args.trace, model, parse_size(args.device_kv, "--device-kv"), offload,
                       _cost_model(args), scaling, limits)

@@ -1,13 +1,18 @@
 """The planner's cost model: seconds per engine step and per KV byte moved between tiers.
 
-One engine step runs the prefill tokens and the decoding sequences scheduled together:
+One engine step runs the prefill chunks and the decoding sequences scheduled together:
 
     step_s = step_s_base + prefill_s_per_token * prefill tokens + decode_s_per_seq * decoding seqs
+             + prefill_s_per_pair * prefill attention pairs
+             + decode_s_per_context_token * tokens the decoding sequences attend to
 
-and a prefix loaded from a tier costs its bytes times that tier's `load_s_per_byte` (a chunk on
-disk is read into host memory and then copied to the device: both costs). `kvtier plan
-calibrate` measures the model on this machine and fits the coefficients; a JSON file of them
-lets one plan for other hardware.
+A prefill chunk of n tokens after c tokens already computed has n * c + n * (n + 1) / 2
+attention pairs (each token attends to the context and to the chunk up to itself): the cost that
+makes long prompts slower than their length alone says. A decoding sequence reads its whole
+context once a step. A prefix loaded from a tier costs its bytes times that tier's
+`load_s_per_byte` (a chunk on disk is read into host memory and then copied to the device: both
+costs). `kvtier plan calibrate` measures the model on this machine and fits the coefficients; a
+JSON file of them lets one plan for other hardware.
 """
 
 from __future__ import annotations
@@ -19,12 +24,15 @@ from typing import Any
 
 # A cost model names the machine and model it was measured on; these keys are its numbers.
 _NUMBERS = ("step_s_base", "prefill_s_per_token", "decode_s_per_seq")
+# Terms a cost model file may leave out: 0, no cost from context length.
+_CONTEXT_NUMBERS = ("prefill_s_per_pair", "decode_s_per_context_token")
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Linear step costs and per-byte tier loads (seconds). `load_s_per_byte` maps a tier
-    kind (`host`, `disk`, `fs`) to the seconds one byte takes to reach the level above it."""
+    """Step costs and per-byte tier loads (seconds; see the module docstring for the sum).
+    `load_s_per_byte` maps a tier kind (`host`, `disk`, `fs`) to the seconds one byte takes to
+    reach the level above it."""
 
     step_s_base: float
     prefill_s_per_token: float
@@ -32,9 +40,11 @@ class CostModel:
     load_s_per_byte: dict[str, float] = field(default_factory=dict)
     model: str = ""
     machine: str = ""
+    prefill_s_per_pair: float = 0.0
+    decode_s_per_context_token: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in _NUMBERS:
+        for name in _NUMBERS + _CONTEXT_NUMBERS:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0:
                 raise ValueError(f"cost model {name} must be a number >= 0, got {value!r}")
@@ -43,9 +53,14 @@ class CostModel:
                 raise ValueError(f"cost model load_s_per_byte[{tier!r}] must be a number >= 0, "
                                  f"got {value!r}")
 
-    def step_s(self, num_prefill_tokens: int, num_decode_seqs: int) -> float:
+    def step_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_prefill_pairs: int = 0,
+               num_decode_context: int = 0) -> float:
+        """One step: `num_prefill_pairs` summed over its prefill chunks (prefill_pairs), and
+        `num_decode_context` the context tokens of its decoding sequences, summed."""
         return (self.step_s_base + self.prefill_s_per_token * num_prefill_tokens
-                + self.decode_s_per_seq * num_decode_seqs)
+                + self.decode_s_per_seq * num_decode_seqs
+                + self.prefill_s_per_pair * num_prefill_pairs
+                + self.decode_s_per_context_token * num_decode_context)
 
     def load_s(self, tier_kind: str, num_bytes: int) -> float:
         """Seconds to bring `num_bytes` from `tier_kind` one level up."""
@@ -62,7 +77,8 @@ class CostModel:
     def from_json(cls, raw: Any, where: str = "cost model") -> CostModel:
         if not isinstance(raw, dict):
             raise ValueError(f"{where} must be a JSON object, got {type(raw).__name__}")
-        known = {"load_s_per_byte", "model", "machine", "measurements", *_NUMBERS}
+        known = {"load_s_per_byte", "model", "machine", "measurements", *_NUMBERS,
+                 *_CONTEXT_NUMBERS}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"{where}: unknown keys {unknown}; keys are {sorted(known)}")
@@ -71,6 +87,11 @@ class CostModel:
             raise ValueError(f"{where}: missing {missing}; run `kvtier plan calibrate` to "
                              "measure them")
         return cls(**{k: v for k, v in raw.items() if k != "measurements"})
+
+
+def prefill_pairs(num_tokens: int, num_context: int) -> int:
+    """Attention pairs of a prefill chunk of `num_tokens` after `num_context` computed tokens."""
+    return num_tokens * num_context + num_tokens * (num_tokens + 1) // 2
 
 
 def load_cost_model(path: Path) -> CostModel:

@@ -27,7 +27,7 @@ from kvtier.kv import KVCacheManager
 from kvtier.kv.hashing import BlockHash
 from kvtier.kv.request import Request, RequestStatus
 from kvtier.offload.config import OffloadConfig
-from kvtier.planner.cost_model import CostModel
+from kvtier.planner.cost_model import CostModel, prefill_pairs
 from kvtier.planner.model_kv import ModelKV
 from kvtier.planner.tiers import SimulatedOffload
 
@@ -236,9 +236,8 @@ class Simulation:
     # ---- running a step --------------------------------------------------------------------
 
     def _advance(self, step: _Step, running: list[SimRequest]) -> None:
-        num_prefill = sum(num_tokens for _, num_tokens in step.prefill)
         if self.cost is not None:
-            self.now += self.cost.step_s(num_prefill, len(step.decode)) + step.load_s
+            self.now += self._step_s(step)
         self.num_steps += 1
         for request, num_tokens in step.prefill:
             request.num_prefilled += num_tokens
@@ -255,6 +254,15 @@ class Simulation:
                 self.manager.free(request.kv)
                 request.kv = None
                 running.remove(request)
+
+    def _step_s(self, step: _Step) -> float:
+        """The step's cost, from what it computes and the context each token attends to."""
+        num_prefill = sum(num_tokens for _, num_tokens in step.prefill)
+        pairs = sum(prefill_pairs(num_tokens, request.num_prefilled)
+                    for request, num_tokens in step.prefill)
+        # A decoding sequence's new token attends to the prompt and every output so far.
+        context = sum(r.num_prompt_tokens + r.num_output for r in step.decode)
+        return self.cost.step_s(num_prefill, len(step.decode), pairs, context) + step.load_s
 
     def _store(self, request: SimRequest) -> None:
         """Offload the prompt chunks the request has computed since its last step. (The engine

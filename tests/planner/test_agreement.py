@@ -92,3 +92,23 @@ def test_small_host_with_disk_tier_agrees_per_tier(model_dir, tmp_path):
     assert replayed["device"]["hits"] == hits["device"]
     assert replayed["host"]["hits"] * BLOCK_SIZE == hits["host"]
     assert replayed["disk"]["hits"] * BLOCK_SIZE == hits["disk"]
+
+
+def test_chunks_of_two_blocks_agree_per_tier(model_dir, tmp_path):
+    # Chunks of 2 blocks: a device hit can end inside a chunk, which then loads only its other
+    # block; the tiers count chunk lookups.
+    model = model_kv(model_dir, BLOCK_SIZE, "float32")
+    chunk = 2 * model.bytes_per_block
+    disk_bytes = 4096 + 64 * (4096 + 8192)  # header, then 64 slots of a page and a chunk
+    kv_offload = (f"host={6 * chunk},disk={tmp_path}:{disk_bytes},blocks_per_chunk=2")
+    replayed = _replay(model_dir, 12, kv_offload)
+    planned = _plan(model_dir, 12, kv_offload)
+    hits = planned["hit_tokens"]
+    assert hits["device"] > 0 and hits["host"] > 0 and hits["disk"] > 0
+    assert replayed["device"]["hits"] == hits["device"]
+    # The engine counts chunks, the plan tokens. The disk's chunks load whole; the device hits
+    # are 7 blocks in all, and one of them ends inside a chunk that host memory then loads
+    # only the other block of.
+    assert hits["device"] == 28
+    assert replayed["disk"]["hits"] * 2 * BLOCK_SIZE == hits["disk"]
+    assert replayed["host"]["hits"] * 2 * BLOCK_SIZE - BLOCK_SIZE == hits["host"]

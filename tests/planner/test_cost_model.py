@@ -11,6 +11,7 @@ from kvtier.planner.cost_model import (
     CostModel,
     default_cost_model_path,
     load_cost_model,
+    prefill_pairs,
     write_cost_model,
 )
 
@@ -28,7 +29,8 @@ def test_step_and_load_costs_add_up():
 
 
 def test_json_round_trip_and_bad_files(tmp_path):
-    cost = CostModel(0.01, 1e-4, 2e-3, {"host": 1e-9}, model="m", machine="here")
+    cost = CostModel(0.01, 1e-4, 2e-3, {"host": 1e-9}, model="m", machine="here",
+                     prefill_s_per_pair=1e-8)
     path = tmp_path / "cost.json"
     write_cost_model(cost, path, measurements=[{"prefill_tokens": 1}])
     assert load_cost_model(path) == cost
@@ -49,11 +51,30 @@ def test_shipped_cost_model_loads():
     assert cost.prefill_s_per_token > 0 and {"host", "disk"} <= set(cost.load_s_per_byte)
 
 
-def test_fit_recovers_linear_costs():
-    truth = CostModel(0.005, 2e-4, 3e-3)
-    rows = [(128, 0), (512, 0), (1024, 0), (0, 1), (0, 4), (0, 16)]
-    measurements = [Measurement(p, d, truth.step_s(p, d)) for p, d in rows]
-    assert _fit(measurements) == pytest.approx((0.005, 2e-4, 3e-3))
+def test_step_cost_grows_with_the_context_attended_to():
+    cost = CostModel(0.01, 1e-4, 2e-3, prefill_s_per_pair=1e-7, decode_s_per_context_token=1e-6)
+    # 100 tokens after 50 computed: 100 * 50 + 100 * 101 / 2 pairs.
+    assert prefill_pairs(100, 50) == 10050
+    assert cost.step_s(100, 2, prefill_pairs(100, 50), 300) == pytest.approx(
+        0.01 + 1e-2 + 4e-3 + 10050e-7 + 300e-6)
+
+
+def test_fit_recovers_every_cost():
+    truth = CostModel(0.005, 2e-4, 3e-3, prefill_s_per_pair=4e-7, decode_s_per_context_token=2e-6)
+    rows = [(128, 0, 0), (512, 0, 0), (1024, 0, 0), (2048, 0, 0), (0, 1, 24), (0, 4, 24),
+            (0, 16, 24), (0, 4, 1032)]
+    measurements = [Measurement(p, d, truth.step_s(p, d, prefill_pairs(p, 0), d * c), c)
+                    for p, d, c in rows]
+    assert _fit(measurements) == pytest.approx((0.005, 2e-4, 3e-3, 4e-7, 2e-6))
+
+
+def test_fit_holds_a_cost_it_cannot_tell_apart_at_zero():
+    # Every decode at one context length: its context cost is the per-sequence cost's multiple.
+    truth = CostModel(0.005, 2e-4, 3e-3, prefill_s_per_pair=4e-7)
+    rows = [(128, 0, 0), (512, 0, 0), (1024, 0, 0), (0, 1, 24), (0, 4, 24), (0, 16, 24)]
+    measurements = [Measurement(p, d, truth.step_s(p, d, prefill_pairs(p, 0)), c)
+                    for p, d, c in rows]
+    assert _fit(measurements) == pytest.approx((0.005, 2e-4, 3e-3, 4e-7, 0.0))
 
 
 def test_calibrate_measures_a_real_model(tmp_path, capsys):

@@ -42,8 +42,10 @@ class TraceScaling:
 
     `tokens_per_block` tokens stand for each hash id (the trace's own TRACE_BLOCK_TOKENS by
     default; fewer scales every prompt down by the same factor, the last partial block in
-    proportion). Inter-arrival times are multiplied by `time_scale`. `max_requests` None: every
-    request. Output lengths are the trace's, capped at `max_output_tokens` (None: uncapped).
+    proportion). Inter-arrival times are multiplied by `time_scale`. The replay starts at the
+    `first_request`-th request in arrival order (0: the first; its caches start cold, as they
+    would at that point of a restart) and takes `max_requests` of them (None: every one
+    after). Output lengths are the trace's, capped at `max_output_tokens` (None: uncapped).
     Token ids are drawn from [0, vocab_size) (None: the target model's vocabulary), `seed`
     picks another family of prompts with the same prefix structure.
     """
@@ -54,6 +56,7 @@ class TraceScaling:
     max_output_tokens: int | None = None
     vocab_size: int | None = None
     seed: int = 0
+    first_request: int = 0
 
     def __post_init__(self) -> None:
         checks = [
@@ -61,6 +64,7 @@ class TraceScaling:
             (self.time_scale >= 0.0, "time_scale", "must be >= 0"),
             (self.max_requests is None or self.max_requests >= 1, "max_requests",
              "must be >= 1 or None"),
+            (self.first_request >= 0, "first_request", "must be >= 0"),
             (self.max_output_tokens is None or self.max_output_tokens >= 1,
              "max_output_tokens", "must be >= 1 or None"),
             (self.vocab_size is None or self.vocab_size >= 2, "vocab_size",
@@ -74,9 +78,10 @@ class TraceScaling:
         """One line a person reads before the run starts."""
         output = ("trace output lengths" if self.max_output_tokens is None
                   else f"output lengths capped at {self.max_output_tokens}")
+        start = f", from request {self.first_request}" if self.first_request else ""
         return (f"trace scaling: {self.tokens_per_block} tokens per hash id (trace: "
                 f"{TRACE_BLOCK_TOKENS}, prompts x{self.tokens_per_block / TRACE_BLOCK_TOKENS:g}), "
-                f"inter-arrival times x{self.time_scale:g}, {output}")
+                f"inter-arrival times x{self.time_scale:g}, {output}{start}")
 
 
 @dataclass(frozen=True)
@@ -128,7 +133,12 @@ def _parse_line(path: Path, number: int, line: str) -> TraceRequest:
 
 def scale_trace(requests: list[TraceRequest], scaling: TraceScaling) -> list[ScaledRequest]:
     """The requests to replay, sorted by arrival (ties keep file order)."""
-    chosen = sorted(requests, key=lambda r: r.timestamp_ms)[:scaling.max_requests]
+    first = scaling.first_request
+    end = None if scaling.max_requests is None else first + scaling.max_requests
+    chosen = sorted(requests, key=lambda r: r.timestamp_ms)[first:end]
+    if not chosen:
+        raise ValueError(f"first_request {first} is past the trace's {len(requests)} requests; "
+                         "give a smaller --first-request")
     start_ms = chosen[0].timestamp_ms
     return [
         ScaledRequest(

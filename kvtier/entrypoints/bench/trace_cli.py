@@ -26,7 +26,10 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument("--time-scale", type=float, default=DEFAULTS.time_scale,
                        help="multiply the trace's inter-arrival times (0.5: twice the rate)")
     group.add_argument("--max-requests", type=int, default=None,
-                       help="replay only the first N requests (default: all)")
+                       help="replay only N requests (default: all)")
+    group.add_argument("--first-request", type=int, default=0,
+                       help="start at the N-th request in arrival order, from 0 (its caches "
+                            "start cold: earlier requests are not sent)")
     group.add_argument("--max-output-tokens", type=int, default=None,
                        help="cap each request's output length (default: the trace's)")
     group.add_argument("--max-concurrency", type=int, default=None,
@@ -46,7 +49,7 @@ def run_trace_command(args: argparse.Namespace, target: BenchTarget) -> int:
     scaling = TraceScaling(tokens_per_block=args.tokens_per_block, time_scale=args.time_scale,
                            max_requests=args.max_requests,
                            max_output_tokens=args.max_output_tokens, vocab_size=args.vocab_size,
-                           seed=args.seed)
+                           seed=args.seed, first_request=args.first_request)
     config = TraceReplayConfig(args.trace, scaling, args.max_concurrency)
     print(scaling.describe(), file=sys.stderr)
     report = asyncio.run(run_trace(config, target, label=args.label,

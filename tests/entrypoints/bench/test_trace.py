@@ -41,6 +41,19 @@ def test_scaling_options_do_what_they_say():
     assert unscaled[-1].arrival_s == 0.5
 
 
+def test_first_request_starts_the_slice_and_its_clock():
+    requests = load_trace(TINY_TRACE)
+    scaled = scale_trace(requests, TraceScaling(first_request=2, max_requests=3))
+    assert [r.hash_ids for r in scaled] == [(0, 1, 2, 4), (5,), (0, 1, 2)]
+    assert [r.arrival_s for r in scaled] == [0.0, 0.1, 0.2]
+    assert [r.index for r in scaled] == [0, 1, 2]
+    assert "from request 2" in TraceScaling(first_request=2).describe()
+    with pytest.raises(ValueError, match="first_request 6 is past the trace's 6 requests"):
+        scale_trace(requests, TraceScaling(first_request=6))
+    with pytest.raises(ValueError, match="first_request must be >= 0"):
+        TraceScaling(first_request=-1)
+
+
 def test_same_hash_ids_give_the_same_tokens_in_any_order():
     scaled = scale_trace(load_trace(TINY_TRACE), TraceScaling(tokens_per_block=8))
     forward = BlockTokens(8, vocab_size=128)

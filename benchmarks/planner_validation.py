@@ -1,0 +1,255 @@
+"""Planner validation: a scaled slice of a trace replayed through a real `kvtier serve`, next to
+`kvtier plan`'s prediction for the same slice, scaling, scheduler limits and tier sizes.
+
+    python benchmarks/planner_validation.py --trace ../shared/traces/mooncake_synthetic_trace.jsonl
+    python benchmarks/planner_validation.py --trace T --cost-model my.json --max-requests 40
+
+One command: (1) calibrates the cost model on this machine for the default model (SmolLM2-135M,
+`kvtier plan calibrate`), unless `--cost-model FILE` is given; (2) starts `kvtier serve` with a
+device pool of `--num-device-blocks`, host memory and a disk tier, and replays the slice against
+it (`kvtier bench trace`: arrivals on the trace's scaled clock); (3) plans the same slice; (4)
+prints per-tier hit rates (shares of the prompt tokens served) and mean / p90 TTFT side by side,
+and writes both reports and the comparison as JSON. The goals are hit rates within 5 points and
+TTFT within 25%; the exit status is 1 when a goal is missed.
+
+The defaults are a slice of the Mooncake synthetic trace late enough to reuse prefixes within
+itself (from request 3500, its conversations come back within it), 8 tokens per hash id, twice the
+trace's inter-arrival times and outputs capped at 8 tokens: about 135 s of arrivals and 5 minutes
+in all on a 2-core VM. The device pool (600 blocks of 8 tokens) holds the longest prompt of the
+slice and a tenth of its 1 GiB working set, host memory a quarter, and the disk tier all of
+it, so each level serves hits. Run it from the repository root on a quiet machine: the replay's
+TTFT is this machine's, the plan's is the cost model's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the server launcher
+
+from server_process import ServerProcess, free_port  # noqa: E402
+
+from kvtier.common.sizes import parse_size  # noqa: E402
+from kvtier.entrypoints.bench import ServerTarget  # noqa: E402
+from kvtier.entrypoints.bench.trace import TraceScaling  # noqa: E402
+from kvtier.entrypoints.bench.trace_runner import (  # noqa: E402
+    COMPLETIONS_PATH,
+    TraceReplayConfig,
+    completion_body,
+    run_trace,
+)
+from kvtier.offload.config import OffloadConfig, parse_kv_offload  # noqa: E402
+from kvtier.planner.calibrate import calibrate  # noqa: E402
+from kvtier.planner.cost_model import CostModel, load_cost_model, write_cost_model  # noqa: E402
+from kvtier.planner.model_kv import model_kv, read_model_config  # noqa: E402
+from kvtier.planner.plan import PlanConfig, run_plan  # noqa: E402
+from kvtier.planner.simulator import SchedulerLimits  # noqa: E402
+
+HIT_RATE_GOAL_POINTS = 5.0
+TTFT_GOAL_SHARE = 0.25
+DTYPE = "bfloat16"
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """One validation run; sizes in bytes, the disk tier in a fresh temporary directory."""
+
+    trace: Path
+    scaling: TraceScaling
+    block_size: int
+    num_device_blocks: int
+    max_model_len: int
+    host_bytes: int
+    disk_bytes: int
+    limits: SchedulerLimits
+    cost_model: Path | None  # None: calibrate here first
+    replay_json: Path | None  # a replay kept by an earlier run; None: replay now
+    out_dir: Path
+    startup_timeout_s: float
+    run_timeout_s: float
+
+    def kv_offload(self, disk_dir: Path) -> str:
+        return f"host={self.host_bytes},disk={disk_dir}:{self.disk_bytes}"
+
+
+def serve_command(config: ValidationConfig, port: int, disk_dir: Path) -> list[str]:
+    return [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", DTYPE, "--block-size", str(config.block_size),
+            "--num-device-blocks", str(config.num_device_blocks),
+            "--max-model-len", str(config.max_model_len),
+            "--max-num-batched-tokens", str(config.limits.max_num_batched_tokens),
+            "--max-num-seqs", str(config.limits.max_num_seqs),
+            "--kv-offload", config.kv_offload(disk_dir), "--uvicorn-log-level", "warning"]
+
+
+def cost_model(config: ValidationConfig) -> CostModel:
+    """The given cost model, or one measured here now (written beside the reports)."""
+    if config.cost_model is not None:
+        return load_cost_model(config.cost_model)
+    print("calibrating the cost model for the default model ...", file=sys.stderr, flush=True)
+    cost, measurements = calibrate(None, dtype=DTYPE)
+    write_cost_model(cost, config.out_dir / "cost_model.json", measurements)
+    return cost
+
+
+def replay(config: ValidationConfig, vocab_size: int) -> dict:
+    """Start the server, send one warm-up request, replay the slice; the bench report."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-validate-disk-") as disk_dir:
+        port = free_port()
+        command = serve_command(config, port, Path(disk_dir))
+        with ServerProcess(command, dict(os.environ), port, config.out_dir / "serve.log",
+                           config.startup_timeout_s) as server:
+            print(f"server up in {server.startup_s:.0f} s: {' '.join(command)}",
+                  file=sys.stderr, flush=True)
+            warm_up(server.url, config.block_size)
+            target = ServerTarget(url=server.url, api="completions",
+                                  run_timeout_s=config.run_timeout_s)
+            scaling = TraceScaling(**{**asdict(config.scaling), "vocab_size": vocab_size})
+            return asyncio.run(run_trace(TraceReplayConfig(config.trace, scaling), target,
+                                         label="replay"))
+
+
+def warm_up(url: str, block_size: int) -> None:
+    """One short request first, so the replay does not pay the server's first-call costs;
+    shorter than a block, it leaves nothing in any cache."""
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {**completion_body(model, list(range(1, block_size)), 2), "stream": False}
+    body.pop("stream_options")
+    httpx.post(f"{url}{COMPLETIONS_PATH}", json=body, timeout=120).raise_for_status()
+
+
+def plan_offload(config: ValidationConfig) -> OffloadConfig:
+    # Only the sizes matter to the plan: the directory is never touched.
+    return OffloadConfig.from_extra_config(parse_kv_offload(config.kv_offload(Path("/plan"))))
+
+
+def plan(config: ValidationConfig, offload: OffloadConfig, cost: CostModel) -> dict:
+    model = model_kv(None, config.block_size, DTYPE, config.max_model_len)
+    return run_plan(PlanConfig(config.trace, model, config.num_device_blocks
+                               * model.bytes_per_block, offload, cost, config.scaling,
+                               config.limits))
+
+
+def replay_hit_rates(report: dict, chunk_tokens: int) -> dict[str, float]:
+    """Per-tier shares of the prompt tokens served: the device counts tokens, the offload tiers
+    count chunks of `chunk_tokens`."""
+    prompt_tokens = sum(row["prompt_tokens"] for row in report["requests"] if not row["error"])
+    rates = {}
+    for tier, counts in report["hit_rates"].items():
+        tokens = counts["hits"] * (1 if tier == "device" else chunk_tokens)
+        rates[tier] = tokens / prompt_tokens if prompt_tokens else 0.0
+    rates["total"] = sum(rates.values())
+    return rates
+
+
+def compare(replayed: dict, planned: dict, chunk_tokens: int) -> dict:
+    """Side by side, with each goal's verdict."""
+    real = replay_hit_rates(replayed, chunk_tokens)
+    hit_rates = {tier: {"replay": real.get(tier, 0.0), "plan": planned["hit_rate"][tier],
+                        "diff_points": 100 * (planned["hit_rate"][tier] - real.get(tier, 0.0))}
+                 for tier in ("device", "host", "disk", "total")}
+    ttft = {}
+    for key in ("mean", "p90"):
+        measured, predicted = replayed["ttft_s"][key], planned["ttft_s"][key]
+        ttft[key] = {"replay": measured, "plan": predicted,
+                     "rel_error": (predicted - measured) / measured if measured else None}
+    return {
+        "hit_rate": hit_rates,
+        "ttft_s": ttft,
+        "hit_rates_within_goal": all(abs(row["diff_points"]) <= HIT_RATE_GOAL_POINTS
+                                     for row in hit_rates.values()),
+        "ttft_within_goal": all(row["rel_error"] is not None
+                                and abs(row["rel_error"]) <= TTFT_GOAL_SHARE
+                                for row in ttft.values()),
+    }
+
+
+def print_table(comparison: dict, replayed: dict) -> None:
+    print("| metric | replay (kvtier serve) | plan (kvtier plan) | difference |")
+    print("|---|---|---|---|")
+    for tier, row in comparison["hit_rate"].items():
+        print(f"| {tier} hit rate | {row['replay']:.1%} | {row['plan']:.1%} | "
+              f"{row['diff_points']:+.1f} points |")
+    for key, row in comparison["ttft_s"].items():
+        error = "-" if row["rel_error"] is None else f"{row['rel_error']:+.0%}"
+        print(f"| {key} TTFT | {row['replay'] * 1000:.0f} ms | {row['plan'] * 1000:.0f} ms | "
+              f"{error} |")
+    print(f"\n{replayed['num_requests']} requests ({replayed['num_failed']} failed); hit rates "
+          f"within {HIT_RATE_GOAL_POINTS:g} points: {comparison['hit_rates_within_goal']}; "
+          f"TTFT within {TTFT_GOAL_SHARE:.0%}: {comparison['ttft_within_goal']}")
+
+
+def run(config: ValidationConfig) -> int:
+    config.out_dir.mkdir(parents=True, exist_ok=True)
+    print(config.scaling.describe(), file=sys.stderr, flush=True)
+    cost = cost_model(config)
+    started = time.perf_counter()
+    if config.replay_json is None:
+        replayed = replay(config, read_model_config(None).vocab_size)
+        # Kept at once: the replay is the part that takes minutes.
+        (config.out_dir / "replay.json").write_text(json.dumps(replayed, indent=2) + "\n")
+    else:
+        replayed = json.loads(config.replay_json.read_text())
+    replay_s = time.perf_counter() - started
+    offload = plan_offload(config)
+    planned = plan(config, offload, cost)
+    comparison = compare(replayed, planned, config.block_size * offload.blocks_per_chunk)
+    print_table(comparison, replayed)
+    result = {"comparison": comparison, "replay_wall_s": replay_s,
+              "config": {k: str(v) if isinstance(v, Path) else v
+                         for k, v in asdict(config).items()},
+              "replay": replayed, "plan": planned}
+    (config.out_dir / "planner_validation.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(f"written {config.out_dir / 'planner_validation.json'}", file=sys.stderr)
+    ok = comparison["hit_rates_within_goal"] and comparison["ttft_within_goal"]
+    return 0 if ok and replayed["num_failed"] == 0 else 1
+
+
+def parse_args(argv: list[str] | None = None) -> ValidationConfig:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--trace", type=Path, required=True, help="JSON-lines trace (Mooncake format)")
+    p.add_argument("--cost-model", type=Path, default=None,
+                   help="cost model JSON (default: calibrate on this machine first)")
+    p.add_argument("--replay-json", type=Path, default=None,
+                   help="compare with the replay.json an earlier run kept (same options) "
+                        "instead of replaying again")
+    p.add_argument("--first-request", type=int, default=3500)
+    p.add_argument("--max-requests", type=int, default=300)
+    p.add_argument("--tokens-per-block", type=int, default=8, help="tokens per hash id")
+    p.add_argument("--time-scale", type=float, default=2.0)
+    p.add_argument("--max-output-tokens", type=int, default=8)
+    p.add_argument("--block-size", type=int, default=8, help="engine block size (tokens)")
+    p.add_argument("--num-device-blocks", type=int, default=600)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--host", default="256MiB", help="host memory tier size")
+    p.add_argument("--disk", default="2GiB", help="disk tier size")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results/planner_validation"))
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--run-timeout", type=float, default=3600.0)
+    a = p.parse_args(argv)
+    scaling = TraceScaling(tokens_per_block=a.tokens_per_block, time_scale=a.time_scale,
+                           max_requests=a.max_requests, max_output_tokens=a.max_output_tokens,
+                           first_request=a.first_request)
+    return ValidationConfig(
+        trace=a.trace, scaling=scaling, block_size=a.block_size,
+        num_device_blocks=a.num_device_blocks, max_model_len=a.max_model_len,
+        host_bytes=parse_size(a.host, "--host"), disk_bytes=parse_size(a.disk, "--disk"),
+        limits=SchedulerLimits(a.max_num_batched_tokens, a.max_num_seqs),
+        cost_model=a.cost_model, replay_json=a.replay_json, out_dir=a.out_dir,
+        startup_timeout_s=a.startup_timeout, run_timeout_s=a.run_timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(run(parse_args()))

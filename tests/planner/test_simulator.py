@@ -1,0 +1,41 @@
+"""The simulation's clock: each step costs what it computes and the context it attends to."""
+
+import pytest
+
+from kvtier.entrypoints.bench.trace import ScaledRequest
+from kvtier.planner.blocks import BlockKeys
+from kvtier.planner.cost_model import CostModel, prefill_pairs
+from kvtier.planner.model_kv import model_kv
+from kvtier.planner.plan import plan_requests
+from kvtier.planner.simulator import SchedulerLimits, Simulation
+
+from ..tiny_models import make_hf_model
+
+BASE, PER_TOKEN, PER_SEQ, PER_PAIR, PER_CONTEXT = 0.01, 1e-3, 2e-3, 1e-5, 1e-4
+
+
+def test_chunked_prefill_after_a_prefix_hit_pays_for_its_context(tmp_path):
+    make_hf_model("llama", tmp_path)
+    model = model_kv(str(tmp_path), 4, "float32")
+    cost = CostModel(BASE, PER_TOKEN, PER_SEQ, prefill_s_per_pair=PER_PAIR,
+                     decode_s_per_context_token=PER_CONTEXT)
+    # 8 tokens per hash id; the second prompt extends the first, long after it finished.
+    scaled = [ScaledRequest(0, 0.0, (0, 1, 2), 24, 2), ScaledRequest(1, 100.0, (0, 1, 2, 3), 32, 3)]
+    first, second = plan_requests(scaled, BlockKeys(8, 4))
+    simulation = Simulation(model, 64 * model.bytes_per_block, None, cost,
+                            SchedulerLimits(max_num_batched_tokens=16))
+    simulation.run([first, second])
+
+    def step(tokens=0, pairs=0, seqs=0, context=0):
+        return BASE + PER_TOKEN * tokens + PER_PAIR * pairs + PER_SEQ * seqs + PER_CONTEXT * context
+
+    # 24 tokens in chunks of 16 and 8; the second chunk attends to the first.
+    ttft = step(16, prefill_pairs(16, 0)) + step(8, prefill_pairs(8, 16))
+    assert first.first_token_s == pytest.approx(ttft)
+    assert first.finished_s == pytest.approx(ttft + step(seqs=1, context=24 + 1))
+    # The second hits the first's 24 tokens on the device and computes 8 after them.
+    assert second.hit_tokens == [24]
+    ttft = step(8, prefill_pairs(8, 24))
+    assert second.first_token_s - 100.0 == pytest.approx(ttft)
+    decodes = step(seqs=1, context=32 + 1) + step(seqs=1, context=32 + 2)
+    assert second.finished_s - 100.0 == pytest.approx(ttft + decodes)
