@@ -11,8 +11,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from kvtier.entrypoints.openai.errors import ServiceUnavailableError, install_error_handlers
+from kvtier.router.policy import NoInstanceError
 from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
-from kvtier.router.proxy import proxy
+from kvtier.router.proxy import explain, proxy
 from kvtier.router.service import RouterService
 
 
@@ -59,6 +60,14 @@ def build_app(service: RouterService,
             {"url": i.url, "healthy": i.healthy, "indexed": i.indexed,
              "in_flight": i.in_flight, "reported_load": i.reported_load}
             for i in service.instances]})
+
+    @app.post("/router/explain")
+    async def explain_route(raw: Request) -> JSONResponse:
+        """The decision for {"path": ..., "body": ...} and each instance's cached prefix."""
+        try:
+            return JSONResponse(await explain(service, raw))
+        except NoInstanceError as exc:
+            raise ServiceUnavailableError(str(exc), code="no_instance") from exc
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.router.config import RouterConfig
-from kvtier.router.index import KVIndex
+from kvtier.router.index import KVIndex, PrefixMatch
 from kvtier.router.instances import Instance
 
 
@@ -49,8 +49,7 @@ class Router:
 
     def _kv_aware(self, candidates: list[Instance], block_hashes: Sequence[int],
                   block_size: int) -> Decision:
-        indexed = [i.slot for i in candidates if i.indexed]
-        matches = self.index.match(block_hashes, indexed) if block_hashes else {}
+        matches = self.matches(block_hashes, candidates)
         open_ = [i for i in candidates if i.load < self.config.saturation] or candidates
 
         def score(instance: Instance) -> float:
@@ -68,13 +67,19 @@ class Router:
             best, reason = self._least_loaded(open_), "no_hit"
         return Decision(best, reason, num_blocks * block_size)
 
+    def matches(self, block_hashes: Sequence[int],
+                instances: Sequence[Instance]) -> dict[int, PrefixMatch]:
+        """Per slot of the indexed `instances`, how much of the prompt the index says it holds."""
+        indexed = [i.slot for i in instances if i.indexed]
+        return self.index.match(block_hashes, indexed) if block_hashes else {}
+
     def _least_loaded(self, candidates: list[Instance]) -> Instance:
         # Ties take turns: new conversations arriving one at a time spread over idle instances.
         start = next(self._turns) % len(candidates)
         return min(candidates[start:] + candidates[:start], key=lambda i: i.load)
 
 
-def _num_blocks(matches: dict, instance: Instance) -> int:
+def _num_blocks(matches: dict[int, PrefixMatch], instance: Instance) -> int:
     match = matches.get(instance.slot)
     return 0 if match is None else match.num_blocks
 

@@ -22,6 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvtier.entrypoints.openai.errors import APIError, BadRequestError, ServiceUnavailableError
 from kvtier.router.instances import Instance
 from kvtier.router.policy import Decision, NoInstanceError
+from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
 from kvtier.router.service import RouterService
 
 _REQUEST_HEADERS = ("authorization", "content-type", "x-request-id")
@@ -45,6 +46,28 @@ class _TryElsewhere(Exception):
 class _Prompt:
     num_tokens: int
     block_hashes: list[int]
+
+
+async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
+    """What the router would do with {"path": ..., "body": ...}, without sending it: the
+    decision and, per instance, the prompt's cached prefix the index knows of."""
+    content = await raw.body()
+    request = _json_object(content)
+    path, body = request.get("path"), request.get("body")
+    if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
+        raise BadRequestError(f"give {{\"path\": \"{CHAT_PATH}\" or \"{COMPLETIONS_PATH}\", "
+                              f"\"body\": {{...}}}}", param="path", code="invalid_value")
+    prompt = await _hash_prompt(service, path, body, len(content))
+    block_size = service.hasher.block_size if service.hasher is not None else 1
+    decision = service.router.choose(prompt.block_hashes, block_size)
+    matches = service.router.matches(prompt.block_hashes, service.instances)
+    return {"instance": decision.instance.url, "reason": decision.reason,
+            "num_prompt_blocks": len(prompt.block_hashes),
+            "predicted_cached_tokens": decision.predicted_cached_tokens,
+            "instances": [{"url": i.url, "healthy": i.healthy, "load": i.load,
+                           "cached_blocks": m.num_blocks if m else 0,
+                           "weighted_blocks": m.weighted_blocks if m else 0.0}
+                          for i in service.instances for m in [matches.get(i.slot)]]}
 
 
 async def proxy(service: RouterService, path: str, raw: Request) -> Response:
