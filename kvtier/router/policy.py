@@ -75,8 +75,9 @@ class Router:
 
     def _least_loaded(self, candidates: list[Instance]) -> Instance:
         # Ties take turns: new conversations arriving one at a time spread over idle instances.
-        start = next(self._turns) % len(candidates)
-        return min(candidates[start:] + candidates[:start], key=lambda i: i.load)
+        least = min(i.load for i in candidates)
+        tied = [i for i in candidates if i.load == least]
+        return tied[next(self._turns) % len(tied)]
 
 
 def _num_blocks(matches: dict[int, PrefixMatch], instance: Instance) -> int:
