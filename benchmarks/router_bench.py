@@ -79,10 +79,17 @@ def router_command(policy: str, port: int, instances: list[str]) -> list[str]:
 
 
 def router_counters(url: str) -> dict[str, float]:
+    """The router's token counters, and its decisions as "decisions:<reason>"."""
     samples = parse_samples(httpx.get(f"{url}/metrics", timeout=10.0).text)
-    return {name: value for name, value in samples.items()
-            if name.startswith(("kvtier_router:prompt_tokens", "kvtier_router:actual_cached",
-                                "kvtier_router:predicted_cached", "kvtier_router:decisions"))}
+    counters: dict[str, float] = {}
+    for (name, labels), value in samples.items():
+        name = name.removeprefix("kvtier_router:")
+        if name == "decisions":
+            name = f"decisions:{dict(labels)['reason']}"
+        elif name not in ("prompt_tokens", "actual_cached_tokens", "predicted_cached_tokens"):
+            continue
+        counters[name] = counters.get(name, 0.0) + value
+    return counters
 
 
 def run_policy(args: argparse.Namespace, policy: str) -> dict:
@@ -106,17 +113,17 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
         target = ServerTarget(url=router.url)
         report = asyncio.run(run_multi_turn(workload, target, label=policy))
         counters = router_counters(router.url)
-    prompt = sum(v for k, v in counters.items() if k.startswith("kvtier_router:prompt_tokens"))
-    cached = sum(v for k, v in counters.items() if k.startswith("kvtier_router:actual_cached"))
-    predicted = sum(v for k, v in counters.items()
-                    if k.startswith("kvtier_router:predicted_cached"))
+    prompt = counters.get("prompt_tokens", 0.0)
+    cached = counters.get("actual_cached_tokens", 0.0)
+    predicted = counters.get("predicted_cached_tokens", 0.0)
     return {"policy": policy, "hit_rate": cached / prompt if prompt else None,
             "predicted_cached_tokens": predicted, "cached_tokens": cached,
             "prompt_tokens": prompt, "ttft_p50_s": report["ttft_s"]["p50"],
             "ttft_p90_s": report["ttft_s"]["p90"],
             "output_tokens_per_s": report["output_tokens_per_s"],
             "num_failed": report["num_failed"],
-            "decisions": {k: v for k, v in counters.items() if "decisions" in k},
+            "decisions": {k.removeprefix("decisions:"): v for k, v in counters.items()
+                          if k.startswith("decisions:")},
             "report": report}
 
 
