@@ -190,9 +190,11 @@ async def _relay(service: RouterService, decision: Decision, prompt: _Prompt,
         outcome = 502
         service.mark_down(decision.instance, "connection_lost")
     finally:
-        await upstream.aclose()
+        # Before the await: a client that left cancels this generator, and the await may
+        # raise again.
         _add_in_flight(service, decision.instance, -1)
         _observe(service, decision, prompt, scanner.usage, outcome)
+        await upstream.aclose()
 
 
 def _add_in_flight(service: RouterService, instance: Instance, delta: int) -> None:

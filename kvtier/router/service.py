@@ -45,6 +45,7 @@ class RouterService:
         self.hasher: PromptHasher | None = None
         self._hashing: tuple[int, str] | None = None
         self._subscriptions: dict[str, asyncio.Task] = {}
+        self._hasher_lock = asyncio.Lock()
         self._watchers: list[asyncio.Task] = []
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s),
@@ -126,21 +127,27 @@ class RouterService:
     async def _can_hash_like(self, instance: Instance, events: EventsInfo) -> bool:
         """Whether this instance hashes blocks as the router does (the first one decides)."""
         hashing = (events.block_size, events.hash_algo)
+        async with self._hasher_lock:  # instances coming up together load one tokenizer
+            if self.hasher is None:
+                await self._load_hasher(events)
         if self.hasher is None:
-            try:
-                tokenizer = await asyncio.to_thread(load_tokenizer,
-                                                    self.config.model or events.model)
-            except (ModelLoadError, OSError) as exc:
-                logger.error("cannot load the tokenizer of %s (%s): routing without the KV "
-                             "index; pass --model", self.config.model or events.model, exc)
-                return False
-            self.hasher = PromptHasher(tokenizer, *hashing)
-            self._hashing = hashing
+            return False
         if hashing != self._hashing:
             logger.error("instance %s hashes blocks with block_size=%d hash_algo=%s, not %s: "
                          "its KV events are ignored", instance.url, *hashing, self._hashing)
             return False
         return True
+
+    async def _load_hasher(self, events: EventsInfo) -> None:
+        model = self.config.model or events.model
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, model)
+        except (ModelLoadError, OSError) as exc:
+            logger.error("cannot load the tokenizer of %s (%s): routing without the KV index; "
+                         "pass --model", model, exc)
+            return
+        self.hasher = PromptHasher(tokenizer, events.block_size, events.hash_algo)
+        self._hashing = (events.block_size, events.hash_algo)
 
     async def _read_load(self, instance: Instance) -> None:
         try:
