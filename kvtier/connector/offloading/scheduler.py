@@ -334,10 +334,13 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if blocks is None or move.destination == DEVICE:
             return None
         hashes = [external_block_hash(h) for h in blocks]
+        # A move's locality is its secondary tier's; host memory is always this instance's own.
         if move.destination is None:
-            return BlockRemoved(hashes, self._media[move.source], move.locality)
+            locality = "local" if move.source == HOST else move.locality
+            return BlockRemoved(hashes, self._media[move.source], locality)
+        locality = "local" if move.destination == HOST else move.locality
         return BlockStored(hashes, None, [], self.block_size, None,
-                           self._media[move.destination], None, move.locality)
+                           self._media[move.destination], None, locality)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Send every chunk in host memory that the tiers lack on its way (write_back
