@@ -5,6 +5,7 @@ an error. Slow: three model servers start (minutes on a busy 2-core machine)."""
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -171,10 +172,14 @@ def test_a_killed_instance_costs_no_client_an_error(cluster, router_model):
     for thread in threads:
         thread.start()
     time.sleep(0.5)
+    # Frozen first, so requests are surely in flight on it when it dies.
+    victim.process.send_signal(signal.SIGSTOP)
+    time.sleep(1.0)
     victim.process.kill()
     for thread in threads:
         thread.join(TIMEOUT_S)
     assert not errors and results == [200] * 24, (errors, results)
+    assert router_metric(router, "kvtier_router:retries_total") >= 1
     state = router.wait_until(lambda s: not s["instances"][0]["healthy"])
     assert [i["healthy"] for i in state["instances"]] == [False, True, True]
     # Requests after the kill go to the live instances only.
