@@ -124,6 +124,9 @@ class KVConnectorScheduler(ABC):
         return False, None
 
     def take_events(self) -> Iterable[Any]:
+        """KV events since the last call, in the wire schema (kvtier.events: BlockStored /
+        BlockRemoved named by 64-bit block hashes, with medium and locality); the server
+        publishes them beside the device cache's."""
         return ()
 
     def shutdown(self) -> None:

@@ -1,21 +1,16 @@
 """Publishes the engine's KV cache events over ZMQ in the layout vLLM's consumers read.
 
-Wire format (what llm-d's indexer, Dynamo's relay and vLLM's example subscriber decode):
-  PUB multipart message: [topic bytes, seq (8-byte big-endian), msgpack payload]
-  payload = [ts, [event, ...], data_parallel_rank]
-  event   = [type name, *fields], e.g.
-            ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium]
-            ["BlockRemoved", block_hashes, medium]
-            ["AllBlocksCleared"]
-Block hashes go out as unsigned 64-bit ints (the low 64 bits of the hash), which is what vLLM
-sends by default and what those consumers index on; the paged cache's medium goes out as "GPU".
-Events of other types (the offloading connector's tier moves) go out as
-[type name, *dataclass fields in declaration order]. With "include_token_ids": false (not one of
-vLLM's keys) BlockStored carries an empty token id list: a subscriber learns which blocks are
-cached, never the text of someone's prompt.
+The wire schema (message layout, event fields, media, locality) is `kvtier.events`; this module
+turns the engine's events into it: the device cache's BlockStored / BlockRemoved /
+AllBlocksCleared go out with medium "GPU", and the offloading connector's tier moves arrive
+already in the wire schema. With "include_token_ids": false (not one of vLLM's keys) BlockStored
+carries an empty token id list: a subscriber learns which blocks are cached, never the text of
+someone's prompt.
 
 An optional ROUTER replay socket answers a request [start seq (8-byte big-endian)] with one
-[seq, payload] message per buffered batch from that seq on, then [END_SEQ, b""].
+[seq, payload] message per buffered batch from that seq on, then [END_SEQ, b""]. A subscriber
+that sees a gap in the sequence numbers asks it for the missing batches; if the first seq
+replayed is past the one it asked for, the buffer no longer holds them and it must resync.
 """
 
 from __future__ import annotations
@@ -31,24 +26,25 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import zmq
+
+from kvtier.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    WireEvent,
+    encode_batch,
+    external_block_hash,
+)
+from kvtier.events.schema import MEDIUM_GPU
+from kvtier.kv import events as kv_events
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 _PUBLISHERS = ("null", "zmq")
 _ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
-# Field order on the wire for the KV cache core's events (group_idx is not part of vLLM's layout).
-_WIRE_FIELDS: dict[str, tuple[str, ...]] = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium"),
-    "BlockRemoved": ("block_hashes", "medium"),
-    "AllBlocksCleared": (),
-}
-_HASH_FIELDS = frozenset({"block_hashes", "parent_block_hash"})
-# vLLM calls the paged cache's medium "GPU" on every platform; routers match on that name.
-_WIRE_MEDIUM = {"device": "GPU"}
 # How long start-up waits for the publisher thread to bind its sockets.
 _BIND_DEADLINE_S = 10.0
 _POLL_INTERVAL_S = 0.05
@@ -122,44 +118,30 @@ class KVEventsConfig:
         return cls(**data)
 
 
-def external_block_hash(block_hash: bytes | int | None) -> int | None:
-    """The low 64 bits of a block hash as an int (vLLM's default external form)."""
-    if block_hash is None or isinstance(block_hash, int):
-        return block_hash
-    return int.from_bytes(block_hash, "big") & ((1 << 64) - 1)
+def to_wire_event(event: Any, include_token_ids: bool = True) -> WireEvent:
+    """One engine event in the wire schema. The device cache's medium goes out as "GPU" (vLLM
+    names it so on every platform; routers match on that name)."""
+    if isinstance(event, kv_events.BlockStored):
+        return BlockStored(
+            [external_block_hash(h) for h in event.block_hashes],
+            external_block_hash(event.parent_block_hash),
+            list(event.token_ids) if include_token_ids else [], event.block_size,
+            # kvtier names LoRA adapters rather than numbering them: the name goes as lora_name.
+            None, MEDIUM_GPU, event.lora_id)
+    if isinstance(event, kv_events.BlockRemoved):
+        return BlockRemoved([external_block_hash(h) for h in event.block_hashes], MEDIUM_GPU)
+    if isinstance(event, kv_events.AllBlocksCleared):
+        return AllBlocksCleared()
+    if isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
+        return event
+    raise TypeError(f"not a KV event: {type(event).__name__}")
 
 
-def encode_event(event: Any, include_token_ids: bool = True) -> list[Any]:
-    """One event as the tagged msgpack array consumers decode."""
-    name = type(event).__name__
-    fields = _WIRE_FIELDS.get(name)
-    if fields is None:
-        fields = tuple(f.name for f in dataclasses.fields(event))
-    wire: list[Any] = [name]
-    for field_name in fields:
-        value = getattr(event, field_name)
-        if field_name == "block_hashes":
-            value = [external_block_hash(h) for h in value]
-        elif field_name in _HASH_FIELDS:
-            value = external_block_hash(value)
-        elif field_name == "token_ids" and not include_token_ids:
-            value = []
-        elif field_name == "medium":
-            value = _WIRE_MEDIUM.get(value, value)
-        elif field_name == "lora_id" and not isinstance(value, int):
-            # Consumers decode lora_id as an int; kvtier names adapters, so a name goes as None.
-            value = None
-        elif isinstance(value, tuple):
-            value = list(value)
-        wire.append(value)
-    return wire
-
-
-def encode_batch(ts: float, events: Iterable[Any], data_parallel_rank: int = 0,
-                 include_token_ids: bool = True) -> bytes:
-    """A KVEventBatch payload: [ts, [events...], data_parallel_rank]."""
-    return msgpack.packb([ts, [encode_event(e, include_token_ids) for e in events],
-                          data_parallel_rank], use_bin_type=True)
+def encode_events(ts: float, events: Iterable[Any], data_parallel_rank: int = 0,
+                  include_token_ids: bool = True) -> bytes:
+    """A batch payload: [ts, [events...], data_parallel_rank]."""
+    return encode_batch(EventBatch(ts, [to_wire_event(e, include_token_ids) for e in events],
+                                   data_parallel_rank))
 
 
 class EventPublisher:
@@ -245,8 +227,8 @@ class ZmqEventPublisher(EventPublisher):
             except queue.Empty:
                 continue
             try:
-                payload = encode_batch(ts, events, self.data_parallel_rank,
-                                       self.config.include_token_ids)
+                payload = encode_events(ts, events, self.data_parallel_rank,
+                                        self.config.include_token_ids)
             except Exception:
                 # One bad event must not end the thread: every later batch would be lost.
                 logger.exception("dropping a KV event batch that cannot be encoded")

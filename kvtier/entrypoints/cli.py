@@ -13,6 +13,8 @@ SUBCOMMANDS = {
     "generate": ("kvtier.entrypoints.generate", "generate text offline for one or more prompts"),
     "serve": ("kvtier.entrypoints.serve", "run the OpenAI-compatible server"),
     "bench": ("kvtier.entrypoints.bench.cli", "run a benchmark client"),
+    "router": ("kvtier.router.cli", "route requests over many instances by where their KV "
+                                    "cache is"),
     "plan": ("kvtier.planner.cli", "size KV cache tiers for a request trace, by simulation"),
 }
 USAGE_ERROR = 2

@@ -9,11 +9,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
+from typing import TYPE_CHECKING, Any
 
 from kvtier.common.sizes import parse_size
 from kvtier.config import EngineConfig
 from kvtier.engine.args import add_engine_args, engine_config_from_args
+
+if TYPE_CHECKING:
+    from kvtier.engine.kv_events import KVEventsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,19 @@ def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, int]:
     return engine_config_from_args(args), max_body
 
 
+def _kv_events_info(events: KVEventsConfig | None, config: EngineConfig) -> dict[str, Any] | None:
+    """What a router needs to follow this server's KV cache: the event sockets, and the model
+    and block hashing to tokenize and hash prompts as the engine does."""
+    if events is None or not events.is_publishing:
+        return None
+    from kvtier.models.loader import default_model_path
+
+    return {"publishing": True, "endpoint": events.endpoint,
+            "replay_endpoint": events.replay_endpoint, "topic": events.topic,
+            "block_size": config.cache.block_size, "hash_algo": config.cache.hash_algo,
+            "model": os.path.abspath(config.model.model or default_model_path())}
+
+
 def run(args: argparse.Namespace) -> int:
     config, max_body = _checked_config(args)
     import uvicorn
@@ -100,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     names = tuple(args.served_model_name or [model_arg or engine.model_name])
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
                         ServerMetrics(engine.metrics),
-                        enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        kv_events_info=_kv_events_info(events_config, config))
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
                     max_request_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(

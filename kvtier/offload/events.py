@@ -1,4 +1,6 @@
-"""KV events for moves between tiers, so a router can send requests where the cache is."""
+"""Moves between tiers, by chunk key; the offloading connector publishes them as KV events
+named by the chunks' block hashes (kvtier.events), so a router can send requests where the
+cache is."""
 
 from __future__ import annotations
 

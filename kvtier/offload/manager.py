@@ -352,6 +352,14 @@ class TieringManager:
 
     def take_events(self) -> list[TierMoveEvent]:
         evicted = [TierMoveEvent(key, HOST, None) for key in self.host.take_evicted()]
+        for index, tier in enumerate(self.tiers):
+            try:
+                dropped = tier.take_evicted()
+            except Exception:  # a broken tier costs its events, never the step
+                self.metrics.error(self.tier_names[index])
+                continue
+            evicted.extend(TierMoveEvent(key, self.tier_names[index], None, tier.locality)
+                           for key in dropped)
         events, self._events = self._events + evicted, []
         return events
 

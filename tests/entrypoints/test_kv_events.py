@@ -8,14 +8,15 @@ import msgpack
 import pytest
 import zmq
 
+from kvtier import events as wire
 from kvtier.engine.kv_events import (
     END_SEQ,
     KVEventsConfig,
     KVEventsConfigError,
     ZmqEventPublisher,
-    encode_batch,
-    encode_event,
+    encode_events,
     make_event_publisher,
+    to_wire_event,
 )
 from kvtier.kv import AllBlocksCleared, BlockRemoved, BlockStored
 
@@ -26,24 +27,43 @@ HASH_B = bytes([0xFF] * 32)
 RECV_DEADLINE_MS = 5000
 
 
+def encode_event(event, include_token_ids=True):
+    return wire.encode_event(to_wire_event(event, include_token_ids))
+
+
 def test_events_encode_in_vllm_layout():
-    stored = BlockStored([HASH_A, HASH_B], None, [1, 2, 3, 4], 2, None, "device", 0)
+    stored = BlockStored([HASH_A, HASH_B], None, [1, 2, 3, 4], 2, "adapter", "device", 0)
     removed = BlockRemoved([HASH_B], "device", 0)
     low_a = int.from_bytes(HASH_A[-8:], "big")
+    # vLLM's fields, then lora_name (kvtier names adapters) and locality.
     assert encode_event(stored) == ["BlockStored", [low_a, 2 ** 64 - 1], None, [1, 2, 3, 4], 2,
-                                    None, "GPU"]
-    assert encode_event(removed) == ["BlockRemoved", [2 ** 64 - 1], "GPU"]
+                                    None, "GPU", "adapter", "local"]
+    assert encode_event(removed) == ["BlockRemoved", [2 ** 64 - 1], "GPU", "local"]
     assert encode_event(AllBlocksCleared()) == ["AllBlocksCleared"]
-    payload = msgpack.unpackb(encode_batch(12.5, [removed, AllBlocksCleared()]))
-    assert payload == [12.5, [["BlockRemoved", [2 ** 64 - 1], "GPU"], ["AllBlocksCleared"]], 0]
+    payload = encode_events(12.5, [removed, AllBlocksCleared()])
+    assert msgpack.unpackb(payload) == [12.5, [["BlockRemoved", [2 ** 64 - 1], "GPU", "local"],
+                                               ["AllBlocksCleared"]], 0]
+    assert wire.decode_batch(payload) == wire.EventBatch(
+        12.5, [wire.BlockRemoved([2 ** 64 - 1], "GPU"), wire.AllBlocksCleared()])
+
+
+def test_decode_reads_vllm_layout_and_refuses_garbage():
+    # vLLM's own BlockStored has no lora_name or locality: they default.
+    payload = msgpack.packb([1.0, [["BlockStored", [7], None, [], 16, None, "GPU"],
+                                   ["SomeNewEvent", 1]], 0])
+    assert wire.decode_batch(payload).events == [wire.BlockStored([7], None, [], 16, None, "GPU")]
+    for bad in (b"\xc1", msgpack.packb([1.0, [["BlockRemoved", ["x"], "GPU"]], 0]),
+                msgpack.packb([1.0, [["BlockRemoved", [1], "GPU", "far"]], 0])):
+        with pytest.raises(wire.EventDecodeError, match="not a KV event batch"):
+            wire.decode_batch(bad)
 
 
 def test_token_ids_can_be_left_out():
     stored = BlockStored([HASH_A], None, [1, 2, 3, 4], 4, None, "device", 0)
     low_a = int.from_bytes(HASH_A[-8:], "big")
     assert encode_event(stored, include_token_ids=False) == ["BlockStored", [low_a], None, [],
-                                                             4, None, "GPU"]
-    payload = msgpack.unpackb(encode_batch(1.0, [stored], include_token_ids=False))
+                                                             4, None, "GPU", None, "local"]
+    payload = msgpack.unpackb(encode_events(1.0, [stored], include_token_ids=False))
     assert payload[1][0][3] == []
     config = KVEventsConfig.from_json('{"enable_kv_cache_events": true, '
                                       '"include_token_ids": false}')

@@ -271,10 +271,11 @@ def test_zmq_subscriber_receives_block_stored(server, client, tokenizer):
         stored = _collect_block_stored(sub)
     finally:
         sub.close(linger=0)
-    # One event for the two full blocks: [tag, hashes, parent, token_ids, block_size, lora, medium]
-    tag, hashes, parent, token_ids, block_size, lora_id, medium = stored[0]
-    assert (tag, parent, token_ids, block_size, lora_id, medium) == \
-        ("BlockStored", None, prompt[:32], 16, None, "GPU")
+    # One event for the two full blocks: [tag, hashes, parent, token_ids, block_size, lora, medium,
+    # lora_name, locality]
+    tag, hashes, parent, token_ids, block_size, lora_id, medium, lora_name, locality = stored[0]
+    assert (tag, parent, token_ids, block_size, lora_id, medium, lora_name, locality) == \
+        ("BlockStored", None, prompt[:32], 16, None, "GPU", None, "local")
     assert len(hashes) == 2 and all(isinstance(h, int) and 0 <= h < 2 ** 64 for h in hashes)
 
 

@@ -100,6 +100,8 @@ def test_full_file_overwrites_the_least_recently_used_chunk(make_tier, tmp_path)
     assert _present(tier, range(4)) == [0, 2, 3]
     assert tier_store(tier, 4)  # overwrites 2
     assert _present(tier, range(5)) == [0, 3, 4]
+    # The overwritten chunks are reported once each, for KV events.
+    assert tier.take_evicted() == [key(1), key(2)] and tier.take_evicted() == []
     for n in (0, 3, 4):
         assert tier_load(tier, n) == (True, chunk_bytes(n))
 

@@ -6,6 +6,7 @@ import pytest
 from kvtier.engine.metrics import MetricsRegistry
 from kvtier.offload.events import TierMoveEvent
 from kvtier.offload.manager import Lookup
+from kvtier.offload.tiers.disk import FILE_HEADER_BYTES, slot_stride
 
 from .offload_helpers import (
     CHUNK,
@@ -241,6 +242,19 @@ def test_manager_promotes_from_a_file_tier_after_host_eviction(make_manager, tmp
     assert stats[f'kvtier:offload_tier_hits_total{{tier="{name}"}}'] == 1
     assert stats[f'kvtier:offload_bytes_total{{direction="host_to_{name}"}}'] == 3 * CHUNK
     assert stats[f'kvtier:offload_bytes_total{{direction="{name}_to_host"}}'] == CHUNK
+
+
+def test_a_disk_tier_overwriting_a_chunk_is_an_eviction_event(make_manager, tmp_path):
+    two_slots = FILE_HEADER_BYTES + 2 * slot_stride(CHUNK)
+    manager = make_manager(offload_config(4, [{"type": "disk", "root_dir": str(tmp_path),
+                                               "max_bytes": two_slots}]))
+    for n in (1, 2, 3):  # the third store overwrites chunk 1's slot
+        store_from_device(manager, n)
+        drain(manager)
+    events = manager.take_events()
+    assert [e for e in events if e.destination is None] == [
+        TierMoveEvent(key(1), "disk", None, "local")]
+    assert manager.take_events() == []
 
 
 # ---- per-tier policies ------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,14 +31,22 @@ from kvtier.connector.offloading.metadata import (
     OffloadingConnectorReport,
 )
 from kvtier.connector.offloading.shared import shared_of
-from kvtier.kv import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvtier.events import BlockRemoved, BlockStored, WireEvent, external_block_hash
+from kvtier.events.schema import MEDIUM_CPU, MEDIUM_DISK
+from kvtier.kv import BlockHash, FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvtier.offload.config import OffloadConfig
+from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
 from kvtier.offload.keys import ChunkKey, chunk_identity, make_chunk_key
 from kvtier.offload.manager import Lookup, TieringManager
 
 _NULL_BLOCK_ID = 0
 # Shutdown's flush waits for the tier jobs' own deadline plus this long.
 _FLUSH_MARGIN_S = 1.0
+# Tier types whose chunks sit in files of this machine: events name their medium "DISK".
+_DISK_TIER_TYPES = frozenset({"disk", "fs"})
+# Chunks whose block hashes are remembered for events, per host slot (the rest are forgotten,
+# least recently named first): host memory holds one chunk a slot, the tiers behind it more.
+_NAMED_CHUNKS_PER_SLOT = 16
 
 
 @dataclass
@@ -88,6 +97,13 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._pending_loads: list[ChunkTransfer] = []
         # Copies handed to the worker half and not yet reported: job id -> chunk.
         self._transfers: dict[int, ChunkKey] = {}
+        # Block hashes of the event group's chunks, so tier moves go out named by block hash.
+        self._event_group = self._scan_groups()[0]
+        self._chunk_blocks: OrderedDict[ChunkKey, tuple[BlockHash, ...]] = OrderedDict()
+        self._max_named_chunks = _NAMED_CHUNKS_PER_SLOT * shared.area.num_slots
+        self._media = {HOST: MEDIUM_CPU, **{
+            spec.name: MEDIUM_DISK if spec.type in _DISK_TIER_TYPES else spec.name
+            for spec in self.options.secondary_tiers}}
 
     def _state(self, request: Any) -> _RequestState:
         state = self._states.get(request.request_id)
@@ -98,8 +114,15 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     # ---- keys and lookups ------------------------------------------------------------------
 
     def chunk_key(self, request: Any, group_id: int, chunk: int) -> ChunkKey:
-        last_block = (chunk + 1) * self.options.blocks_per_chunk - 1
-        return make_chunk_key(self.namespace, group_id, request.block_hashes[last_block])
+        per_chunk = self.options.blocks_per_chunk
+        last_block = (chunk + 1) * per_chunk - 1
+        key = make_chunk_key(self.namespace, group_id, request.block_hashes[last_block])
+        if group_id == self._event_group:
+            self._chunk_blocks[key] = tuple(request.block_hashes[chunk * per_chunk:last_block + 1])
+            self._chunk_blocks.move_to_end(key)
+            if len(self._chunk_blocks) > self._max_named_chunks:
+                self._chunk_blocks.popitem(last=False)
+        return key
 
     def _scan_groups(self) -> list[int]:
         full = [g for g, spec in enumerate(self.groups) if isinstance(spec, FullAttentionSpec)]
@@ -301,8 +324,25 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._states.pop(request.request_id, None)
         return False, None
 
-    def take_events(self) -> list[Any]:
-        return self.manager.take_events()
+    def take_events(self) -> list[WireEvent]:
+        """The tier moves as wire events, named by the chunks' block hashes. Only the event
+        group's chunks are published (every group of a hybrid model holds the same blocks), and
+        loads into the device are left out: the device cache publishes those blocks itself."""
+        events = (self._wire_event(move) for move in self.manager.take_events())
+        return [event for event in events if event is not None]
+
+    def _wire_event(self, move: TierMoveEvent) -> WireEvent | None:
+        blocks = self._chunk_blocks.get(move.key)
+        if blocks is None or move.destination == DEVICE:
+            return None
+        hashes = [external_block_hash(h) for h in blocks]
+        # A move's locality is its secondary tier's; host memory is always this instance's own.
+        if move.destination is None:
+            locality = "local" if move.source == HOST else move.locality
+            return BlockRemoved(hashes, self._media[move.source], locality)
+        locality = "local" if move.destination == HOST else move.locality
+        return BlockStored(hashes, None, [], self.block_size, None,
+                           self._media[move.destination], None, locality)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Send every chunk in host memory that the tiers lack on its way (write_back

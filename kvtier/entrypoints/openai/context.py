@@ -53,6 +53,9 @@ class ServerContext:
     metrics: ServerMetrics
     # Report usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details).
     enable_prompt_tokens_details: bool = False
+    # What GET /v1/kv_events_info answers: where KV events are published and how blocks are
+    # hashed; None: the server publishes none.
+    kv_events_info: dict[str, Any] | None = None
     # The tokenizer is safe to share with these threads: encoding and decoding never change it.
     tokenize_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_TOKENIZE_THREADS, thread_name_prefix="kvtier-tokenize"))

@@ -1,4 +1,4 @@
-"""GET /v1/models, /health, /version, /metrics."""
+"""GET /v1/models, /v1/kv_events_info, /health, /version, /metrics."""
 
 from __future__ import annotations
 
@@ -24,6 +24,14 @@ async def list_models(raw: Request) -> JSONResponse:
     cards = [ModelCard(id=name, root=ctx.model_path or ctx.engine.model_name,
                        max_model_len=ctx.max_model_len) for name in ctx.served_model_names]
     return JSONResponse(ModelList(data=cards).model_dump())
+
+
+@router.get("/v1/kv_events_info")
+async def kv_events_info(raw: Request) -> JSONResponse:
+    """Where this server publishes its KV events and how it names blocks (for a router):
+    {"publishing": false} when it publishes none."""
+    info = _ctx(raw).kv_events_info
+    return JSONResponse(info if info is not None else {"publishing": False})
 
 
 @router.get("/health")

@@ -1,4 +1,5 @@
-"""The secondary-tier API: four methods between the tiering manager and a storage back end.
+"""The secondary-tier API: four methods between the tiering manager and a storage back end
+(and an optional fifth, `take_evicted`, for KV events).
 
 A tier never sees device memory. Every job hands it a `memoryview` of one host slot: a store job
 reads the chunk from it, a load job writes the chunk into it. Calls come from the engine thread
@@ -103,6 +104,11 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def get_finished_jobs(self) -> Iterable[JobResult]: ...
+
+    def take_evicted(self) -> list[ChunkKey]:
+        """Keys this tier dropped to make room since the last call, for KV events; a tier that
+        does not track its evictions (a shared store others also fill) returns none."""
+        return []
 
     def shutdown(self) -> None:
         """Stop the tier's threads; called once."""

@@ -38,7 +38,7 @@ import os
 import stat
 import struct
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -154,6 +154,8 @@ class DiskTier(ThreadedTier):
         self._free = [slot for slot in reversed(range(self.num_slots)) if slot not in used]
         self._readers_of: dict[int, int] = {}  # slot -> loads reading it now
         self._orphans: set[int] = set()  # slots dropped from the index while being read
+        # Overwritten since the last take_evicted; bounded, as nobody may be taking them.
+        self._evicted: deque[ChunkKey] = deque(maxlen=self.num_slots)
         self._sequence = itertools.count(max((seq for seq, _, _ in entries), default=0) + 1)
         labels = {"tier": context.name}
         metrics = context.metrics
@@ -168,6 +170,12 @@ class DiskTier(ThreadedTier):
     def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
         with self._lock:
             return LookupResult.FOUND if key in self._index else LookupResult.NOT_FOUND
+
+    def take_evicted(self) -> list[ChunkKey]:
+        with self._lock:
+            evicted = list(self._evicted)
+            self._evicted.clear()
+        return evicted
 
     def shutdown(self) -> bool:
         stopped = super().shutdown()
@@ -241,6 +249,7 @@ class DiskTier(ThreadedTier):
         for key, slot in self._index.items():
             if slot not in self._readers_of:
                 del self._index[key]
+                self._evicted.append(key)
                 if self._evictions is not None:
                     self._evictions.inc()
                 return slot

@@ -1,0 +1,77 @@
+"""The router's HTTP front-end: the OpenAI endpoints, proxied; its own health and metrics."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
+from kvtier.entrypoints.openai.errors import ServiceUnavailableError, install_error_handlers
+from kvtier.router.policy import NoInstanceError
+from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from kvtier.router.proxy import explain, proxy
+from kvtier.router.service import RouterService
+
+
+def build_app(service: RouterService,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        yield
+        await service.stop()
+
+    app = FastAPI(title="kvtier router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    install_error_handlers(app)
+
+    @app.post(COMPLETIONS_PATH)
+    async def completions(raw: Request) -> Response:
+        return await proxy(service, COMPLETIONS_PATH, raw)
+
+    @app.post(CHAT_PATH)
+    async def chat(raw: Request) -> Response:
+        return await proxy(service, CHAT_PATH, raw)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        """The first healthy instance's list: every instance serves the same model."""
+        for instance in service.instances:
+            if instance.healthy:
+                upstream = await service.client.get(f"{instance.url}/v1/models")
+                return Response(upstream.content, upstream.status_code,
+                                media_type="application/json")
+        raise ServiceUnavailableError("no instance is healthy", code="no_instance")
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while at least one instance is healthy."""
+        if not any(i.healthy for i in service.instances):
+            raise ServiceUnavailableError("no instance is healthy", code="no_instance")
+        return Response(status_code=200)
+
+    @app.get("/router/instances")
+    async def instances() -> JSONResponse:
+        """Each instance's state as the router sees it, and the index's size."""
+        return JSONResponse({"index_blocks": len(service.index), "instances": [
+            {"url": i.url, "healthy": i.healthy, "indexed": i.indexed,
+             "in_flight": i.in_flight, "reported_load": i.reported_load}
+            for i in service.instances]})
+
+    @app.post("/router/explain")
+    async def explain_route(raw: Request) -> JSONResponse:
+        """The decision for {"path": ..., "body": ...} and each instance's cached prefix."""
+        try:
+            return JSONResponse(await explain(service, raw))
+        except NoInstanceError as exc:
+            raise ServiceUnavailableError(str(exc), code="no_instance") from exc
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
+    return app

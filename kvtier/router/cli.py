@@ -1,0 +1,73 @@
+"""`kvtier router --instance URL [--instance URL ...]`: a KV-cache-aware router in front of
+kvtier instances, OpenAI-compatible (the instances serve with --kv-events-config so the router
+can follow their caches, and --enable-prompt-tokens-details for its predicted-vs-actual
+metrics)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvtier.common.sizes import parse_size
+from kvtier.router.config import POLICIES, RouterConfig
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--instance", action="append", required=True, metavar="URL",
+                        help="a kvtier instance, e.g. http://127.0.0.1:8000 (repeat for each)")
+    parser.add_argument("--policy", default="kv-aware", choices=POLICIES,
+                        help="kv-aware (default): where the longest prefix is cached, weighed "
+                             "against load; round-robin; least-loaded")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; 0.0.0.0 exposes it)")
+    parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    parser.add_argument("--model", default=None,
+                        help="model directory or .gguf file whose tokenizer hashes prompts "
+                             "(default: the path the first instance reports)")
+    parser.add_argument("--index-max-blocks", type=int, default=1_000_000,
+                        help="blocks the KV index remembers, least recently stored forgotten "
+                             "first (default 1000000)")
+    parser.add_argument("--saturation", type=int, default=16,
+                        help="requests in flight at which an instance counts as saturated and "
+                             "kv-aware routing looks elsewhere (default 16)")
+    parser.add_argument("--load-weight-tokens", type=int, default=64,
+                        help="cached tokens one request of load is worth when comparing "
+                             "instances (default 64)")
+    parser.add_argument("--health-interval", type=float, default=1.0,
+                        help="seconds between health and load checks of each instance")
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="instances a request is tried on before its error is returned")
+    parser.add_argument("--max-request-body-bytes", default="8MiB",
+                        help="largest request body accepted (default 8MiB)")
+    parser.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    return RouterConfig(
+        instances=tuple(args.instance), policy=args.policy, model=args.model,
+        index_max_blocks=args.index_max_blocks, saturation=args.saturation,
+        load_weight_tokens=args.load_weight_tokens, health_interval_s=args.health_interval,
+        max_attempts=args.max_attempts)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    max_body = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")
+    if max_body <= 0:
+        raise ValueError(f"--max-request-body-bytes must be > 0, got {max_body}")
+    import uvicorn
+
+    from kvtier.router.app import build_app
+    from kvtier.router.service import RouterService
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = build_app(RouterService(config), max_request_body_bytes=max_body)
+    logging.getLogger(__name__).info("routing (%s) over %d instance(s) on http://%s:%d",
+                                     config.policy, len(config.instances), args.host, args.port)
+    uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
+                                  log_level=args.uvicorn_log_level)).run()
+    return 0

@@ -1,0 +1,72 @@
+"""The router's options, checked once at the edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+from urllib.parse import urlsplit
+
+Policy = Literal["kv-aware", "round-robin", "least-loaded"]
+POLICIES: tuple[Policy, ...] = ("kv-aware", "round-robin", "least-loaded")
+
+
+@dataclass(frozen=True)
+class TierWeights:
+    """What one cached block is worth, by where it lives: loading it from a slower tier saves
+    less of its prefill. A block on a shared (remote) store counts for every instance."""
+
+    gpu: float = 1.0
+    cpu: float = 0.8
+    disk: float = 0.5
+    remote: float = 0.3
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    instances: tuple[str, ...]
+    policy: Policy = "kv-aware"
+    # Model (HF directory or .gguf) whose tokenizer the router uses; None: the instances'.
+    model: str | None = None
+    # Blocks the index remembers, least recently stored forgotten first.
+    index_max_blocks: int = 1_000_000
+    # Requests in flight (or queued) at which an instance counts as saturated: kv-aware routing
+    # stays with the instance holding a prefix until then.
+    saturation: int = 16
+    # Cached tokens one request of load is worth when kv-aware routing compares instances.
+    load_weight_tokens: int = 64
+    tier_weights: TierWeights = TierWeights()
+    health_interval_s: float = 1.0
+    # Failed health checks in a row after which an instance is dropped (retried every interval).
+    max_health_failures: int = 2
+    # An instance that served a request and published nothing for this long is taken out of the
+    # index until its events flow again.
+    event_timeout_s: float = 10.0
+    # Instances one request is tried on before its error goes back to the client.
+    max_attempts: int = 3
+    connect_timeout_s: float = 5.0
+    # Longest wait for an instance's next bytes.
+    read_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.instances:
+            raise ValueError("give at least one --instance URL, e.g. --instance "
+                             "http://127.0.0.1:8000")
+        for url in self.instances:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"--instance {url!r} is not an http(s) URL; use e.g. "
+                                 "http://127.0.0.1:8000")
+        if len(set(self.instances)) != len(self.instances):
+            raise ValueError("--instance URLs must be distinct")
+        if self.policy not in POLICIES:
+            raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        for name in ("index_max_blocks", "saturation", "max_health_failures", "max_attempts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
+                                 f"got {getattr(self, name)}")
+        if self.load_weight_tokens < 0:
+            raise ValueError(f"--load-weight-tokens must be >= 0, got {self.load_weight_tokens}")
+        for name in ("health_interval_s", "event_timeout_s", "connect_timeout_s",
+                     "read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

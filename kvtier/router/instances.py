@@ -1,0 +1,59 @@
+"""What the router knows about each instance: health, load, and its KV event settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class EventsInfo:
+    """An instance's GET /v1/kv_events_info answer, checked."""
+
+    endpoint: str
+    replay_endpoint: str | None
+    topic: str
+    block_size: int
+    hash_algo: str
+    model: str
+
+    @classmethod
+    def from_json(cls, data: Any) -> EventsInfo | None:
+        """None when the instance publishes no events; ValueError when the answer is malformed."""
+        if not isinstance(data, dict) or not data.get("publishing"):
+            return None
+        try:
+            return cls(str(data["endpoint"]), data.get("replay_endpoint"),
+                       str(data.get("topic", "")), int(data["block_size"]),
+                       str(data["hash_algo"]), str(data["model"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed kv_events_info: {exc}") from exc
+
+    def hashing(self) -> tuple[str, int, str]:
+        """What must be equal for two instances' block hashes to name the same prefixes."""
+        return self.model, self.block_size, self.hash_algo
+
+
+@dataclass
+class Instance:
+    url: str
+    # This instance's nibble in the KV index (1, 2, ...; 0 is shared stores).
+    slot: int
+    healthy: bool = False
+    # Requests the router has sent there and not seen finish.
+    in_flight: int = 0
+    # Requests the instance itself reports running or waiting (all clients, not only ours).
+    reported_load: int = 0
+    num_health_failures: int = 0
+    events: EventsInfo | None = None
+    # Whether its events feed the index (they do once subscribed; not if it hashes differently).
+    indexed: bool = False
+    # time.monotonic() of the last event batch received from it.
+    last_event_at: float | None = None
+    # time.monotonic() of the first request finished there since its last event batch: it
+    # should have published by now; None when it has.
+    awaiting_events_since: float | None = None
+
+    @property
+    def load(self) -> int:
+        return max(self.in_flight, self.reported_load)

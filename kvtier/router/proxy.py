@@ -1,0 +1,250 @@
+"""Forwards one OpenAI request to the chosen instance, streaming included.
+
+A request that fails on an instance before any byte of its answer reached the client (the
+instance cannot be reached, drops the connection, or answers 502/503/504) is tried on another,
+up to `max_attempts` instances; the instance that could not be reached is marked down at once.
+Once bytes have been relayed the answer is the instance's, to the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvtier.entrypoints.openai.errors import APIError, BadRequestError, ServiceUnavailableError
+from kvtier.router.instances import Instance
+from kvtier.router.policy import Decision, NoInstanceError
+from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from kvtier.router.service import RouterService
+
+_REQUEST_HEADERS = ("authorization", "content-type", "x-request-id")
+_RESPONSE_HEADERS = ("content-type", "x-request-id")
+_RETRY_STATUSES = frozenset({502, 503, 504})
+# Names the instance that answered, on every proxied response.
+INSTANCE_HEADER = "x-kvtier-instance"
+# Prompts of more characters than this are tokenized off the event loop.
+_INLINE_BODY_BYTES = 16_384
+
+
+class BadGatewayError(APIError):
+    status_code = 502
+
+
+class _TryElsewhere(Exception):
+    """Nothing was relayed yet: the request may go to another instance."""
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    num_tokens: int
+    block_hashes: list[int]
+
+
+async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
+    """What the router would do with {"path": ..., "body": ...}, without sending it: the
+    decision and, per instance, the prompt's cached prefix the index knows of."""
+    content = await raw.body()
+    request = _json_object(content)
+    path, body = request.get("path"), request.get("body")
+    if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
+        raise BadRequestError(f"give {{\"path\": \"{CHAT_PATH}\" or \"{COMPLETIONS_PATH}\", "
+                              f"\"body\": {{...}}}}", param="path", code="invalid_value")
+    prompt = await _hash_prompt(service, path, body, len(content))
+    block_size = service.hasher.block_size if service.hasher is not None else 1
+    decision = service.router.choose(prompt.block_hashes, block_size)
+    matches = service.router.matches(prompt.block_hashes, service.instances)
+    return {"instance": decision.instance.url, "reason": decision.reason,
+            "num_prompt_blocks": len(prompt.block_hashes),
+            "predicted_cached_tokens": decision.predicted_cached_tokens,
+            "instances": [{"url": i.url, "healthy": i.healthy, "load": i.load,
+                           "cached_blocks": m.num_blocks if m else 0,
+                           "weighted_blocks": m.weighted_blocks if m else 0.0}
+                          for i in service.instances for m in [matches.get(i.slot)]]}
+
+
+async def proxy(service: RouterService, path: str, raw: Request) -> Response:
+    content = await raw.body()
+    body = _json_object(content)
+    prompt = await _hash_prompt(service, path, body, len(content))
+    headers = {name: raw.headers[name] for name in _REQUEST_HEADERS if name in raw.headers}
+    block_size = service.hasher.block_size if service.hasher is not None else 1
+    tried: set[str] = set()
+    for _ in range(service.config.max_attempts):
+        try:
+            decision = service.router.choose(prompt.block_hashes, block_size, frozenset(tried))
+        except NoInstanceError:
+            break
+        service.metrics.decisions.labels(service.config.policy, decision.reason).inc()
+        tried.add(decision.instance.url)
+        try:
+            return await _forward(service, decision, path, content, headers, prompt,
+                                  body.get("stream") is True)
+        except _TryElsewhere as exc:
+            service.metrics.retries.labels(str(exc)).inc()
+    service.metrics.requests.labels("failed").inc()
+    if not tried:
+        raise ServiceUnavailableError("no instance is healthy; try again later",
+                                      code="no_instance")
+    raise BadGatewayError(f"the request failed on {len(tried)} instance(s) before any answer",
+                          code="upstream_failed")
+
+
+def _json_object(content: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(content)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise BadRequestError(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise BadRequestError("the body must be a JSON object", code="invalid_json")
+    return body
+
+
+async def _hash_prompt(service: RouterService, path: str, body: dict[str, Any],
+                       num_bytes: int) -> _Prompt:
+    hasher = service.hasher
+    if hasher is None or service.config.policy != "kv-aware":
+        return _Prompt(0, [])
+    if num_bytes > _INLINE_BODY_BYTES:  # a long prompt would stall every other request
+        token_ids = await asyncio.to_thread(hasher.token_ids, path, body)
+    else:
+        token_ids = hasher.token_ids(path, body)
+    if not token_ids:
+        return _Prompt(0, [])
+    return _Prompt(len(token_ids), hasher.block_hashes_of(token_ids, body.get("cache_salt")))
+
+
+async def _forward(service: RouterService, decision: Decision, path: str, content: bytes,
+                   headers: dict[str, str], prompt: _Prompt, stream: bool) -> Response:
+    instance = decision.instance
+    _add_in_flight(service, instance, 1)
+    relaying = False
+    try:
+        upstream = await _send(service, instance, path, content, headers)
+        if upstream.status_code in _RETRY_STATUSES:
+            await upstream.aclose()
+            raise _TryElsewhere(f"status_{upstream.status_code}")
+        out_headers = {k: upstream.headers[k] for k in _RESPONSE_HEADERS if k in upstream.headers}
+        out_headers[INSTANCE_HEADER] = instance.url
+        if not stream or upstream.status_code != 200:
+            body = await _read_all(service, instance, upstream)
+            _observe(service, decision, prompt, _usage_of(body), upstream.status_code)
+            return Response(body, upstream.status_code, out_headers)
+        chunks = upstream.aiter_raw()
+        try:
+            first = await anext(chunks, b"")
+        except httpx.TransportError as exc:
+            await upstream.aclose()
+            service.mark_down(instance, "connection_lost")
+            raise _TryElsewhere("connection_lost") from exc
+        relaying = True
+        return StreamingResponse(_relay(service, decision, prompt, upstream, first, chunks),
+                                 upstream.status_code, out_headers)
+    finally:
+        if not relaying:
+            _add_in_flight(service, instance, -1)
+
+
+async def _send(service: RouterService, instance: Instance, path: str, content: bytes,
+                headers: dict[str, str]) -> httpx.Response:
+    request = service.client.build_request("POST", instance.url + path, content=content,
+                                           headers=headers)
+    try:
+        return await service.client.send(request, stream=True)
+    except httpx.TransportError as exc:
+        service.mark_down(instance, "unreachable")
+        raise _TryElsewhere("unreachable") from exc
+
+
+async def _read_all(service: RouterService, instance: Instance,
+                    upstream: httpx.Response) -> bytes:
+    try:
+        return await upstream.aread()
+    except httpx.TransportError as exc:
+        service.mark_down(instance, "connection_lost")
+        raise _TryElsewhere("connection_lost") from exc
+    finally:
+        await upstream.aclose()
+
+
+async def _relay(service: RouterService, decision: Decision, prompt: _Prompt,
+                 upstream: httpx.Response, first: bytes,
+                 chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    scanner = _UsageScanner()
+    outcome = 200
+    try:
+        scanner.feed(first)
+        yield first
+        async for chunk in chunks:
+            scanner.feed(chunk)
+            yield chunk
+    except httpx.TransportError:
+        # Bytes already reached the client: the stream ends here, its end marker missing.
+        outcome = 502
+        service.mark_down(decision.instance, "connection_lost")
+    finally:
+        # Before the await: a client that left cancels this generator, and the await may
+        # raise again.
+        _add_in_flight(service, decision.instance, -1)
+        _observe(service, decision, prompt, scanner.usage, outcome)
+        await upstream.aclose()
+
+
+def _add_in_flight(service: RouterService, instance: Instance, delta: int) -> None:
+    instance.in_flight += delta
+    service.metrics.in_flight.labels(instance.url).set(instance.in_flight)
+
+
+def _observe(service: RouterService, decision: Decision, prompt: _Prompt,
+             usage: dict[str, Any] | None, status: int) -> None:
+    """Count the outcome, predicted against reported cached tokens, and whether the instance
+    now owes the index events (it computed blocks the index did not know it had)."""
+    metrics = service.metrics
+    metrics.requests.labels("ok" if status < 400 else f"status_{status // 100}xx").inc()
+    if status >= 400:
+        return
+    instance = decision.instance
+    block_size = service.hasher.block_size if service.hasher is not None else 1
+    num_new_blocks = len(prompt.block_hashes) - decision.predicted_cached_tokens // block_size
+    if instance.indexed and num_new_blocks > 0 and instance.awaiting_events_since is None:
+        instance.awaiting_events_since = time.monotonic()
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    if isinstance(cached, int):
+        # The engine always computes the last prompt token: it is never reported cached.
+        predicted = min(decision.predicted_cached_tokens, max(prompt.num_tokens - 1, 0))
+        metrics.prompt_tokens.inc(usage.get("prompt_tokens", 0))
+        metrics.predicted_cached.inc(predicted)
+        metrics.actual_cached.inc(cached)
+
+
+def _usage_of(body: bytes) -> dict[str, Any] | None:
+    try:
+        usage = json.loads(body).get("usage")
+    except (ValueError, AttributeError):
+        return None
+    return usage if isinstance(usage, dict) else None
+
+
+class _UsageScanner:
+    """Finds the usage block in a server-sent event stream (the last chunk carries it with
+    stream_options.include_usage), whatever the chunk boundaries."""
+
+    def __init__(self) -> None:
+        self.usage: dict[str, Any] | None = None
+        self._partial = b""
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        for line in lines:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                usage = _usage_of(line[len(b"data: "):])
+                self.usage = usage or self.usage

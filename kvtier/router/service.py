@@ -1,0 +1,208 @@
+"""The router's moving parts: instance health and load, event subscriptions, the index.
+
+Every instance is watched by one task: a health check each `health_interval_s`, its load read
+from its /metrics, and on coming up its /v1/kv_events_info, whose sockets a subscriber then
+follows into the index. An instance failing `max_health_failures` checks in a row is dropped
+(out of routing and the index) and keeps being checked, so it comes back when it answers again.
+One that should have published (it computed blocks the index did not know) and stayed silent
+for `event_timeout_s` leaves the index and is subscribed afresh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+import httpx
+
+from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvtier.events.schema import MEDIUM_GPU
+from kvtier.models.errors import ModelLoadError
+from kvtier.router.config import RouterConfig
+from kvtier.router.index import KVIndex
+from kvtier.router.instances import EventsInfo, Instance
+from kvtier.router.metrics import RouterMetrics
+from kvtier.router.policy import Router
+from kvtier.router.prompts import PromptHasher, load_tokenizer
+from kvtier.router.subscriber import EventSubscriber, instance_endpoint
+
+logger = logging.getLogger(__name__)
+
+HEALTH_TIMEOUT_S = 2.0
+_LOAD_SERIES = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
+
+
+class RouterService:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.index = KVIndex(config.index_max_blocks, config.tier_weights)
+        self.instances = [Instance(url.rstrip("/"), slot) for slot, url
+                          in enumerate(config.instances, start=1)]
+        self.router = Router(config, self.instances, self.index)
+        self.metrics = RouterMetrics(lambda: len(self.index), lambda: self.index.num_evicted)
+        self.hasher: PromptHasher | None = None
+        self._hashing: tuple[int, str] | None = None
+        self._subscriptions: dict[str, asyncio.Task] = {}
+        self._hasher_lock = asyncio.Lock()
+        self._watchers: list[asyncio.Task] = []
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+    async def start(self) -> None:
+        self._watchers = [asyncio.create_task(self._watch(i)) for i in self.instances]
+
+    async def stop(self) -> None:
+        tasks = self._watchers + list(self._subscriptions.values())
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.client.aclose()
+
+    # ---- health and load --------------------------------------------------------------------
+
+    async def _watch(self, instance: Instance) -> None:
+        while True:
+            try:
+                await self.check(instance)
+            except Exception:  # one bad answer must not end the watch
+                logger.exception("checking %s failed", instance.url)
+            await asyncio.sleep(self.config.health_interval_s)
+
+    async def check(self, instance: Instance) -> None:
+        """One health check of `instance`, and what follows from it."""
+        try:
+            response = await self.client.get(f"{instance.url}/health", timeout=HEALTH_TIMEOUT_S)
+            ok = response.status_code == 200
+        except httpx.HTTPError:
+            ok = False
+        if not ok:
+            instance.num_health_failures += 1
+            if instance.healthy and \
+                    instance.num_health_failures >= self.config.max_health_failures:
+                self.mark_down(instance, "unhealthy")
+            return
+        instance.num_health_failures = 0
+        if not instance.healthy:
+            await self._bring_up(instance)
+        await self._read_load(instance)
+        since = instance.awaiting_events_since
+        if instance.indexed and since is not None and \
+                time.monotonic() - since > self.config.event_timeout_s:
+            self._unindex(instance, "silent")
+            self._subscribe(instance)
+
+    def mark_down(self, instance: Instance, reason: str) -> None:
+        """Out of routing and the index until its health checks pass again."""
+        if instance.healthy:
+            logger.warning("instance %s is down (%s)", instance.url, reason)
+        instance.healthy = False
+        instance.num_health_failures = max(instance.num_health_failures,
+                                           self.config.max_health_failures)
+        self.metrics.up.labels(instance.url).set(0)
+        self._unindex(instance, reason)
+
+    async def _bring_up(self, instance: Instance) -> None:
+        try:
+            response = await self.client.get(f"{instance.url}/v1/kv_events_info",
+                                             timeout=HEALTH_TIMEOUT_S)
+            events = EventsInfo.from_json(response.json()) if response.status_code == 200 \
+                else None
+        except (httpx.HTTPError, ValueError) as exc:
+            logger.warning("instance %s: no KV events info (%s); routing without its cache",
+                           instance.url, exc)
+            events = None
+        instance.events = events
+        if events is not None and await self._can_hash_like(instance, events):
+            self._subscribe(instance)
+        instance.healthy = True
+        self.metrics.up.labels(instance.url).set(1)
+        logger.info("instance %s is up%s", instance.url,
+                    " (KV events indexed)" if instance.indexed else "")
+
+    async def _can_hash_like(self, instance: Instance, events: EventsInfo) -> bool:
+        """Whether this instance hashes blocks as the router does (the first one decides)."""
+        hashing = (events.block_size, events.hash_algo)
+        async with self._hasher_lock:  # instances coming up together load one tokenizer
+            if self.hasher is None:
+                await self._load_hasher(events)
+        if self.hasher is None:
+            return False
+        if hashing != self._hashing:
+            logger.error("instance %s hashes blocks with block_size=%d hash_algo=%s, not %s: "
+                         "its KV events are ignored", instance.url, *hashing, self._hashing)
+            return False
+        return True
+
+    async def _load_hasher(self, events: EventsInfo) -> None:
+        model = self.config.model or events.model
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, model)
+        except (ModelLoadError, OSError) as exc:
+            logger.error("cannot load the tokenizer of %s (%s): routing without the KV index; "
+                         "pass --model", model, exc)
+            return
+        self.hasher = PromptHasher(tokenizer, events.block_size, events.hash_algo)
+        self._hashing = (events.block_size, events.hash_algo)
+
+    async def _read_load(self, instance: Instance) -> None:
+        try:
+            response = await self.client.get(f"{instance.url}/metrics", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return
+        load = 0.0
+        for line in response.content.splitlines():
+            if line.startswith(_LOAD_SERIES):
+                with contextlib.suppress(ValueError, IndexError):
+                    load += float(line.rsplit(b" ", 1)[1])
+        instance.reported_load = int(load)
+        self.metrics.reported_load.labels(instance.url).set(load)
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def _subscribe(self, instance: Instance) -> None:
+        events = instance.events
+        assert events is not None
+        replay = events.replay_endpoint
+        subscriber = EventSubscriber(
+            instance_endpoint(events.endpoint, instance.url),
+            instance_endpoint(replay, instance.url) if replay else None, events.topic,
+            apply=lambda batch: self.apply(instance, batch),
+            reset=lambda outcome: self._reset(instance, outcome),
+            on_gap=lambda outcome: self.metrics.event_gaps.labels(instance.url, outcome).inc())
+        self._subscriptions[instance.url] = asyncio.create_task(subscriber.run())
+        instance.indexed = True
+        instance.awaiting_events_since = None
+        self.metrics.indexed.labels(instance.url).set(1)
+
+    def _unindex(self, instance: Instance, reason: str) -> None:
+        task = self._subscriptions.pop(instance.url, None)
+        if task is not None:
+            task.cancel()
+        if instance.indexed:
+            self.metrics.drops.labels(instance.url, reason).inc()
+        instance.indexed = False
+        self.metrics.indexed.labels(instance.url).set(0)
+        self.index.clear(instance.slot)
+
+    def _reset(self, instance: Instance, outcome: str) -> None:
+        self.metrics.drops.labels(instance.url, f"events_{outcome}").inc()
+        self.index.clear(instance.slot)
+
+    def apply(self, instance: Instance, batch: EventBatch) -> None:
+        """One batch of `instance`'s events into the index."""
+        slot = instance.slot
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self.index.store(slot, event.block_hashes, event.medium, event.locality)
+            elif isinstance(event, BlockRemoved):
+                self.index.remove(slot, event.block_hashes, event.medium, event.locality)
+            elif isinstance(event, AllBlocksCleared):
+                self.index.clear(slot, MEDIUM_GPU)
+        instance.last_event_at = time.monotonic()
+        instance.awaiting_events_since = None
+        self.metrics.event_batches.labels(instance.url).inc()

@@ -1,0 +1,129 @@
+"""The router's HTTP front-end in-process, in front of an address where nothing listens."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import PlainTextResponse
+
+from kvtier.engine.kv_events import KVEventsConfig, ZmqEventPublisher
+from kvtier.kv import AllBlocksCleared, BlockRemoved
+from kvtier.router.app import build_app
+from kvtier.router.config import RouterConfig
+from kvtier.router.service import RouterService
+
+from ..entrypoints.server_process import free_port
+from ..tiny_models import save_byte_tokenizer
+
+
+def run_against_dead_instance(scenario) -> None:
+    config = RouterConfig(instances=(f"http://127.0.0.1:{free_port()}",), max_health_failures=2)
+    service = RouterService(config)
+    app = build_app(service)
+
+    async def main() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+            try:
+                await scenario(service, client)
+            finally:
+                await service.stop()
+
+    asyncio.run(main())
+
+
+def test_without_a_healthy_instance_requests_get_a_503_naming_it():
+    async def scenario(service, client):
+        await service.check(service.instances[0])
+        assert not service.instances[0].healthy
+        response = await client.post("/v1/completions", json={"prompt": "hi"})
+        assert response.status_code == 503
+        assert response.json()["error"]["code"] == "no_instance"
+        assert (await client.get("/health")).status_code == 503
+        bad = await client.post("/v1/completions", content=b"{not json")
+        assert bad.status_code == 400 and "not valid JSON" in bad.json()["error"]["message"]
+        assert (await client.post("/v1/completions", json=[1])).status_code == 400
+
+    run_against_dead_instance(scenario)
+
+
+def test_an_unreachable_instance_is_marked_down_and_the_request_fails_cleanly():
+    async def scenario(service, client):
+        instance = service.instances[0]
+        instance.healthy = True  # it answered once, then went away
+        response = await client.post("/v1/completions", json={"prompt": "hi"})
+        assert response.status_code == 502
+        assert response.json()["error"]["code"] == "upstream_failed"
+        assert not instance.healthy and instance.in_flight == 0
+        metrics = (await client.get("/metrics")).text
+        assert 'kvtier_router:retries_total{reason="unreachable"} 1.0' in metrics
+        assert 'kvtier_router:decisions_total{policy="kv-aware",reason="no_hit"} 1.0' in metrics
+        assert "kvtier_router:index_blocks 0.0" in metrics
+        explained = await client.post("/router/explain", json={"path": "/v1/x", "body": {}})
+        assert explained.status_code == 400
+
+    run_against_dead_instance(scenario)
+
+
+def test_an_instance_that_stops_publishing_is_reindexed_from_its_replay_buffer(tmp_path):
+    """The instance side is a real event publisher behind the HTTP routes the router reads
+    (a real `kvtier serve` cannot be made to serve requests yet publish nothing)."""
+    save_byte_tokenizer(tmp_path)
+    publisher = ZmqEventPublisher(KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{free_port()}",
+        replay_endpoint=f"tcp://127.0.0.1:{free_port()}"))
+    instance_app = FastAPI()
+    info = {"publishing": True, "endpoint": publisher.config.endpoint,
+            "replay_endpoint": publisher.config.replay_endpoint, "topic": "",
+            "block_size": 16, "hash_algo": "sha256_cbor", "model": str(tmp_path)}
+    instance_app.get("/health")(lambda: {})
+    instance_app.get("/metrics")(lambda: PlainTextResponse("vllm:num_requests_running 2.0\n"))
+    instance_app.get("/v1/kv_events_info")(lambda: info)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(instance_app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    service = RouterService(RouterConfig(instances=(f"http://127.0.0.1:{port}",),
+                                         event_timeout_s=0.2))
+    instance = service.instances[0]
+
+    async def until(condition) -> None:
+        deadline = time.monotonic() + 10.0
+        while not condition():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+
+    async def scenario() -> None:
+        await until(lambda: server.started)
+        await service.check(instance)
+        assert (instance.healthy, instance.indexed, instance.reported_load) == (True, True, 2)
+        await asyncio.sleep(0.3)  # the subscription reaches the PUB socket
+        publisher.publish([BlockRemoved([bytes(32)], "device", 0), AllBlocksCleared()])
+        await until(lambda: instance.last_event_at is not None)
+        service.index.store(instance.slot, [7], "GPU")
+        # A request computed new blocks 1 s ago and no event followed: silent.
+        instance.awaiting_events_since = time.monotonic() - 1.0
+        await service.check(instance)
+        assert len(service.index) == 0 and instance.indexed
+        label = f'instance="{instance.url}"'
+        metrics = service.metrics.render().decode()
+        assert f'kvtier_router:instance_drops_total{{{label},reason="silent"}} 1.0' in metrics
+        # Subscribed afresh: its next batch brings back everything the replay buffer holds.
+        await asyncio.sleep(0.3)
+        publisher.publish([AllBlocksCleared()])
+        # 3 batches: the first, then the replayed first and the new one.
+        await until(lambda: f"event_batches_total{{{label}}} 3.0"
+                    in service.metrics.render().decode())
+        await service.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        publisher.shutdown()
