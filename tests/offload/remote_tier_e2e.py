@@ -37,7 +37,7 @@ def make_llm(model_dir, tier, host_chunks=16, tier_job_timeout_s=30.0):
         "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": host_chunks * CHUNK_BYTES,
         "tier_job_timeout_s": tier_job_timeout_s, "secondary_tiers": [tier]}}
     return LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=24, max_num_seqs=2,
-               kv_transfer_config=config)
+               kv_transfer_config=config, enable_kv_cache_events=True)
 
 
 def generate(llm, prompts):

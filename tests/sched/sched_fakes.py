@@ -30,7 +30,8 @@ EOS = 999
 
 
 def make_manager(num_blocks: int, *, enable_caching: bool = True,
-                 sliding_window: int | None = None) -> KVCacheManager:
+                 sliding_window: int | None = None,
+                 enable_kv_cache_events: bool = False) -> KVCacheManager:
     """One full-attention group; with `sliding_window`, a second, sliding-window group."""
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8)
     groups = [KVCacheGroupSpec(["layers.0"], spec)]
@@ -38,7 +39,8 @@ def make_manager(num_blocks: int, *, enable_caching: bool = True,
         groups.append(KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(
             block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, sliding_window=sliding_window)))
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
-    return KVCacheManager(config, max_model_len=64, enable_caching=enable_caching, watermark=0.0)
+    return KVCacheManager(config, max_model_len=64, enable_caching=enable_caching, watermark=0.0,
+                          enable_kv_cache_events=enable_kv_cache_events)
 
 
 def make_request(req_id: str, prompt: list[int], *, arrival: float = 0.0, priority: int = 0,
@@ -129,6 +131,8 @@ class ScriptedConnector(KVConnectorScheduler):
     alloc_statuses: list[RequestStatus] = field(default_factory=list)
     finished: list[tuple[str, list[int]]] = field(default_factory=list)
     outputs: list[KVConnectorOutput] = field(default_factory=list)
+    # Events the scheduler half has for the next take_events.
+    events: list[Any] = field(default_factory=list)
     num_metas: int = 0
 
     def __post_init__(self) -> None:
@@ -156,6 +160,10 @@ class ScriptedConnector(KVConnectorScheduler):
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         self.outputs.append(output)
+
+    def take_events(self) -> list[Any]:
+        events, self.events = self.events, []
+        return events
 
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

@@ -315,7 +315,7 @@ def assert_all_free_after(sched, runner, manager):
 
 
 def test_stats_and_events_from_the_worker_reach_the_engine(managers):
-    manager = managers(16)
+    manager = managers(16, enable_kv_cache_events=True)
     connector = ScriptedConnector()
     sched = make_scheduler(manager, connector)
     runner = FakeRunner()
@@ -325,9 +325,22 @@ def test_stats_and_events_from_the_worker_reach_the_engine(managers):
     stats = sched.make_stats()
     assert stats.connector_stats == {"bytes_loaded": 15.0}
     assert sched.make_stats().connector_stats == {}
-    assert sched.take_kv_events() == ["e1", "e2"] and sched.take_kv_events() == []
+    worker_events = [e for e in sched.take_kv_events() if isinstance(e, str)]  # not the pool's
+    assert worker_events == ["e1", "e2"] and sched.take_kv_events() == []
     assert [o.stats for o in connector.outputs] == [{"bytes_loaded": 10.0}, {"bytes_loaded": 5.0}]
     assert_all_free(manager)
+
+
+def test_events_are_dropped_every_step_when_nobody_publishes_them(managers):
+    """Offline use has no publisher: connector events must not pile up step after step."""
+    manager = managers(16)
+    connector = ScriptedConnector()
+    connector.events = ["c1"]
+    sched = make_scheduler(manager, connector)
+    runner = FakeRunner()
+    sched.add_request(make_request("a", prompt(0, 4), max_tokens=2))
+    step(sched, runner, KVConnectorOutput(events=["e1"]))
+    assert connector.events == [] and sched.take_kv_events() == []
 
 
 def test_the_engine_stops_waiting_for_a_send_never_reported(managers):
