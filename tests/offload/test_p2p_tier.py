@@ -6,10 +6,12 @@ misses and counted errors, never wrong bytes or a hang."""
 import time
 
 import pytest
+import zmq
 
 from kvtier.offload.config import OffloadConfig, parse_kv_offload
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.manager import Lookup, TieringManager
+from kvtier.offload.tiers import p2p_wire
 from kvtier.offload.tiers.base import LookupResult
 from kvtier.offload.tiers.p2p import SKIP_REASON, P2PTierOptions
 
@@ -147,3 +149,44 @@ def test_a_tier_with_neither_peers_nor_listen_is_an_error():
     with pytest.raises(ValueError, match="p2p needs peers to ask or an address to listen on"):
         P2PTierOptions()
 
+
+
+def test_a_peer_that_dies_between_lookup_and_fetch_fails_the_load_in_time(make_manager):
+    server, address = _serving(make_manager)
+    store_from_device(server, 1)
+    asking = _asking(make_manager, address, timeout_s=0.5)
+    tier = asking.tiers[0]
+    deadline = time.monotonic() + 5
+    while tier.lookup(key(1)) is not LookupResult.FOUND:
+        assert time.monotonic() < deadline, "the peer's answer never arrives"
+        time.sleep(0.005)
+    server.shutdown()
+    out = memoryview(bytearray(CHUNK))
+    job = tier_job(1, out)
+    start = time.monotonic()
+    tier.submit_load(job)
+    assert wait_jobs(tier, [job.job_id]) == {job.job_id: False}
+    assert time.monotonic() - start < 2.0
+
+
+def test_the_serving_side_drops_garbage_and_refuses_requests_before_the_handshake(
+        make_manager):
+    server, address = _serving(make_manager)
+    store_from_device(server, 1)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{address}")
+    try:
+        sock.send(b"\xc1 is no msgpack")
+        sock.send(p2p_wire.encode("get", n=1, key=key(1)))
+        assert sock.poll(5000), "the serving side never answers"
+        reply = p2p_wire.decode(sock.recv())
+        assert (reply["t"], reply["code"]) == ("refused", "protocol")
+    finally:
+        sock.close()
+        ctx.term()
+    counts = server.tiers[0]._server.counts
+    assert (counts["malformed"], counts["served"], counts["refused_protocol"]) == (1, 0, 1)
+    asking = _asking(make_manager, address)  # and it goes on serving the others
+    assert poll_until(asking, 1) is Lookup.HIT

@@ -29,7 +29,7 @@ import zmq
 from kvtier.common.options import require
 from kvtier.offload.chunk_format import MAC_BYTES, file_size
 from kvtier.offload.keys import ChunkKey
-from kvtier.offload.tiers.base import TierContext, TransferJob
+from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.p2p_server import P2PServer
 from kvtier.offload.tiers.p2p_wire import MAX_KEYS, PeerClient, PeerRefused
 from kvtier.offload.tiers.remote import MissingChunk, RemoteTier, check_remote_options
@@ -113,6 +113,11 @@ class P2PTier(RemoteTier):
     def address(self) -> str | None:
         """Where peers reach this instance's serving side (the bound port), or None."""
         return None if self._server is None else self._server.address.removeprefix("tcp://")
+
+    def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
+        if not self._peers:
+            return LookupResult.NOT_FOUND  # only serves: nobody to ask
+        return super().lookup(key, req_context)
 
     def _name(self, key: ChunkKey) -> str:
         return key.hex()

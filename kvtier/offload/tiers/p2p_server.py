@@ -52,7 +52,8 @@ class P2PServer:
                              f"p2p_listen port") from None
         self.address = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._connections: OrderedDict[bytes, Accepting] = OrderedDict()
-        # served, missing, malformed, refused_<code>: what peers asked and were told.
+        # served, missing, malformed, internal_errors, refused_<code>: what peers asked and
+        # were told.
         self.counts: Counter[str] = Counter()
         self._refusals = RefusalLog(self.counts)
         self._stopping = False
@@ -71,6 +72,10 @@ class P2PServer:
             except MalformedMessageError as exc:
                 self.counts["malformed"] += 1
                 logger.debug("p2p tier: dropped a malformed request: %s", exc)
+                continue
+            except Exception:  # one bad request must not stop the serving of every other
+                self.counts["internal_errors"] += 1
+                logger.exception("p2p tier: a request failed")
                 continue
             self._socket.send_multipart([identity, *reply], copy=False)
         self._socket.close(linger=0)
