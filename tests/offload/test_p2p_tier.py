@@ -11,7 +11,7 @@ import zmq
 from kvtier.offload.config import OffloadConfig, parse_kv_offload
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.manager import Lookup, TieringManager
-from kvtier.offload.tiers import p2p_wire
+from kvtier.offload.tiers import p2p, p2p_wire
 from kvtier.offload.tiers.base import LookupResult
 from kvtier.offload.tiers.p2p import SKIP_REASON, P2PTierOptions
 
@@ -156,10 +156,7 @@ def test_a_peer_that_dies_between_lookup_and_fetch_fails_the_load_in_time(make_m
     store_from_device(server, 1)
     asking = _asking(make_manager, address, timeout_s=0.5)
     tier = asking.tiers[0]
-    deadline = time.monotonic() + 5
-    while tier.lookup(key(1)) is not LookupResult.FOUND:
-        assert time.monotonic() < deadline, "the peer's answer never arrives"
-        time.sleep(0.005)
+    assert _settled(tier, 1) is LookupResult.FOUND
     server.shutdown()
     out = memoryview(bytearray(CHUNK))
     job = tier_job(1, out)
@@ -190,3 +187,26 @@ def test_the_serving_side_drops_garbage_and_refuses_requests_before_the_handshak
     assert (counts["malformed"], counts["served"], counts["refused_protocol"]) == (1, 0, 1)
     asking = _asking(make_manager, address)  # and it goes on serving the others
     assert poll_until(asking, 1) is Lookup.HIT
+
+
+def test_a_peers_hit_is_asked_again_after_a_while(make_manager, monkeypatch):
+    monkeypatch.setattr(p2p, "_FOUND_S", 0.2)
+    server, address = _serving(make_manager)
+    store_from_device(server, 1)
+    tier = _asking(make_manager, address).tiers[0]
+    assert _settled(tier, 1) is LookupResult.FOUND
+    for n in range(2, 10):  # the peer's 8 slots fill up: chunk 1 is evicted there
+        drain(server)
+        store_from_device(server, n)
+    assert not server.host.is_ready(key(1))
+    assert tier.lookup(key(1)) is LookupResult.FOUND  # still trusted
+    time.sleep(0.3)
+    assert _settled(tier, 1) is LookupResult.NOT_FOUND
+
+
+def _settled(tier, n):
+    deadline = time.monotonic() + 5
+    while (answer := tier.lookup(key(n))) is LookupResult.UNKNOWN:
+        assert time.monotonic() < deadline, "the peer's answer never arrives"
+        time.sleep(0.005)
+    return answer

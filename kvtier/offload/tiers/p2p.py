@@ -42,6 +42,9 @@ logger = logging.getLogger(__name__)
 
 # Seconds a peer that failed a request is not asked.
 _PEER_DOWN_S = 1.0
+# Seconds a peer's "I hold it" is trusted: the peer evicts as it pleases, so a hit is asked
+# again after this rather than costing a failed fetch (and that chunk's recompute) much later.
+_FOUND_S = 5.0
 SKIP_REASON = "p2p_never_stores"
 
 
@@ -92,8 +95,9 @@ class P2PTier(RemoteTier):
         self._peers = [PeerClient(self._zmq, f"tcp://{address}", local, max_reply,
                                   options.connect_timeout_s, options.timeout_s)
                        for address in options.peers]
-        # Which peer said it holds a key, newest last; bounded like the index.
-        self._holders: OrderedDict[str, PeerClient] = OrderedDict()
+        # Which peer said it holds a key and until when that is trusted, newest last; bounded
+        # like the index.
+        self._holders: OrderedDict[str, tuple[PeerClient, float]] = OrderedDict()
         # refused_<code>: handshakes peers refused.
         self.counts: Counter[str] = Counter()
         self._refused = None
@@ -117,6 +121,10 @@ class P2PTier(RemoteTier):
     def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
         if not self._peers:
             return LookupResult.NOT_FOUND  # only serves: nobody to ask
+        holder = self._holders.get(key.hex())
+        if holder is not None and holder[1] < time.monotonic():
+            self._forget(key)  # asked again: the peer may have evicted it since
+            self._holders.pop(key.hex(), None)
         return super().lookup(key, req_context)
 
     def _name(self, key: ChunkKey) -> str:
@@ -143,7 +151,7 @@ class P2PTier(RemoteTier):
         return found
 
     def _get(self, name: str) -> bytes:
-        peer = self._holders.get(name)
+        peer, _ = self._holders.get(name, (None, 0.0))
         if peer is None or time.monotonic() < peer.down_until:
             raise MissingChunk(name)
         try:
@@ -161,7 +169,7 @@ class P2PTier(RemoteTier):
 
     def _remember_holder(self, name: str, peer: PeerClient) -> None:
         with self._lock:
-            self._holders[name] = peer
+            self._holders[name] = (peer, time.monotonic() + _FOUND_S)
             self._holders.move_to_end(name)
             while len(self._holders) > self.options.max_index_entries:
                 self._holders.popitem(last=False)
