@@ -57,7 +57,9 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                                "per chunk, shared between instances; obj=s3://BUCKET/PREFIX: "
                                "an object per chunk in an S3-compatible bucket; "
                                "redis=redis://HOST:PORT/DB or redis+cluster://HOST:PORT: "
-                               "Valkey/Redis, password from $REDIS_PASSWORD); "
+                               "Valkey/Redis, password from $REDIS_PASSWORD; "
+                               "p2p=HOST:PORT[;HOST:PORT]: other kvtier instances' host "
+                               "memory, p2p_listen=HOST:PORT: serve ours to them); "
                                "optional policy=lru|arc, blocks_per_chunk=N, write=through|back "
                                "(when chunks go on to disk: at once, or when host memory needs "
                                "room and at shutdown)")

@@ -154,7 +154,7 @@ def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:
     return f"{tier_type}{index}"
 
 
-_FLAG_KEYS = "host, disk, fs, obj, redis, policy, blocks_per_chunk, write"
+_FLAG_KEYS = "host, disk, fs, obj, redis, p2p, p2p_listen, policy, blocks_per_chunk, write"
 _FLAG_EXAMPLE = "host=4GiB,disk=/var/cache/kvtier:50GiB"
 
 
@@ -170,6 +170,9 @@ def parse_kv_offload(flag: str, where: str = "--kv-offload") -> dict[str, Any]:
     bucket, configured by the standard AWS settings; SIZE bounds what this instance writes),
     `redis=redis://HOST:PORT/DB` a redis tier (`rediss://` for TLS, `redis+cluster://HOST:PORT`
     for a cluster; the password comes from $REDIS_PASSWORD).
+    `p2p=HOST:PORT[;HOST:PORT]` adds a p2p tier that asks those kvtier instances' host tiers,
+    `p2p_listen=HOST:PORT` makes this instance serve its host tier to them (one p2p tier takes
+    both).
     `policy=lru|arc`, `blocks_per_chunk=N` and `write=through|back` (the write policy) are
     optional. Each value is checked here, so an error names the flag's own key; per-tier
     policies need the JSON form. `OffloadConfig.from_extra_config` parses the result.
@@ -203,6 +206,12 @@ def _apply_flag_pair(extra: dict[str, Any], key: str, value: str, where: str) ->
         extra["secondary_tiers"].append(_parse_obj(value, where))
     elif key == "redis":
         extra["secondary_tiers"].append(_parse_redis(value, where))
+    elif key in ("p2p", "p2p_listen"):
+        tier = _p2p_tier(extra)
+        if key == "p2p":
+            tier["peers"] = [peer.strip() for peer in value.split(";")]
+        else:
+            tier["listen"] = value
     elif key == "policy":
         require(value in get_args(EvictionPolicyName), f"{where} policy",
                 "must be lru or arc, e.g. policy=arc", value)
@@ -218,6 +227,15 @@ def _apply_flag_pair(extra: dict[str, Any], key: str, value: str, where: str) ->
     else:
         raise ValueError(f"{where}: unknown key {key!r}; keys are {_FLAG_KEYS}, e.g. "
                          f"{_FLAG_EXAMPLE}")
+
+
+def _p2p_tier(extra: dict[str, Any]) -> dict[str, Any]:
+    """The flag's one p2p tier (`p2p` and `p2p_listen` both set it up), added on first use."""
+    for tier in extra["secondary_tiers"]:
+        if tier["type"] == "p2p":
+            return tier
+    extra["secondary_tiers"].append({"type": "p2p"})
+    return extra["secondary_tiers"][-1]
 
 
 def _split_dir_size(value: str) -> tuple[str, str | None]:

@@ -7,11 +7,16 @@ slot (to the device, or by a tier's store) holds a reader count and cannot be ev
 Under write-back a chunk from the device is *dirty* until it is handed to the secondary tiers:
 the only copy below the device. Eviction takes a clean chunk when there is one; a dirty victim
 is dropped and counted, so that a store is never refused for it.
+
+The engine thread makes every move; a p2p tier's serving thread only pins ready chunks to send
+them to peers (`pin_ready`, `complete_load`). A lock around the moves that touch readers, busy
+chunks and free slots keeps that pin from racing an eviction.
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -48,6 +53,7 @@ class HostCache:
         # Chunks being written into their slot or read out of it: not evictable now.
         self._busy: set[Hashable] = set()
         self.num_slots_taken = 0  # slots handed out so far (stores and promotions)
+        self._lock = threading.Lock()
 
     def is_ready(self, key: Hashable) -> bool:
         entry = self.entries.get(key)
@@ -56,44 +62,60 @@ class HostCache:
     def prepare_store(self, key: Hashable, num_bytes: int) -> SlotId | None:
         """Reserve a slot for `key`, evicting if needed. None if `key` is already here (or on
         its way) or every resident chunk is busy."""
-        if key in self.entries:
-            return None
-        slot = self._take_slot(key)
-        if slot is not None:
-            self.entries[key] = HostEntry(slot=slot, state=ChunkState.WRITING,
-                                          num_bytes=num_bytes)
-            self._busy.add(key)
-            self.num_slots_taken += 1
-        return slot
+        with self._lock:
+            if key in self.entries:
+                return None
+            slot = self._take_slot(key)
+            if slot is not None:
+                self.entries[key] = HostEntry(slot=slot, state=ChunkState.WRITING,
+                                              num_bytes=num_bytes)
+                self._busy.add(key)
+                self.num_slots_taken += 1
+            return slot
 
     def complete_store(self, key: Hashable, ok: bool) -> None:
-        entry = self.entries[key]
-        assert entry.state is ChunkState.WRITING, f"complete_store of a {entry.state} chunk"
-        self._busy.discard(key)
-        if ok:
-            entry.state = ChunkState.READY
-            self.policy.insert(key)
-        else:
-            del self.entries[key]
-            self._free_slots.append(entry.slot)
+        with self._lock:
+            entry = self.entries[key]
+            assert entry.state is ChunkState.WRITING, f"complete_store of a {entry.state} chunk"
+            self._busy.discard(key)
+            if ok:
+                entry.state = ChunkState.READY
+                self.policy.insert(key)
+            else:
+                del self.entries[key]
+                self._free_slots.append(entry.slot)
 
     def prepare_load(self, key: Hashable, count_use: bool = True) -> SlotId:
         """Pin a ready chunk for reading; `count_use`: a request uses it (the eviction policy
         sees a use), not a secondary tier copying it (which must not make it look hot)."""
-        entry = self.entries[key]
-        assert entry.state is ChunkState.READY, f"prepare_load of a {entry.state} chunk"
-        entry.num_readers += 1
-        self._busy.add(key)
+        with self._lock:
+            entry = self.entries[key]
+            assert entry.state is ChunkState.READY, f"prepare_load of a {entry.state} chunk"
+            entry.num_readers += 1
+            self._busy.add(key)
         if count_use:
             self.policy.touch(key)
         return entry.slot
 
+    def pin_ready(self, key: Hashable) -> memoryview | None:
+        """Pin `key` for reading if it is ready here (a view of its bytes), else None. Safe from
+        any thread; `complete_load` unpins. The eviction policy sees no use: a peer's read must
+        not keep a chunk this instance no longer uses."""
+        with self._lock:
+            entry = self.entries.get(key)
+            if entry is None or entry.state is not ChunkState.READY:
+                return None
+            entry.num_readers += 1
+            self._busy.add(key)
+            return self.area.slot_view(entry.slot, entry.num_bytes)
+
     def complete_load(self, key: Hashable) -> None:
-        entry = self.entries[key]
-        assert entry.num_readers > 0, "complete_load without prepare_load"
-        entry.num_readers -= 1
-        if entry.num_readers == 0:
-            self._busy.discard(key)
+        with self._lock:
+            entry = self.entries[key]
+            assert entry.num_readers > 0, "complete_load without prepare_load"
+            entry.num_readers -= 1
+            if entry.num_readers == 0:
+                self._busy.discard(key)
 
     def mark_dirty(self, key: Hashable) -> None:
         """`key` (ready) is held nowhere below the device yet."""
@@ -110,7 +132,8 @@ class HostCache:
     def num_evictable_now(self) -> int:
         """Free slots plus clean chunks no transfer holds: what stores can take without
         dropping a dirty chunk."""
-        busy_clean = sum(1 for key in self._busy if key not in self._dirty)
+        with self._lock:
+            busy_clean = sum(1 for key in self._busy if key not in self._dirty)
         return (len(self._free_slots) + len(self.entries) - len(self._dirty) - busy_clean)
 
     def view(self, key: Hashable) -> memoryview:

@@ -90,7 +90,7 @@ class TieringManager:
         self.tiers: list[SecondaryTier] = [
             create_tier(spec.type, spec.module_path, spec.options,
                         TierContext(spec.name, namespace, metrics_registry,
-                                    self.area.slot_bytes, description, secret))
+                                    self.area.slot_bytes, description, secret, self.host))
             for spec in config.secondary_tiers]
         self.tier_names = [tier.context.name for tier in self.tiers]
         self._tier_write_back = [(spec.write_policy or config.write_policy) == "write_back"

@@ -54,8 +54,10 @@ def encode(kind: str, **fields: Any) -> bytes:
     return msgpack.packb({"t": kind, **fields}, use_bin_type=True)
 
 
-def decode(frame: bytes | memoryview) -> dict[str, Any]:
-    """The checked header in `frame`; raises MalformedMessageError for anything else."""
+def decode(frame: bytes | memoryview,
+           messages: dict[str, dict[str, tuple[type, ...]]] = MESSAGES) -> dict[str, Any]:
+    """The checked header in `frame`, one of `messages` (this protocol's by default, or another
+    protocol's that shares the handshake); raises MalformedMessageError for anything else."""
     if len(frame) > MAX_HEADER_BYTES:
         raise MalformedMessageError(f"header of {len(frame)} bytes (limit {MAX_HEADER_BYTES})")
     try:
@@ -67,7 +69,7 @@ def decode(frame: bytes | memoryview) -> dict[str, Any]:
     if not isinstance(message, dict):
         raise MalformedMessageError("header is not a map")
     kind = message.pop("t", None)
-    schema = MESSAGES.get(kind) if isinstance(kind, str) else None
+    schema = messages.get(kind) if isinstance(kind, str) else None
     if schema is None:
         raise MalformedMessageError(f"unknown message type {kind!r}")
     if message.keys() != schema.keys():

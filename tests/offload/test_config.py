@@ -81,7 +81,7 @@ def test_one_flag_form_options():
     ("disk=/x:1GiB", r"^--kv-offload: 'host=SIZE' is required \(e\.g\. host=4GiB,"),
     ("host=4GiB,disk=/x", r"disk tier needs a size, e\.g\. disk=/x:50GiB .*use fs=/x"),
     ("host=4GiB,ssd=/x", "^--kv-offload: unknown key 'ssd'; keys are host, disk, fs, obj, redis, "
-                         "policy, blocks_per_chunk, write, "
+                         "p2p, p2p_listen, policy, blocks_per_chunk, write, "
                          "e.g. host=4GiB,disk=/var/cache/kvtier:50GiB$"),
     ("host", "^--kv-offload: expected comma-separated key=value pairs such as "),
     ("host=lots", "^--kv-offload host must be a byte size such as 4GiB, 512MiB or 1073741824, "

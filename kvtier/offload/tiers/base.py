@@ -72,6 +72,9 @@ class TierContext:
     # The shared secret chunks written outside the process are authenticated with
     # (offload/chunk_format.py); None: checksums only.
     chunk_secret: bytes | None = field(default=None, repr=False)
+    # The host tier (offload/host_cache.py), for a tier that serves its ready chunks to peers
+    # (p2p); None where there is none (tests of a tier alone).
+    host: Any = None
 
 
 class SecondaryTier(ABC):

@@ -27,6 +27,7 @@ _REGISTRY = PluginRegistry("tier", SecondaryTier, TierLookupError, {
     "disk": "kvtier.offload.tiers.disk:DiskTier",
     "obj": "kvtier.offload.tiers.obj:ObjTier",
     "redis": "kvtier.offload.tiers.redis_tier:RedisTier",
+    "p2p": "kvtier.offload.tiers.p2p:P2PTier",
 })
 
 
