@@ -2,8 +2,8 @@
 
 One step is `schedule()` (a short pipeline of phases, below) followed by
 `update_from_output()` once the model runner has run the batch. Requests whose KV arrives
-asynchronously from a connector wait in WAITING_FOR_REMOTE_KVS while keeping their place in
-the waiting queue.
+asynchronously from a connector wait in WAITING_FOR_REMOTE_KVS in the waiting queue, and start
+ahead of it once their KV has landed.
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class Scheduler:
         """Start the requests whose load landed, ahead of the waiting queue. Admissions keep
         free the blocks these still need, so a newcomer ahead of them in the queue that does
         not fit beside that reserve would wait for them while they wait behind it: with
-        nothing running, for ever."""
+        nothing running, forever."""
         for req_id in self.loads.landed():
             if not self._has_room(batch):
                 return
@@ -270,8 +270,8 @@ class Scheduler:
         """Allocate and start the request (running, or loading); False if blocks ran out.
         The caller takes it out of the waiting queue."""
         already_computed = request.num_computed_tokens
-        # A newcomer leaves free what the in-flight loads still need; a request whose own load
-        # landed (it computed tokens already) is one of those and may use it.
+        # A newcomer leaves free what the requests with a load still need; a request whose own
+        # load landed (it computed tokens already) is one of those and may use it.
         reserved = 0 if already_computed else self.loads.num_blocks_to_finish(
             self.requests, self.kv_cache_manager)
         new_blocks = self.kv_cache_manager.allocate_slots(
