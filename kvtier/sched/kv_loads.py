@@ -2,7 +2,9 @@
 
 A load starts when the scheduler allocates blocks for a request's external tokens, and ends
 when the worker lists the request in `KVConnectorOutput.finished_recving`. In between, the
-worker may write into those blocks at any time, so nothing may free or reuse them.
+worker may write into those blocks at any time, so nothing may free or reuse them. A load that
+landed is tracked on until its request starts: the blocks the request still needs stay
+reserved for it until then.
 """
 
 from __future__ import annotations
@@ -48,9 +50,14 @@ class KVLoadTracker:
         load = self._loads.get(req_id)
         return load is not None and not load.received
 
-    def is_received(self, req_id: str) -> bool:
-        load = self._loads.get(req_id)
-        return load is not None and load.received
+    def __contains__(self, req_id: str) -> bool:
+        """In flight, or landed and its request not yet started."""
+        return req_id in self._loads
+
+    def landed(self) -> list[str]:
+        """Requests whose load landed and that have not started yet, in the order the loads
+        started."""
+        return [req_id for req_id, load in self._loads.items() if load.received]
 
     def mark_received(self, req_id: str) -> None:
         """The worker reported the load finished (ids of no load in flight are ignored)."""
@@ -60,12 +67,13 @@ class KVLoadTracker:
     def mark_failed(self, req_id: str) -> None:
         self._loads[req_id].failed = True
 
-    def finish(self, req_id: str) -> bool:
-        """Forget a received load at promotion; returns whether it failed."""
-        return self._loads.pop(req_id).failed
+    def is_failed(self, req_id: str) -> bool:
+        """Some of the blocks the load filled were reported invalid."""
+        return self._loads[req_id].failed
 
     def forget(self, req_id: str) -> None:
-        """The request finished (abort, error): its load no longer leads anywhere."""
+        """The request started, or finished (abort, error): its load no longer holds a
+        reserve."""
         self._loads.pop(req_id, None)
 
     def overdue(self) -> list[str]:
@@ -95,9 +103,9 @@ class KVLoadTracker:
 
     def num_blocks_to_finish(self, requests: Mapping[str, Request],
                              kv_cache_manager: KVCacheManager) -> int:
-        """Blocks the requests in WAITING_FOR_REMOTE_KVS still need for the rest of their
-        prefill once their load lands: admissions leave them free, or a loaded request could
-        not go on."""
+        """Blocks the requests with a load (in flight, or landed and not yet started) still
+        need for the rest of their prefill: admissions leave them free, or a loaded request
+        could not go on."""
         return sum(kv_cache_manager.num_blocks_to_finish_prefill(requests[req_id])
                    for req_id in self._loads)
 
@@ -105,3 +113,17 @@ class KVLoadTracker:
 def status_after_load(num_preemptions: int) -> RequestStatus:
     """A request leaving WAITING_FOR_REMOTE_KVS resumes as what it was before the load."""
     return RequestStatus.PREEMPTED if num_preemptions else RequestStatus.WAITING
+
+
+def promote_after_load(request: Request, failed: bool, kv_cache_manager: KVCacheManager) -> None:
+    """A request whose load landed becomes schedulable again: the blocks it computed (all of
+    them, or up to the first invalid one if the load `failed`) join the prefix cache; with
+    none valid, its blocks are freed and it starts afresh."""
+    if failed and request.num_computed_tokens == 0:
+        kv_cache_manager.free(request)
+    else:
+        kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+    if not failed:
+        # A whole-prompt hit still recomputes the last token to get its logits.
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens - 1)
+    request.status = status_after_load(request.num_preemptions)

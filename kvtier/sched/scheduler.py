@@ -2,8 +2,8 @@
 
 One step is `schedule()` (a short pipeline of phases, below) followed by
 `update_from_output()` once the model runner has run the batch. Requests whose KV arrives
-asynchronously from a connector wait in WAITING_FOR_REMOTE_KVS while keeping their place in
-the waiting queue.
+asynchronously from a connector wait in WAITING_FOR_REMOTE_KVS in the waiting queue, and start
+ahead of it once their KV has landed.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvtier.sched.batch import StepBatch
 from kvtier.sched.config import SchedulerConfig
 from kvtier.sched.delayed_frees import DelayedFrees
 from kvtier.sched.errors import SchedulerQueueFullError
-from kvtier.sched.kv_loads import KVLoadTracker, status_after_load
+from kvtier.sched.kv_loads import KVLoadTracker, promote_after_load
 from kvtier.sched.lookups import ConnectorLookupDeadlines
 from kvtier.sched.output import (
     EngineCoreOutput,
@@ -117,6 +117,7 @@ class Scheduler:
         self._schedule_running(batch)
         # A step that had to preempt is out of blocks: admitting newcomers would thrash.
         if not batch.num_preempted:
+            self._schedule_landed_loads(batch)
             self._schedule_waiting(batch)
         finished, self._finished_req_ids = self._finished_req_ids, set()
         output = batch.to_output(finished, self.kv_cache_manager.get_block_ids)
@@ -193,16 +194,42 @@ class Scheduler:
         self.resync_req_ids.discard(request.request_id)
         self.waiting.prepend_request(request)
 
+    def _has_room(self, batch: StepBatch) -> bool:
+        return batch.token_budget > 0 and len(self.running) < self.config.max_num_seqs
+
+    def _schedule_landed_loads(self, batch: StepBatch) -> None:
+        """Start the requests whose load landed, ahead of the waiting queue. Admissions keep
+        free the blocks these still need, so a newcomer ahead of them in the queue that does
+        not fit beside that reserve would wait for them while they wait behind it: with
+        nothing running, forever."""
+        for req_id in self.loads.landed():
+            if not self._has_room(batch):
+                return
+            request = self.requests[req_id]
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                failed = self.loads.is_failed(req_id)
+                if failed:  # it recomputes what did not arrive
+                    self.no_external_load.add(req_id)
+                promote_after_load(request, failed, self.kv_cache_manager)
+            if request.num_computed_tokens == 0:
+                # Nothing it loaded was valid: a newcomer again, in its place in the queue.
+                self.loads.forget(req_id)
+                continue
+            admission = plan_admission(
+                request, self.kv_cache_manager, None, batch.token_budget,
+                enable_chunked_prefill=self.config.enable_chunked_prefill, ask_connector=False)
+            if (admission.num_new_tokens <= batch.token_budget
+                    and self._admit(request, admission, batch)):
+                self.waiting.remove_requests([request])
+
     def _schedule_waiting(self, batch: StepBatch) -> None:
         """Admit waiting requests in queue order until the budget, the seat cap or the blocks
         run out. Requests that cannot start yet keep their place for the next step."""
         skipped: list[Request] = []
         deferred_tokens = 0
-        while (len(self.waiting) > 0 and batch.token_budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+        while len(self.waiting) > 0 and self._has_room(batch):
             request = self.waiting.peek_request()
-            if (request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-                    and not self._try_promote(request)):
+            if request.request_id in self.loads:  # _schedule_landed_loads starts it
                 skipped.append(self.waiting.pop_request())
                 continue
             admission = self._plan_admission(request, batch)
@@ -221,6 +248,7 @@ class Scheduler:
                 break
             if not self._admit(request, admission, batch):
                 break
+            self.waiting.pop_request()
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 skipped.append(request)
         self.waiting.prepend_requests(skipped)
@@ -239,10 +267,11 @@ class Scheduler:
         return admission
 
     def _admit(self, request: Request, admission: Admission, batch: StepBatch) -> bool:
-        """Allocate and start the request (running, or loading); False if blocks ran out."""
+        """Allocate and start the request (running, or loading); False if blocks ran out.
+        The caller takes it out of the waiting queue."""
         already_computed = request.num_computed_tokens
-        # A newcomer leaves free what the in-flight loads still need; a request whose own load
-        # landed (it computed tokens already) is one of those and may use it.
+        # A newcomer leaves free what the requests with a load still need; a request whose own
+        # load landed (it computed tokens already) is one of those and may use it.
         reserved = 0 if already_computed else self.loads.num_blocks_to_finish(
             self.requests, self.kv_cache_manager)
         new_blocks = self.kv_cache_manager.allocate_slots(
@@ -254,7 +283,7 @@ class Scheduler:
             full_sequence_must_fit=self.config.enable_chunked_prefill, reserved_blocks=reserved)
         if new_blocks is None:
             return False
-        self.waiting.pop_request()
+        self.loads.forget(request.request_id)
         self.lookups.forget(request.request_id)
         if self.connector is not None:
             self.connector.update_state_after_alloc(
@@ -270,25 +299,6 @@ class Scheduler:
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         batch.add_new(request, admission.num_new_tokens)
-        return True
-
-    def _try_promote(self, request: Request) -> bool:
-        """A request whose load arrived becomes schedulable again."""
-        req_id = request.request_id
-        if not self.loads.is_received(req_id):
-            return False
-        if self.loads.finish(req_id):
-            self.no_external_load.add(req_id)
-            if request.num_computed_tokens > 0:
-                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            else:
-                self.kv_cache_manager.free(request)
-        else:
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
-            # A whole-prompt hit still recomputes the last token to get its logits.
-            request.num_computed_tokens = min(request.num_computed_tokens,
-                                              request.num_tokens - 1)
-        request.status = status_after_load(request.num_preemptions)
         return True
 
     # ---- update_from_output(): after the runner ------------------------------------------
