@@ -371,14 +371,12 @@ class Scheduler:
             self.delayed_frees.transfer_ended(req_id, "sending")
         for name, value in kv_output.stats.items():
             self._connector_stats[name] = self._connector_stats.get(name, 0.0) + value
-        publishing = self.kv_cache_manager.enable_kv_cache_events
-        if publishing:
+        if self.kv_cache_manager.enable_kv_cache_events:
             self._worker_events.extend(kv_output.events)
+        elif self.connector is not None:
+            self.connector.take_events()  # nobody takes them when events are off: drop them
         if self.connector is not None:
             self.connector.update_connector_output(kv_output)
-            if not publishing:
-                # Nobody takes them (offline use, or events off): they would pile up forever.
-                self.connector.take_events()
 
     # ---- finishing and freeing -----------------------------------------------------------
 

@@ -71,6 +71,9 @@ def test_forged_chunks_are_counted_misses_with_a_secret(model, tmp_path, forgery
     llm = _llm(model_dir, tmp_path / "tier", secret)  # a restart: only the fs tier has them
     try:
         tokens, cached = _generate(llm, prompts)
+        # A request goes on once its first chunk failed; its later chunks' promotions may still
+        # be failing: wait for every tier job before counting.
+        assert llm.engine.scheduler.connector.flush(timeout_s=30)
         errors = llm.get_metrics().get('kvtier:offload_tier_errors_total{tier="fs"}', 0.0)
     finally:
         llm.engine.shutdown()

@@ -1,11 +1,13 @@
-"""A request whose KV load landed is not held back by a newcomer queued ahead of it.
+"""A request waiting for its chunks to come up from disk never holds back one whose prefix is in
+host memory, and neither stalls the other.
 
 The engine, with host memory and a disk tier, gets a request whose first chunks are on disk
 only and then one whose prefix is in host memory. The first one's lookup answers "not yet"
-while its chunks come up from disk, so the second starts loading first; once the first one's
-chunks are up, it does not fit beside the blocks the second holds. The second must go on, or
-neither ever runs (seen in a server under mixed load: no response for the first request, the
-queue behind it stalled until its client left).
+while its chunks come up from disk; the second loads its host chunks in the step that admits it
+and computes at once. Once the first one's chunks are up, it does not fit beside the blocks the
+second holds, so it waits for them. (With an asynchronous load, the same order once stalled the
+queue for good in a server under mixed load; tests/sched/test_landed_loads.py holds the
+scheduler to that case with a connector whose loads are asynchronous.)
 """
 
 import time
@@ -15,16 +17,14 @@ from kvtier import LLM, SamplingParams
 from ..tiny_models import hf_greedy, make_hf_model, random_prompts
 
 PROMPT_LEN = 60  # 15 blocks of 4, 14 of them loadable (the last token is always recomputed)
-# The on-disk request's prefix that an earlier instance computed: 2 chunks of one block. Few
-# chunks come up from disk faster than the other request's 14 load into the device, as in the
-# server where this was seen.
+# The on-disk request's prefix that an earlier instance computed: 2 chunks of one block.
 DISK_PREFIX_LEN = 8
 MAX_TOKENS = 3
 PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Far more steps than the two requests need (about 10); a stalled queue never ends.
 MAX_STEPS = 500
-# Time for the first step's disk reads and device copy to end before the next step, as they
-# did in the server: the on-disk chunks are up when the other request's load is reported.
+# Time for the first step's disk reads to end before the next step: the on-disk chunks are up
+# while the other request still runs.
 TRANSFER_WAIT_S = 0.5
 
 
@@ -45,7 +45,8 @@ def _run(engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
     for request_id, prompt in prompts.items():
         engine.add_request(request_id, prompt, PARAMS)
     finals = {}
-    assert engine.step() == []  # on-disk deferred while its chunks come up, in-host loading
+    # on-disk deferred while its chunks come up; in-host loaded and computed in the same step
+    assert [output.request_id for output in engine.step()] == ["in-host"]
     time.sleep(TRANSFER_WAIT_S)
     for _ in range(MAX_STEPS):
         if not engine.has_unfinished_requests():
@@ -57,7 +58,7 @@ def _run(engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
                          "stalled")
 
 
-def test_a_landed_load_goes_on_ahead_of_a_newcomer_that_does_not_fit_beside_it(tmp_path):
+def test_a_host_hit_starts_at_once_behind_a_request_waiting_for_disk(tmp_path):
     model_dir, disk_dir = tmp_path / "model", tmp_path / "disk"
     hf = make_hf_model("llama", model_dir, max_position_embeddings=512)
     on_disk, in_host = random_prompts(2, PROMPT_LEN, seed=3)
