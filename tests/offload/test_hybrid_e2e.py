@@ -5,6 +5,7 @@ the device resumes from them, token for token as HF transformers (fp32, greedy).
 import pytest
 
 from kvtier import LLM, SamplingParams
+from kvtier.connector.offloading import OffloadingConnector, OffloadingConnectorWorker
 
 from ..tiny_models import LFM2_MIXES, hf_greedy, make_lfm2_model, random_prompts
 
@@ -89,5 +90,54 @@ def test_evicted_from_host_resumes_from_tier_states(model, tmp_path, tier):
         # 7 attention chunks and the last state of each prompt come back from the tier.
         assert _metric(metrics, "tier_hits", f'tier="{tier}"') >= 2 * 8
         assert _metric(metrics, "tier_errors", f'tier="{tier}"') == 0
+    finally:
+        llm.engine.shutdown()
+
+
+
+class FaultyOffloadWorker(OffloadingConnectorWorker):
+    """Loads like OffloadingConnector, then scribbles over the third block each request loads
+    into group 0 (attention) and reports it invalid."""
+
+    def __init__(self, config, context) -> None:
+        super().__init__(config, context)
+        self._bad_blocks: dict[str, int] = {}
+        self._reported: set[int] = set()
+
+    def start_load_kv(self, forward_context) -> None:
+        loaded: dict[str, list[int]] = {}
+        for transfer in self.connector_metadata.loads:
+            if transfer.group_id == 0:
+                loaded.setdefault(transfer.req_id, []).extend(transfer.block_ids)
+        self._bad_blocks.update({req_id: ids[2] for req_id, ids in loaded.items()
+                                 if len(ids) > 2})
+        super().start_load_kv(forward_context)
+
+    def get_finished(self, finished_req_ids):
+        sending, recving = super().get_finished(finished_req_ids)
+        for req_id in recving & self._bad_blocks.keys():
+            block_id = self._bad_blocks.pop(req_id)
+            for cache in self.kv_caches.values():
+                cache[:, block_id].fill_(1e4)
+            self._reported.add(block_id)
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self):
+        reported, self._reported = self._reported, set()
+        return super().get_block_ids_with_load_errors() | reported
+
+
+def test_a_bad_loaded_block_restarts_the_request(model, monkeypatch):
+    """Block 2 (tokens 8..11) of each reload arrives bad. Attention alone would resume at token
+    8, but only the conv state after token 28 was loaded: the request starts over."""
+    model_dir, prompts, expected, _ = model
+    monkeypatch.setattr(OffloadingConnector, "worker_cls", FaultyOffloadWorker)
+    llm = _llm(model_dir, kv_offload="host=1MiB")
+    try:
+        assert _generate(llm, prompts[:4])[0] == expected[:4]
+        tokens, cached = _generate(llm, prompts[:2])
+        assert tokens == expected[:2]
+        assert llm.get_metrics()["kvtier:kv_load_failures"] == 2
+        assert cached == [0, 0]  # started over: nothing of the reload counts
     finally:
         llm.engine.shutdown()
