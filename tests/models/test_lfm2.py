@@ -131,3 +131,15 @@ def test_a_longer_prompt_extends_a_cached_one(reference):
     assert run(llm, [first]) == expected[:1]
     assert run(llm, [second]) == expected[1:]
     assert llm.get_metrics()["vllm:prefix_cache_hits"] == 20
+
+
+@pytest.mark.gpu
+def test_parity_on_cuda(reference):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    directory, prompts, expected, _ = reference
+    llm = make_llm(directory, device="cuda", max_num_batched_tokens=7)
+    assert run(llm, prompts) == expected
+    assert run(llm, prompts) == expected
+    assert llm.get_metrics()["vllm:prefix_cache_hits"] > 0
