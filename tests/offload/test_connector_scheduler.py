@@ -225,8 +225,8 @@ def test_a_missing_state_chunk_ends_the_hit_at_the_last_state_there(make_connect
         KVConnectorOutput(connector_report=OffloadingConnectorReport([failed])))
     second = _request("r2")
     # Attention has all 3 chunks, the state after chunk 2 is gone: resume after chunk 1.
-    assert connector.get_num_new_matched_tokens(second, 0) == (16, True)
-    kv.allocate_slots(second, 0, num_external_computed_tokens=16, delay_cache_blocks=True)
+    assert connector.get_num_new_matched_tokens(second, 0)[0] == 16
+    kv.allocate_slots(second, 14, num_external_computed_tokens=16)
     connector.update_state_after_alloc(second, kv.get_blocks("r2"), 16)
     attention_ids, state_ids = kv.get_block_ids("r2")
     assert state_ids[:3] == [0, 0, 0]  # only the state after token 16 is kept

@@ -96,34 +96,26 @@ def test_evicted_from_host_resumes_from_tier_states(model, tmp_path, tier):
 
 
 class FaultyOffloadWorker(OffloadingConnectorWorker):
-    """Loads like OffloadingConnector, then scribbles over the third block each request loads
-    into group 0 (attention) and reports it invalid."""
+    """Loads like OffloadingConnector, then reports the third block each request loads into
+    group 0 (attention) invalid, scribbled over."""
 
     def __init__(self, config, context) -> None:
         super().__init__(config, context)
-        self._bad_blocks: dict[str, int] = {}
-        self._reported: set[int] = set()
+        self._bad_blocks: set[int] = set()
 
     def start_load_kv(self, forward_context) -> None:
         loaded: dict[str, list[int]] = {}
         for transfer in self.connector_metadata.loads:
             if transfer.group_id == 0:
                 loaded.setdefault(transfer.req_id, []).extend(transfer.block_ids)
-        self._bad_blocks.update({req_id: ids[2] for req_id, ids in loaded.items()
-                                 if len(ids) > 2})
+        self._bad_blocks.update(ids[2] for ids in loaded.values() if len(ids) > 2)
         super().start_load_kv(forward_context)
 
-    def get_finished(self, finished_req_ids):
-        sending, recving = super().get_finished(finished_req_ids)
-        for req_id in recving & self._bad_blocks.keys():
-            block_id = self._bad_blocks.pop(req_id)
+    def get_block_ids_with_load_errors(self):
+        reported, self._bad_blocks = self._bad_blocks, set()
+        for block_id in reported:
             for cache in self.kv_caches.values():
                 cache[:, block_id].fill_(1e4)
-            self._reported.add(block_id)
-        return sending, recving
-
-    def get_block_ids_with_load_errors(self):
-        reported, self._reported = self._reported, set()
         return super().get_block_ids_with_load_errors() | reported
 
 
