@@ -143,3 +143,31 @@ def make_block_prompts(seed: int = 0) -> list[list[int]]:
     shared = _random_tokens(rng, 12)
     return [shared + _random_tokens(rng, 7), _random_tokens(rng, 16),
             shared + _random_tokens(rng, 1), _random_tokens(rng, 23), _random_tokens(rng, 6)]
+
+
+# LFM2 hybrids (short convolutions + attention), by name: the layer mix, then config overrides.
+# "auto_ffn" keeps HF's derived feed-forward width (2/3 of 96, rounded up to 32) and conv biases.
+LFM2_MIXES = {
+    "conv_attn": (["conv", "full_attention"], {}),
+    "attn_conv_conv": (["full_attention", "conv", "conv"], {"conv_L_cache": 4}),
+    "auto_ffn": (["conv", "conv", "full_attention", "conv"],
+                 {"block_auto_adjust_ff_dim": True, "block_multiple_of": 32, "conv_bias": True}),
+}
+
+
+def make_lfm2_model(mix: str, directory, seed: int = 0, **overrides):
+    """Save a tiny random fp32 LFM2 (`LFM2_MIXES[mix]`) into `directory`; return it in eval
+    mode, as make_hf_model does for the other architectures."""
+    layer_types, extra = LFM2_MIXES[mix]
+    base = {key: value for key, value in BASE_CONFIG.items() if key != "rms_norm_eps"}
+    config = transformers.Lfm2Config(**{
+        **base, "norm_eps": 1e-5, "num_hidden_layers": len(layer_types),
+        "layer_types": layer_types, "block_auto_adjust_ff_dim": False, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.Lfm2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.2) if param.dim() > 1 else param.uniform_(0.5, 1.5)
+    model.save_pretrained(directory)
+    model.generation_config.eos_token_id = None
+    return model

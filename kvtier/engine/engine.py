@@ -79,8 +79,8 @@ class Engine:
             max_waiting_requests=sched.max_waiting_requests, **load_options)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, scheduler_connector)
         self.runner = ModelRunner(
-            model, runtime.kv_cache_config, num_layers=self.model_config.num_layers,
-            dtype=runtime.dtype, device=runtime.device, max_num_seqs=sched.max_num_seqs,
+            model, runtime.kv_cache_config, dtype=runtime.dtype, device=runtime.device,
+            max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=runtime.max_model_len, seed=config.model.seed,
             eos_token_ids=self._eos_token_ids, connector=worker_connector)

@@ -17,10 +17,10 @@ from kvtier.connector.base import (
     KVConnectorWorker,
 )
 from kvtier.connector.config import KVTransferConfig
-from kvtier.kv import KVCacheConfig, KVIdentity, SlidingWindowSpec
+from kvtier.kv import KVCacheConfig, KVIdentity, MambaSpec, SlidingWindowSpec
 from kvtier.models.config import ModelConfig
 from kvtier.models.weight_identity import model_files, weights_digest
-from kvtier.worker.kv_cache import build_kv_cache_groups, plan_num_blocks
+from kvtier.worker.kv_cache import block_bytes, build_kv_cache_groups, plan_num_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -73,9 +73,8 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
     groups = build_kv_cache_groups(model_config, block_size=cache.block_size,
                                    dtype_size=dtype_size)
     num_blocks = plan_num_blocks(
-        num_layers=model_config.num_layers, block_size=cache.block_size,
-        num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
-        dtype_size=dtype_size, memory_bytes=_memory_budget(config),
+        block_bytes=block_bytes(groups), block_size=cache.block_size,
+        memory_bytes=_memory_budget(config),
         num_blocks=cache.num_device_blocks, max_num_seqs=config.scheduler.max_num_seqs,
         max_model_len=max_model_len)
     max_model_len = _fit_max_model_len(max_model_len, asked is not None, num_blocks,
@@ -125,6 +124,9 @@ def _memory_budget(config: EngineConfig) -> int | None:
 def _spec_kind(spec: object) -> str:
     if isinstance(spec, SlidingWindowSpec):
         return f"sliding_window:{spec.sliding_window}"
+    if isinstance(spec, MambaSpec):
+        # The state pages' shape is part of what their bytes mean.
+        return f"mamba:{spec.state_shapes}"
     return type(spec).__name__
 
 

@@ -68,6 +68,13 @@ class KVCacheCoordinator(ABC):
         for manager in self._skipping_managers:
             manager.remove_skipped_blocks(request_id, num_computed_tokens)
 
+    def resumable_tokens(self, request_id: str, num_tokens: int) -> int:
+        """`num_tokens` if every group can go on from there with the blocks it holds, else 0."""
+        for manager in self._skipping_managers:
+            if not manager.can_resume_at(request_id, num_tokens):
+                return 0
+        return num_tokens
+
     def save_new_computed_blocks(self, request_id: str,
                                  new_computed_blocks: BlocksPerGroup) -> None:
         for manager, hit_blocks in zip(self.managers, new_computed_blocks):

@@ -202,6 +202,13 @@ class KVCacheManager:
         if self.enable_caching:
             self.coordinator.cache_blocks(request, num_computed_tokens)
 
+    def resumable_tokens(self, request: Request, num_tokens: int) -> int:
+        """Where `request` can go on when its tokens from `num_tokens` on must be recomputed:
+        `num_tokens`, or 0 when a group no longer holds what it needs there (a recurrent state
+        is kept only for the latest block, a sliding window drops older blocks); then the
+        request must start over with fresh blocks."""
+        return self.coordinator.resumable_tokens(request.request_id, num_tokens)
+
     # ---- release -----------------------------------------------------------------------------
 
     def free(self, request: Request) -> None:

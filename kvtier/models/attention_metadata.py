@@ -37,10 +37,12 @@ class AttentionMetadata:
     slot_mapping: list[torch.Tensor]
     # Every sequence has exactly one new token.
     is_decode_only: bool
+    # Token positions per block (every KV cache group uses the same).
+    block_size: int
     # A KVConnectorWorker whose per-layer hooks run around attention, or None (no cost).
     layer_hooks: Any = None
     # Gather plans shared by every layer of a group within this step (built on first use),
-    # keyed by (group id, sliding window, num_blocks of the cache).
+    # keyed by (group id, sliding window, num_blocks of the cache); short-conv groups too.
     plans: dict[tuple[int, int | None, int], Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -93,5 +95,5 @@ def build_attention_metadata(num_computed: Sequence[int], query_lens: Sequence[i
         block_tables=[_block_table(group, device) for group in block_ids],
         slot_mapping=[torch.tensor(_slot_mapping(group, num_computed, query_lens, block_size),
                                    dtype=torch.long, device=device) for group in block_ids],
-        is_decode_only=all(q == 1 for q in query_lens),
+        is_decode_only=all(q == 1 for q in query_lens), block_size=block_size,
         layer_hooks=layer_hooks)

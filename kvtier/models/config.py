@@ -7,9 +7,9 @@ mutated. Pure Python: the scheduler side may read it without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "lfm2")
 # rope_scaling["rope_type"] values the decoder implements (None = plain RoPE).
 ROPE_TYPES = ("llama3",)
 
@@ -21,12 +21,14 @@ def _require(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class KVCacheGroupLayout:
-    """Layers that share one KV cache group: same attention kind, same window."""
+    """Layers that share one KV cache group: same attention kind, same window; or every
+    short-convolution layer, whose group holds one recurrent state per block."""
 
     group_id: int
-    # None: full attention.
+    # None: full attention (or a short-conv group).
     sliding_window: int | None
     layer_indices: tuple[int, ...]
+    kind: Literal["attention", "short_conv"] = "attention"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,13 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     # Model id used in metrics and in the KV namespace.
     name: str
+    # Layers that are gated short convolutions instead of attention (LFM2); their entries in
+    # layer_sliding_windows are None and unused.
+    conv_layer_indices: tuple[int, ...] = ()
+    # Taps of each short convolution (HF's conv_L_cache): the state is the last taps - 1 inputs.
+    conv_kernel_size: int = 3
+    # Biases on the short convolutions' projections and taps.
+    conv_bias: bool = False
 
     def __post_init__(self) -> None:
         _require(self.architecture in ARCHITECTURES,
@@ -79,29 +88,40 @@ class ModelConfig:
         for window in self.layer_sliding_windows:
             _require(window is None or window >= 1,
                      f"layer_sliding_windows entries must be None or >= 1, got {window!r}")
+        _require(all(0 <= i < self.num_layers for i in self.conv_layer_indices),
+                 f"conv_layer_indices must lie in [0, {self.num_layers}), "
+                 f"got {self.conv_layer_indices}")
+        _require(self.conv_kernel_size >= 2,
+                 f"conv_kernel_size must be >= 2, got {self.conv_kernel_size}")
         _require(self.rope_scaling is None or self.rope_scaling.get("rope_type") in ROPE_TYPES,
                  f"rope_scaling type must be one of {ROPE_TYPES} or None, "
                  f"got {self.rope_scaling!r}")
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        """Attention layer names as the KV connector hooks and the runner see them."""
-        return tuple(f"model.layers.{i}.self_attn" for i in range(self.num_layers))
+        """Cache-holding layer names (HF module paths) as the KV connector hooks and the
+        runner see them."""
+        conv = set(self.conv_layer_indices)
+        return tuple(f"model.layers.{i}.conv" if i in conv else f"model.layers.{i}.self_attn"
+                     for i in range(self.num_layers))
 
     def kv_cache_groups(self) -> tuple[KVCacheGroupLayout, ...]:
-        """Layers grouped by window; group 0 is full attention if any layer has it, then the
-        sliding windows in increasing order."""
-        windows = sorted(set(self.layer_sliding_windows),
-                         key=lambda w: (w is not None, w or 0))
-        return tuple(
-            KVCacheGroupLayout(
-                group_id=group_id, sliding_window=window,
-                layer_indices=tuple(i for i, w in enumerate(self.layer_sliding_windows)
-                                    if w == window))
-            for group_id, window in enumerate(windows))
+        """Attention layers grouped by window; group 0 is full attention if any layer has it,
+        then the sliding windows in increasing order, then the short-conv layers if any."""
+        conv = set(self.conv_layer_indices)
+        attention = [(i, w) for i, w in enumerate(self.layer_sliding_windows) if i not in conv]
+        windows = sorted({w for _, w in attention}, key=lambda w: (w is not None, w or 0))
+        groups = [KVCacheGroupLayout(group_id=group_id, sliding_window=window,
+                                     layer_indices=tuple(i for i, w in attention if w == window))
+                  for group_id, window in enumerate(windows)]
+        if conv:
+            groups.append(KVCacheGroupLayout(group_id=len(groups), sliding_window=None,
+                                             layer_indices=tuple(sorted(conv)),
+                                             kind="short_conv"))
+        return tuple(groups)
 
     @property
     def layer_group_ids(self) -> tuple[int, ...]:
         """Per layer: the id of its KV cache group."""
-        group_of = {g.sliding_window: g.group_id for g in self.kv_cache_groups()}
-        return tuple(group_of[w] for w in self.layer_sliding_windows)
+        group_of = {i: g.group_id for g in self.kv_cache_groups() for i in g.layer_indices}
+        return tuple(group_of[i] for i in range(self.num_layers))

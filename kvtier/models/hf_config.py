@@ -8,10 +8,11 @@ from typing import Any
 
 from kvtier.models.config import ModelConfig
 from kvtier.models.errors import ModelLoadError
-from kvtier.models.registry import ARCHITECTURES, find_hf_architecture
+from kvtier.models.registry import ARCHITECTURES, ArchitectureSpec, find_hf_architecture
 
 _LAYER_TYPE_FULL = "full_attention"
 _LAYER_TYPE_SLIDING = "sliding_attention"
+_LAYER_TYPE_CONV = "conv"
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -44,22 +45,33 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, {"rope_type": rope_type, **scaling}
 
 
-def _layer_windows(hf: dict[str, Any], default: tuple[int | None, ...],
-                   path: str) -> tuple[int | None, ...]:
+def _layer_kinds(hf: dict[str, Any], spec: ArchitectureSpec, num_layers: int,
+                 path: str) -> tuple[tuple[int | None, ...], tuple[int, ...]]:
+    """(per-layer window, None for full attention; indices of the short-conv layers)."""
     layer_types = hf.get("layer_types")
+    if layer_types is None and spec.short_conv:
+        # LFM2 configs written before `layer_types` list the attention layers instead.
+        attention = hf.get("full_attn_idxs")
+        attention = range(num_layers) if attention is None else set(attention)
+        layer_types = [_LAYER_TYPE_FULL if i in attention else _LAYER_TYPE_CONV
+                       for i in range(num_layers)]
     if layer_types is None:
-        return default
+        return spec.default_windows(hf, num_layers), ()
     window = hf.get("sliding_window")
     windows: list[int | None] = []
-    for kind in layer_types:
+    conv: list[int] = []
+    for index, kind in enumerate(layer_types):
         if kind == _LAYER_TYPE_FULL:
             windows.append(None)
         elif kind == _LAYER_TYPE_SLIDING and window is not None:
             windows.append(int(window))
+        elif kind == _LAYER_TYPE_CONV and spec.short_conv:
+            windows.append(None)
+            conv.append(index)
         else:
             raise ModelLoadError(path, f"layer_types entry {kind!r} is not supported "
                                        f"(sliding_window={window!r})")
-    return tuple(windows)
+    return tuple(windows), tuple(conv)
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
@@ -81,22 +93,26 @@ def parse_hf_config(model_dir: str, name: str) -> ModelConfig:
         num_layers = int(hf["num_hidden_layers"])
         num_heads = int(hf["num_attention_heads"])
         hidden_size = int(hf["hidden_size"])
-        windows = _layer_windows(hf, spec.default_windows(hf, num_layers), path)
+        windows, conv_layers = _layer_kinds(hf, spec, num_layers, path)
         rope_theta, rope_scaling = parse_rope(hf)
         return ModelConfig(
             architecture=spec.name, vocab_size=int(hf["vocab_size"]), hidden_size=hidden_size,
-            intermediate_size=int(hf["intermediate_size"]), num_layers=num_layers,
+            intermediate_size=spec.ffn_size(hf), num_layers=num_layers,
             num_heads=num_heads, num_kv_heads=int(hf.get("num_key_value_heads", num_heads)),
             head_dim=int(hf.get("head_dim") or hidden_size // num_heads),
             rope_theta=rope_theta, rope_scaling=rope_scaling,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", hf.get("norm_eps", 1e-6))),
             max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
             sliding_window=next((w for w in windows if w is not None), None),
             layer_sliding_windows=windows,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            # Older LFM2 configs say `tie_embedding`.
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings",
+                                            hf.get("tie_embedding", False))),
             attention_bias=spec.qkv_bias(hf), o_proj_bias=spec.o_proj_bias(hf),
             qk_norm=spec.qk_norm, bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_eos_ids(hf.get("eos_token_id")), name=name)
+            eos_token_ids=_eos_ids(hf.get("eos_token_id")), name=name,
+            conv_layer_indices=conv_layers, conv_kernel_size=int(hf.get("conv_L_cache", 3)),
+            conv_bias=bool(hf.get("conv_bias", False)))
     except ModelLoadError:
         raise
     except KeyError as exc:

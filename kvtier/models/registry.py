@@ -1,6 +1,7 @@
-"""Architecture table: what differs between the Llama-family models, in one place.
+"""Architecture table: what differs between the supported models, in one place.
 
-The decoder is one class; each architecture only sets flags and says which layers slide.
+The decoder is one class (LFM2 swaps some layers for short convolutions); each architecture only
+sets flags, says which layers slide and how its feed-forward size is read.
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ def _window_above_max_window_layers(hf: dict[str, Any],
     return tuple(window if i >= first_sliding else None for i in range(num_layers))
 
 
+def _plain_ffn_size(hf: dict[str, Any]) -> int:
+    return int(hf["intermediate_size"])
+
+
+def _lfm2_ffn_size(hf: dict[str, Any]) -> int:
+    # LFM2 stores a nominal size and derives the real one: 2/3 of it, times a multiplier,
+    # rounded up to a multiple (HF's Lfm2MLP).
+    size = int(hf.get("block_ff_dim", hf["intermediate_size"]))
+    if not hf.get("block_auto_adjust_ff_dim", True):
+        return size
+    size = int(2 * size / 3)
+    multiplier = hf.get("block_ffn_dim_multiplier", 1.0)
+    if multiplier is None:
+        return size
+    multiple = int(hf.get("block_multiple_of", 256))
+    size = int(multiplier * size)
+    return multiple * -(-size // multiple)
+
+
 @dataclass(frozen=True)
 class ArchitectureSpec:
     name: str
@@ -40,6 +60,10 @@ class ArchitectureSpec:
     o_proj_follows_attention_bias: bool
     qk_norm: bool
     default_windows: WindowRule
+    # `layer_types` may name "conv" layers (gated short convolutions with a recurrent state).
+    short_conv: bool = False
+    # Feed-forward width from the HF config.
+    ffn_size: Callable[[dict[str, Any]], int] = _plain_ffn_size
 
     def qkv_bias(self, hf: dict[str, Any]) -> bool:
         return self.always_qkv_bias or bool(hf.get("attention_bias", False))
@@ -62,6 +86,10 @@ ARCHITECTURES: dict[str, ArchitectureSpec] = {
         ArchitectureSpec("mistral", ("MistralForCausalLM",), always_qkv_bias=False,
                          o_proj_follows_attention_bias=True, qk_norm=False,
                          default_windows=_window_on_every_layer),
+        ArchitectureSpec("lfm2", ("Lfm2ForCausalLM",), always_qkv_bias=False,
+                         o_proj_follows_attention_bias=False, qk_norm=True,
+                         default_windows=_no_windows, short_conv=True,
+                         ffn_size=_lfm2_ffn_size),
     )
 }
 

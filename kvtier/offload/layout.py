@@ -5,7 +5,8 @@ A page is one block of one layer: K then V, all KV heads contiguous,
 `blocks_per_chunk` blocks x all layers of its group, block-major: page `(b, l)` sits at
 `(b * num_layers + l) * page_bytes`, so the first n blocks of a chunk are one contiguous prefix.
 Attention backend and parallelism do not appear, so other instances can read the bytes as-is.
-A non-attention state (Mamba) is described the same way with its own `page_bytes` per block.
+A recurrent state (Mamba, LFM2's short convolutions) is described the same way with its own
+`page_bytes`, and one block per chunk: the state after the chunk's last token.
 """
 
 from __future__ import annotations

@@ -104,13 +104,18 @@ class TransferFailures:
 
     def _recompute_from(self, request: Request, first_bad: int) -> None:
         sched = self._scheduler
-        request.num_computed_tokens = first_bad
+        resume = sched.kv_cache_manager.resumable_tokens(request, first_bad)
+        request.num_computed_tokens = resume
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             sched.loads.mark_failed(request.request_id)
         elif request.status == RequestStatus.RUNNING:
+            if resume == 0:
+                # Starting over: in fresh blocks, since a state or window group's table has
+                # holes (null blocks) where the recompute writes.
+                sched.kv_cache_manager.free(request)
             # The runner's copy of this request ran ahead on bad KV: it rebuilds it.
             sched.resync_req_ids.add(request.request_id)
-        elif first_bad == 0:
+        elif resume == 0:
             # Promoted but not yet admitted: with nothing valid left it starts from a fresh
             # prefix lookup, which needs it to hold no blocks.
             sched.kv_cache_manager.free(request)

@@ -71,7 +71,8 @@ class InputBatchBuilder:
             num_seqs=num_seqs, query_start_loc=self._to_device(query_start),
             query_start_loc_list=query_start.tolist(), seq_lens=seq_lens,
             num_computed=num_computed, block_tables=block_tables, slot_mapping=slot_mappings,
-            is_decode_only=bool((num_new == 1).all()), layer_hooks=hooks)
+            is_decode_only=bool((num_new == 1).all()), block_size=self.block_size,
+            layer_hooks=hooks)
         return BatchInputs(self._to_device(self.input_ids[:total]), self._to_device(positions),
                            metadata, torch.from_numpy(ends).to(self.device), sampling)
 

@@ -12,7 +12,7 @@ from kvtier.kv import KVCacheConfig
 from kvtier.models import cpu_kernels
 from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvtier.worker.input_batch import BatchInputs, InputBatchBuilder
-from kvtier.worker.kv_cache import allocate_kv_caches, layer_name
+from kvtier.worker.kv_cache import allocate_kv_caches
 from kvtier.worker.request_state import RequestState, RequestStates
 from kvtier.worker.sampler import Sampler, SamplingRow
 
@@ -23,7 +23,7 @@ class ModelRunner:
     `execute_model` is the whole worker side of one engine step, connector hooks included.
     """
 
-    def __init__(self, model: nn.Module, kv_cache_config: KVCacheConfig, *, num_layers: int,
+    def __init__(self, model: nn.Module, kv_cache_config: KVCacheConfig, *,
                  dtype: torch.dtype, device: torch.device, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, seed: int,
                  eos_token_ids: Sequence[int],
@@ -32,11 +32,11 @@ class ModelRunner:
         self.device = device
         self.connector = connector
         self.eos_token_ids = tuple(eos_token_ids)
-        self.kv_caches = allocate_kv_caches(kv_cache_config, num_layers=num_layers, dtype=dtype,
-                                            device=device)
+        layer_names = model.config.layer_names
+        self.kv_caches = allocate_kv_caches(kv_cache_config, layer_names=layer_names,
+                                            dtype=dtype, device=device)
         if connector is not None:
-            connector.register_kv_caches(
-                {layer_name(i): cache for i, cache in enumerate(self.kv_caches)})
+            connector.register_kv_caches(dict(zip(layer_names, self.kv_caches)))
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
         self.states = RequestStates(device)
         self.inputs = InputBatchBuilder(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from .kv_helpers import admit, make_request, mamba_spec, sliding_spec
+from .kv_helpers import admit, full_spec, make_request, mamba_spec, sliding_spec
 
 
 def cache_eight_blocks_then_punch_holes(manager, holes: set[int]):
@@ -99,3 +99,30 @@ def test_mamba_hit_is_the_last_cached_state(make_manager):
     # Only the block holding the state after 17 tokens is kept.
     assert manager.get_block_ids("second") == ([0, 0, 0, 0, 7],)
     manager.free(second)
+
+
+def test_a_rewind_resumes_only_where_every_group_still_holds_its_blocks(make_manager):
+    manager = make_manager(20, full_spec(), mamba_spec(), sliding_spec(6))
+    request = make_request(manager, "r", list(range(17)))
+    admit(manager, request, 9)  # tokens 0..8
+    assert manager.resumable_tokens(request, 8) == 8  # the state after 8 is block 1, held
+    assert manager.allocate_slots(request, 8) is not None  # tokens 9..16
+    request.num_computed_tokens = 17
+    full, state, window = manager.get_block_ids("r")
+    # Computing from 9 on dropped the states before block 2 and the window's block 0.
+    assert (state[:2], window[:1]) == ([0, 0], [0])
+    assert manager.resumable_tokens(request, 8) == 0  # the state after 8 is gone: start over
+    assert manager.resumable_tokens(request, 16) == 16  # state block 3, window blocks 2-3
+    assert manager.resumable_tokens(request, 12) == 12  # state block 2, window blocks 1-2
+    assert manager.resumable_tokens(request, 14) == 0  # off a boundary no state is kept
+    assert manager.resumable_tokens(request, 0) == 0
+    manager.free(request)
+    # Alone, a sliding window resumes where its window's blocks are still held.
+    windowed = make_manager(20, full_spec(), sliding_spec(6))
+    request = make_request(windowed, "w", list(range(17)))
+    admit(windowed, request, 13)
+    assert windowed.allocate_slots(request, 4) is not None  # drops blocks 0 and 1
+    request.num_computed_tokens = 17
+    # Token 12 attends 7..12 (block 1 is gone), token 16 attends 11..16 (blocks 2-3 held).
+    assert [windowed.resumable_tokens(request, n) for n in (4, 12, 16)] == [0, 0, 16]
+    windowed.free(request)

@@ -20,6 +20,7 @@ from kvtier.kv import (
     KVCacheGroupSpec,
     KVCacheManager,
     KVIdentity,
+    MambaSpec,
     Request,
     make_block_hasher,
 )
@@ -42,13 +43,13 @@ CHUNK_BYTES = 2 * SPEC.page_size_bytes
 def make_connector():
     made = []
 
-    def make(**extra):
+    def make(kv_config=KV_CONFIG, **extra):
         options = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 16 * CHUNK_BYTES,
                    **extra}
         config = KVTransferConfig.from_dict({"kv_connector": "OffloadingConnector",
                                              "kv_connector_extra_config": options})
         context = ConnectorContext(block_size=BLOCK, num_layers=2, kv_identity=IDENTITY,
-                                   kv_cache_config=KV_CONFIG)
+                                   kv_cache_config=kv_config)
         shared = OffloadingConnector.create_shared(config, context)
         connector = OffloadingConnectorScheduler(config,
                                                  dataclasses.replace(context, shared=shared))
@@ -196,3 +197,45 @@ def test_request_longer_than_the_host_tier_stops_waiting_for_promotions(make_con
     assert num_tokens % BLOCK == 0 and num_tokens <= 4 * BLOCK  # at most what the host holds
     assert load_async is False  # what it counts is in host memory: loaded with its forward
     assert time.monotonic() > deadline - 5 + 0.3  # it did wait one deadline first
+
+
+# A hybrid model: one attention layer and one recurrent-state layer (a 2 x 8 state per block).
+HYBRID_CONFIG = KVCacheConfig(num_blocks=40, kv_cache_groups=[
+    KVCacheGroupSpec(["model.layers.0.self_attn"], SPEC),
+    KVCacheGroupSpec(["model.layers.1.conv"], MambaSpec(BLOCK, ((2, 8),), 4))])
+
+
+def test_a_state_chunk_is_the_state_after_the_chunks_last_block(make_connector):
+    connector = make_connector(HYBRID_CONFIG, blocks_per_chunk=2)
+    assert [layout.blocks_per_chunk for layout in connector.layouts] == [2, 1]
+    kv = KVCacheManager(HYBRID_CONFIG, max_model_len=64)
+    request = _request()
+    metadata, _ = _schedule_prefill(connector, kv, request)
+    attention_ids, state_ids = kv.get_block_ids("r1")
+    # 30 tokens: 3 whole 2-block chunks per group; a state chunk is its last block alone.
+    assert [(t.group_id, t.block_offsets, t.block_ids) for t in metadata.stores] == [
+        (g, offsets, ids) for c in range(3) for g, offsets, ids in (
+            (0, (0, 1), tuple(attention_ids[2 * c:2 * c + 2])), (1, (0,), (state_ids[2 * c + 1],)))]
+
+
+def test_a_missing_state_chunk_ends_the_hit_at_the_last_state_there(make_connector):
+    connector = make_connector(HYBRID_CONFIG, blocks_per_chunk=2)
+    kv = KVCacheManager(HYBRID_CONFIG, max_model_len=64)
+    metadata, _ = _schedule_prefill(connector, kv, _request("r1"))
+    lost = [t for t in metadata.stores if t.group_id == 1][-1]  # the state after chunk 2
+    _report_done(connector, "device_to_host", [t for t in metadata.stores if t is not lost])
+    failed = BatchDone("device_to_host", (lost.job_id,), False, 0, 0.001, 5.0)
+    connector.update_connector_output(
+        KVConnectorOutput(connector_report=OffloadingConnectorReport([failed])))
+    second = _request("r2")
+    # Attention has all 3 chunks, the state after chunk 2 is gone: resume after chunk 1.
+    assert connector.get_num_new_matched_tokens(second, 0)[0] == 16
+    kv.allocate_slots(second, 14, num_external_computed_tokens=16)
+    connector.update_state_after_alloc(second, kv.get_blocks("r2"), 16)
+    attention_ids, state_ids = kv.get_block_ids("r2")
+    assert state_ids[:3] == [0, 0, 0]  # only the state after token 16 is kept
+    loads = _empty_step(connector).loads
+    assert [(t.group_id, t.block_offsets, t.block_ids) for t in loads] == [
+        (0, (0, 1), tuple(attention_ids[0:2])), (0, (0, 1), tuple(attention_ids[2:4])),
+        (1, (0,), (state_ids[3],))]
+    kv.check_invariants()

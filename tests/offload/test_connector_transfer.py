@@ -129,3 +129,27 @@ def test_torch_path_splits_large_gathers_into_bounded_batches(monkeypatch):
     for layer in range(LAYERS):
         assert torch.equal(caches[layer][:, 5], before[layer][:, 1])
         assert torch.equal(caches[layer][:, 3], before[layer][:, 2])
+
+
+@pytest.mark.parametrize("use_numpy", [True, False])
+def test_state_pages_of_a_second_group_round_trip_in_one_piece(use_numpy):
+    """A recurrent-state group beside an attention group: caches (1, num_blocks, 2, 5), one
+    block per chunk; its page is the state's bytes as they lie."""
+    caches, layout, _, _ = _setup()
+    states = [torch.randn(1, NUM_BLOCKS, 2, 5) for _ in range(3)]
+    state_layout = ChunkLayout(page_bytes=2 * 5 * 4, num_layers=3, blocks_per_chunk=1)
+    area = HostArea(3 * layout.chunk_bytes, layout.chunk_bytes)
+    copier = ChunkCopier(area.buffer, area.slot_bytes, [caches, states], [layout, state_layout],
+                         use_numpy=use_numpy)
+    before = [state.clone() for state in states]
+    store = ChunkTransfer(0, "req", 1, 1, (0,), (4,))
+    assert copier.device_to_host([store]) == state_layout.block_bytes
+    slot = area.slot_array(1)
+    for layer in range(3):
+        start = state_layout.page_offset(0, layer)
+        page = slot[start:start + state_layout.page_bytes].view(np.float32)
+        assert np.array_equal(page, before[layer][0, 4].numpy().reshape(-1))
+    copier.host_to_device([ChunkTransfer(1, "req", 1, 1, (0,), (2,))])
+    for layer in range(3):
+        assert torch.equal(states[layer][0, 2], before[layer][0, 4])
+        assert torch.equal(states[layer][0, :2], before[layer][0, :2])

@@ -11,8 +11,10 @@ which a conversation's next turn starts with; the worker copies them after the f
 cascade to secondary tiers starts when the copy is reported.
 
 Hybrid models: a full-attention group needs every chunk of the hit, a sliding-window group only
-the chunks its window reaches at the end of the hit, a Mamba group only the last one; blocks the
-device cache has already replaced by the null block are never loaded into.
+the chunks its window reaches at the end of the hit, a Mamba group only the last one (whose
+host chunk is the single state after its last token); where one of them misses, the hit ends
+at the last chunk they all have. Blocks the device cache has already replaced by the null block
+are never loaded into.
 """
 
 from __future__ import annotations
@@ -167,12 +169,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 break
             retry = retry or Lookup.RETRY in answers
             end = chunk + 1
-        others = [g for g in range(len(self.groups)) if g not in scan]
-        for g in others:
-            answers = {self._lookup(state, g, c) for c in self._needed_chunks(g, start, end)}
-            if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
-                end = start
-            retry = retry or Lookup.RETRY in answers
+        end, others_retry = self._end_for_other_groups(state, scan, start, end, settle)
+        retry = retry or others_retry
         if retry and end > start:
             if state.retrying_since is None:
                 state.retrying_since = time.monotonic()
@@ -182,6 +180,19 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return 0, False
         state.plan = _Plan(num_computed_tokens, end)
         return num_tokens, False  # every chunk is in host memory: loaded before the forward
+
+    def _end_for_other_groups(self, state: _RequestState, scan: list[int], start: int,
+                              end: int, settle: bool) -> tuple[int, bool]:
+        """The last end <= `end` at which every group outside `scan` has the chunks it needs
+        (a window's, a recurrent state's), and whether one of them is still on its way up."""
+        others = [g for g in range(len(self.groups)) if g not in scan]
+        while end > start and others:
+            answers = {self._lookup(state, g, c)
+                       for g in others for c in self._needed_chunks(g, start, end)}
+            if Lookup.MISS not in answers and not (settle and Lookup.RETRY in answers):
+                return end, Lookup.RETRY in answers
+            end -= 1
+        return end, False
 
     def _waited_too_long(self, state: _RequestState) -> bool:
         since = state.retrying_since
@@ -210,7 +221,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def _plan_load(self, request: Any, group_id: int, chunk: int, block_ids: list[int],
                    first_block: int, end_block: int) -> None:
-        offsets, ids = self._blocks_of_chunk(chunk, block_ids, first_block, end_block)
+        offsets, ids = self._blocks_of_chunk(group_id, chunk, block_ids, first_block,
+                                             end_block)
         if not ids:
             return
         key = self.chunk_key(request, group_id, chunk)
@@ -222,14 +234,19 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if slot is not None:
             self._transfers[transfer.job_id] = key
 
-    def _blocks_of_chunk(self, chunk: int, block_ids: list[int], first_block: int,
+    def _blocks_of_chunk(self, group_id: int, chunk: int, block_ids: list[int],
+                         first_block: int,
                          end_block: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(offsets in the chunk, device block ids) of the chunk's blocks in
-        [first_block, end_block), leaving out null blocks (outside a sliding window)."""
+        [first_block, end_block), leaving out null blocks (outside a sliding window). A
+        recurrent-state chunk holds only its last block's state, at offset 0."""
         per_chunk = self.options.blocks_per_chunk
+        first_index = chunk * per_chunk
+        if isinstance(self.groups[group_id], MambaSpec):
+            first_index = (chunk + 1) * per_chunk - 1
         offsets, ids = [], []
-        for offset in range(per_chunk):
-            index = chunk * per_chunk + offset
+        for offset in range(self.layouts[group_id].blocks_per_chunk):
+            index = first_index + offset
             if first_block <= index < min(end_block, len(block_ids)) \
                     and block_ids[index] != _NULL_BLOCK_ID:
                 offsets.append(offset)
@@ -282,9 +299,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     def _plan_store(self, request: Any, group_id: int, chunk: int, block_ids: list[int],
                     stores: list[ChunkTransfer]) -> None:
         per_chunk = self.options.blocks_per_chunk
-        offsets, ids = self._blocks_of_chunk(chunk, block_ids, chunk * per_chunk,
+        offsets, ids = self._blocks_of_chunk(group_id, chunk, block_ids, chunk * per_chunk,
                                              (chunk + 1) * per_chunk)
-        if len(ids) != per_chunk:
+        if len(ids) != self.layouts[group_id].blocks_per_chunk:
             return  # part of it is gone (outside a sliding window): no whole chunk to store
         key = self.chunk_key(request, group_id, chunk)
         slot = self.manager.prepare_store(key, self.layouts[group_id].chunk_bytes)

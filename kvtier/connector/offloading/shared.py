@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.connector.base import ConnectorContext
+from kvtier.kv import KVCacheSpec, MambaSpec
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.layout import ChunkLayout
@@ -32,11 +33,17 @@ def create_offloading_shared(config: Any, context: ConnectorContext) -> Offloadi
     options: OffloadConfig = config.options  # parsed with the engine's config
     layouts = tuple(
         ChunkLayout(group.kv_cache_spec.page_size_bytes, len(group.layer_names),
-                    options.blocks_per_chunk)
+                    chunk_blocks(group.kv_cache_spec, options.blocks_per_chunk))
         for group in context.kv_cache_config.kv_cache_groups)
     # Slots fit the largest chunk of any group, so one pool serves a hybrid model's groups.
     area = HostArea(options.cpu_bytes_to_use, max(layout.chunk_bytes for layout in layouts))
     return OffloadingShared(area, layouts)
+
+
+def chunk_blocks(spec: KVCacheSpec, blocks_per_chunk: int) -> int:
+    """Pages one chunk of a group holds: every block's, but for a recurrent state (Mamba) only
+    the state after the chunk's last token, all a request resuming there needs."""
+    return 1 if isinstance(spec, MambaSpec) else blocks_per_chunk
 
 
 def shared_of(context: ConnectorContext) -> OffloadingShared:

@@ -1,14 +1,16 @@
 """Device <-> host copies of chunks between the paged KV cache and the host area.
 
-Paged cache, per layer: (2, num_blocks, block_size, num_kv_heads, head_dim), K at [0], V at [1].
-Host slot (standard layout, kvtier.offload.layout): (blocks_per_chunk, num_layers, page) with
-page = K then V of one block, each (block_size, num_kv_heads, head_dim) contiguous.
+Paged cache, per layer: (parts, num_blocks, ...) with the page of a block split in `parts`:
+attention (2, num_blocks, block_size, num_kv_heads, head_dim), K at [0], V at [1]; a recurrent
+state (1, num_blocks, *state shape). Host slot (standard layout, kvtier.offload.layout):
+(blocks_per_chunk, num_layers, page) with page = its parts in order (K then V), each
+contiguous.
 
 Every byte is copied once, straight between the cache and the host area: no staging buffer.
 A step's blocks are first cut into runs (consecutive device block ids landing on consecutive
 host pages, common since the block pool hands out blocks in order), and each run is one strided
 copy per layer whatever its length. On CPU the copies are numpy assignments between byte views
-(block, K or V, bytes) whose rows are contiguous, so numpy copies row by row and releases the GIL
+(block, part, bytes) whose rows are contiguous, so numpy copies row by row and releases the GIL
 while it runs; torch's CPU copies of such views cost more per call. (Views with one void element
 per half-page, tried first, were 3x slower and held the GIL: the engine thread stalled behind
 every store.) The torch path serves any device: it gathers the blocks on the device into the
@@ -54,8 +56,8 @@ class ChunkCopier:
         device = group_caches[0][0].device
         self.use_numpy = device.type == "cpu" if use_numpy is None else use_numpy
         if self.use_numpy:
-            self.cache_halves = [[_cache_halves(cache) for cache in caches]
-                                 for caches in group_caches]
+            self.cache_parts = [[_cache_parts(cache) for cache in caches]
+                                for caches in group_caches]
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def record_compute(self) -> torch.cuda.Event | None:
@@ -95,30 +97,31 @@ class ChunkCopier:
 
     def _store_numpy(self, group_id: int, runs: list[_Run]) -> None:
         for run in runs:
-            pages = self._host_halves(group_id, run)
-            for layer, cache in enumerate(self.cache_halves[group_id]):
+            pages = self._host_parts(group_id, run)
+            for layer, cache in enumerate(self.cache_parts[group_id]):
                 pages[:, layer] = cache[run.first_block:run.first_block + run.num_blocks]
 
     def _load_numpy(self, group_id: int, runs: list[_Run]) -> None:
         for run in runs:
-            pages = self._host_halves(group_id, run)
-            for layer, cache in enumerate(self.cache_halves[group_id]):
+            pages = self._host_parts(group_id, run)
+            for layer, cache in enumerate(self.cache_parts[group_id]):
                 cache[run.first_block:run.first_block + run.num_blocks] = pages[:, layer]
 
-    def _host_halves(self, group_id: int, run: _Run) -> np.ndarray:
-        """The run's host pages as (num_blocks, num_layers, 2, half-page bytes): K, V halves."""
+    def _host_parts(self, group_id: int, run: _Run) -> np.ndarray:
+        """The run's host pages as (num_blocks, num_layers, parts, part bytes)."""
         layout = self.layouts[group_id]
-        half = layout.page_bytes // 2
-        return np.ndarray((run.num_blocks, layout.num_layers, 2, half), dtype=np.uint8,
+        parts = self.group_caches[group_id][0].shape[0]
+        part = layout.page_bytes // parts
+        return np.ndarray((run.num_blocks, layout.num_layers, parts, part), dtype=np.uint8,
                           buffer=self.host_area, offset=run.host_offset,
-                          strides=(layout.block_bytes, layout.page_bytes, half, 1))
+                          strides=(layout.block_bytes, layout.page_bytes, part, 1))
 
     def _store_torch(self, group_id: int, runs: list[_Run]) -> None:
         caches = self.group_caches[group_id]
         ids = _block_ids(runs, caches[0].device)
-        # L x (2, n, bs, heads, hd) -> (L, 2, n, ...) -> (n, L, 2, ...): the host's page order
+        # L x (parts, n, *part) -> (L, parts, n, ...) -> (n, L, parts, ...): the host's order
         pages = torch.stack([cache.index_select(1, ids) for cache in caches])
-        pages = pages.permute(2, 0, 1, 3, 4, 5).contiguous()
+        pages = pages.permute(2, 0, 1, *range(3, pages.dim())).contiguous()
         start = 0
         for run in runs:
             self._host_run(group_id, run).copy_(pages[start:start + run.num_blocks])
@@ -127,7 +130,7 @@ class ChunkCopier:
     def _load_torch(self, group_id: int, runs: list[_Run]) -> None:
         caches = self.group_caches[group_id]
         ids = _block_ids(runs, caches[0].device)
-        # (n, L, 2, bs, heads, hd) on the device, filled run by run from the host
+        # (n, L, parts, *part) on the device, filled run by run from the host
         pages = torch.empty((len(ids), len(caches), *caches[0].shape[:1], *caches[0].shape[2:]),
                             dtype=caches[0].dtype, device=caches[0].device)
         start = 0
@@ -136,11 +139,11 @@ class ChunkCopier:
                                                       non_blocking=True)
             start += run.num_blocks
         for layer, cache in enumerate(caches):
-            # (n, 2, bs, heads, hd) -> (2, n, bs, heads, hd), scattered to the block ids
+            # (n, parts, *part) -> (parts, n, *part), scattered to the block ids
             cache.index_copy_(1, ids, pages[:, layer].transpose(0, 1))
 
     def _host_run(self, group_id: int, run: _Run) -> torch.Tensor:
-        """The run's host bytes as (num_blocks, num_layers, 2, bs, heads, hd) of the cache dtype."""
+        """The run's host bytes as (num_blocks, num_layers, parts, *part) of the cache dtype."""
         cache = self.group_caches[group_id][0]
         layout = self.layouts[group_id]
         raw = self.host_bytes[run.host_offset:run.host_offset + run.num_blocks * layout.block_bytes]
@@ -175,9 +178,9 @@ class ChunkCopier:
         return _StreamScope(self.stream, after)
 
 
-def _cache_halves(cache: torch.Tensor) -> np.ndarray:
-    """A CPU cache as (num_blocks, 2, half-page bytes): the K and V bytes of each block."""
-    # (2, num_blocks, bs, heads, hd) -> (2, num_blocks, half bytes) uint8 -> block-major view
+def _cache_parts(cache: torch.Tensor) -> np.ndarray:
+    """A CPU cache as (num_blocks, parts, part bytes): e.g. the K and V bytes of each block."""
+    # (parts, num_blocks, *part) -> (parts, num_blocks, part bytes) uint8 -> block-major view
     rows = cache.view(torch.uint8).numpy().reshape(cache.shape[0], cache.shape[1], -1)
     return rows.transpose(1, 0, 2)
 

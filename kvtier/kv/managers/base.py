@@ -58,6 +58,11 @@ class SingleTypeKVCacheManager(ABC):
         """Leading blocks no longer needed once `num_computed_tokens` tokens are computed."""
         return 0
 
+    def can_resume_at(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the blocks the request holds let it go on from `num_tokens` computed tokens
+        (after its later tokens were found bad). True here: every block stays held."""
+        return True
+
     # ---- allocation --------------------------------------------------------------------------
 
     def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int,

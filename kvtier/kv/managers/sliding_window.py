@@ -54,6 +54,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
         del hits[run - run % align_blocks:]
         return hits
 
+    def can_resume_at(self, request_id: str, num_tokens: int) -> bool:
+        # The next token attends the window's earlier tokens: their blocks must still be held.
+        first = max(0, num_tokens - self.sliding_window + 1) // self.block_size
+        end = -(-num_tokens // self.block_size)
+        blocks = self.req_to_blocks.get(request_id, ())
+        return end <= len(blocks) and not any(b.is_null for b in blocks[first:end])
+
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         num_skipped_tokens = max(0, num_computed_tokens - self.sliding_window + 1)
         return num_skipped_tokens // self.block_size
