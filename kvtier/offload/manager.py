@@ -54,6 +54,11 @@ from kvtier.offload.tiers.registry import create_tier
 WRITE_BACK_RESERVE = 0.1
 # How often `flush` polls the tiers.
 _FLUSH_POLL_S = 0.002
+# A tier whose load of a chunk failed is not asked for that chunk again for this long: a damaged
+# chunk costs one failed read a minute at most, and a chunk that failed while its store or peer
+# was down is found again once it is back (a p2p tier never stores, so no later store of the
+# chunk would clear the failure).
+FAILED_LOAD_RETRY_S = 60.0
 
 
 class Lookup(enum.Enum):
@@ -100,8 +105,8 @@ class TieringManager:
         self._job_ids = itertools.count()
         self._jobs: dict[int, _TierJob] = {}
         self._promoting: dict[ChunkKey, int] = {}
-        # (tier index, key) pairs whose load failed; bounded, oldest forgotten first.
-        self._failed: OrderedDict[tuple[int, ChunkKey], None] = OrderedDict()
+        # (tier index, key) -> when its load failed; bounded, oldest forgotten first.
+        self._failed: OrderedDict[tuple[int, ChunkKey], float] = OrderedDict()
         self._max_remembered = 16 * self.area.num_slots
         # (tier index, key) pairs whose tier answered UNKNOWN to a counted query; bounded too.
         self._undecided: OrderedDict[tuple[int, ChunkKey], None] = OrderedDict()
@@ -144,8 +149,11 @@ class TieringManager:
 
     def _ask_tier(self, index: int, tier: SecondaryTier, key: ChunkKey,
                   req_context: Any, record: bool) -> LookupResult:
-        if (index, key) in self._failed:
-            return LookupResult.NOT_FOUND
+        failed_at = self._failed.get((index, key))
+        if failed_at is not None:
+            if self._clock() - failed_at < FAILED_LOAD_RETRY_S:
+                return LookupResult.NOT_FOUND
+            del self._failed[(index, key)]
         start = self._clock()
         try:
             answer = tier.lookup(key, req_context)
@@ -344,7 +352,8 @@ class TieringManager:
                     self._mark_failed(job.tier, job.key)
 
     def _mark_failed(self, index: int, key: ChunkKey) -> None:
-        self._failed[(index, key)] = None
+        self._failed[(index, key)] = self._clock()
+        self._failed.move_to_end((index, key))
         if len(self._failed) > self._max_remembered:
             self._failed.popitem(last=False)
 

@@ -5,7 +5,7 @@ import pytest
 
 from kvtier.engine.metrics import MetricsRegistry
 from kvtier.offload.events import TierMoveEvent
-from kvtier.offload.manager import Lookup
+from kvtier.offload.manager import FAILED_LOAD_RETRY_S, Lookup
 from kvtier.offload.tiers.disk import FILE_HEADER_BYTES, slot_stride
 
 from .offload_helpers import (
@@ -125,6 +125,23 @@ def test_late_promotion_is_a_miss_and_its_slot_stays_pinned(make_manager):
     manager.poll()
     assert key(7) not in manager.host.entries
     assert manager.lookup(key(7), CHUNK) is Lookup.MISS  # that tier failed it: not asked again
+
+
+def test_a_failed_load_is_asked_again_after_the_retry_interval(make_manager):
+    """A tier that failed a chunk (its store or peer was down) serves it again later, without a
+    restart and without a new store of that chunk."""
+    now = [0.0]
+    manager = make_manager(offload_config(2, [STUCK]), clock=lambda: now[0])
+    assert manager.lookup(key(3), CHUNK) is Lookup.RETRY
+    manager.tiers[0].release(ok=False)
+    manager.poll()
+    now[0] = FAILED_LOAD_RETRY_S - 1
+    assert manager.lookup(key(3), CHUNK) is Lookup.MISS
+    now[0] = FAILED_LOAD_RETRY_S + 1
+    assert manager.lookup(key(3), CHUNK) is Lookup.RETRY  # asked again: promoting
+    manager.tiers[0].release(ok=True)
+    manager.poll()
+    assert manager.lookup(key(3), CHUNK) is Lookup.HIT
 
 
 def test_failed_promotion_falls_back_to_miss(make_manager):
