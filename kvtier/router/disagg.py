@@ -10,7 +10,8 @@ A is the decode instance's transfer engine address (its GET /v1/kv_transfer_info
 for every prefill. When no prefill instance does its part (none healthy, unreachable, an error
 answer, past `prefill_timeout_s`, no kv_transfer_params in its answer) the decode instance gets
 the client's body without kv_transfer_params and computes the prompt itself: the client sees
-the same tokens, only later.
+the same tokens, only later. So it does for a request the instance would split into several
+(n > 1, several prompts).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ async def with_prefilled_kv(service: RouterService, path: str, body: dict[str, A
     """The body to send `decode`: the client's, with the kv_transfer_params of the prefill done
     for it, or without any when no prefill instance could do it."""
     params, outcome = None, "no_transport"
-    if decode.transport_address is not None:
+    if fans_out(body):
+        outcome = "fan_out"
+    elif decode.transport_address is not None:
         params, outcome = await _prefill(service, path, body, headers, block_hashes,
                                          decode.transport_address)
     service.metrics.prefills.labels(outcome).inc()
@@ -44,6 +47,15 @@ async def with_prefilled_kv(service: RouterService, path: str, body: dict[str, A
     if params is not None:
         forwarded["kv_transfer_params"] = params
     return json.dumps(forwarded).encode()
+
+
+def fans_out(body: dict[str, Any]) -> bool:
+    """Whether the instance makes several engine requests of this body (n > 1, several
+    prompts): one transfer carries one prompt's KV to one request, so these are not split."""
+    prompt = body.get("prompt")
+    several_prompts = isinstance(prompt, list) and len(prompt) > 1 and \
+        not isinstance(prompt[0], int)
+    return several_prompts or body.get("n", 1) != 1 or body.get("best_of") not in (None, 1)
 
 
 def prefill_body(path: str, body: dict[str, Any], transfer_id: str,

@@ -105,7 +105,7 @@ def test_the_prefill_gets_the_prompt_and_the_decode_its_kv_transfer_params(insta
         # A wildcard bind address is reached on the decode instance's own host.
         assert service.instances[1].transport_address == "tcp://127.0.0.1:5555"
         response = await client.post("/v1/completions", json={
-            "prompt": "ok", "max_tokens": 9, "n": 2, "stream_options": {"include_usage": True},
+            "prompt": "ok", "max_tokens": 9, "stream_options": {"include_usage": True},
             "min_tokens": 3, "kv_transfer_params": {"transfer_id": "client's"}})
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == "decoded"
         sent = prefill.seen[-1]
@@ -113,7 +113,7 @@ def test_the_prefill_gets_the_prompt_and_the_decode_its_kv_transfer_params(insta
         assert sent == {"prompt": "ok", "max_tokens": 1, "n": 1, "stream": False,
                         "kv_transfer_params": {"transfer_id": transfer_id,
                                                "consumer_address": "tcp://127.0.0.1:5555"}}
-        assert decode.seen[-1] == {"prompt": "ok", "max_tokens": 9, "n": 2, "min_tokens": 3,
+        assert decode.seen[-1] == {"prompt": "ok", "max_tokens": 9, "min_tokens": 3,
                                    "stream_options": {"include_usage": True},
                                    "kv_transfer_params": {"transfer_id": transfer_id,
                                                           "num_tokens": 8}}
@@ -124,19 +124,24 @@ def test_the_prefill_gets_the_prompt_and_the_decode_its_kv_transfer_params(insta
     _run(instances, scenario)
 
 
-@pytest.mark.parametrize("mode, outcome", [("error", "status_5xx"), ("slow", "timeout"),
-                                           ("no_params", "no_kv_transfer_params")])
-def test_a_failed_prefill_leaves_the_prompt_to_the_decode_instance(instances, mode, outcome):
+@pytest.mark.parametrize("body, outcome", [
+    ({"prompt": "error"}, "status_5xx"), ({"prompt": "slow"}, "timeout"),
+    ({"prompt": "no_params"}, "no_kv_transfer_params"),
+    # Several engine requests on the decode instance: not split, whatever the prefill would do.
+    ({"prompt": "ok", "n": 2}, "fan_out"), ({"prompt": ["ok", "ok"]}, "fan_out")])
+def test_a_failed_prefill_leaves_the_prompt_to_the_decode_instance(instances, body, outcome):
     prefill, decode = instances
+    num_prefills = len(prefill.seen)
 
     async def scenario(service, client):
-        response = await client.post("/v1/completions", json={"prompt": mode, "max_tokens": 4})
+        response = await client.post("/v1/completions", json={**body, "max_tokens": 4})
         assert response.status_code == 200 and response.json()["choices"][0]["text"] == "decoded"
-        assert decode.seen[-1] == {"prompt": mode, "max_tokens": 4}
+        assert decode.seen[-1] == {**body, "max_tokens": 4}
         metrics = service.metrics.render().decode()
         assert f'kvtier_router:prefills_total{{outcome="{outcome}"}} 1.0' in metrics
         # Busy or answering badly is not down: the prefill instance stays in routing.
         assert service.instances[0].healthy and service.instances[0].in_flight == 0
+        assert len(prefill.seen) == num_prefills + (outcome != "fan_out")
 
     _run(instances, scenario)
 
