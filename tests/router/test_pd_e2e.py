@@ -107,8 +107,13 @@ def _loaded_tokens(prompt: list[int]) -> int:
 
 def test_pd_tokens_match_hf_and_the_decode_instance_loads_the_prompts(pd):
     router, prefill, decode, hf_model = pd
-    info = httpx.get(f"{decode.url}/v1/kv_transfer_info", timeout=5.0).json()
-    assert info["kv_role"] == "kv_consumer" and info["transport_address"].startswith("tcp://")
+    for server, role in ((prefill, "kv_producer"), (decode, "kv_consumer")):
+        info = httpx.get(f"{server.url}/v1/kv_transfer_info", timeout=5.0).json()
+        assert (info["kv_connector"], info["kv_role"]) == ("P2PConnector", role)
+        assert info["transport_address"].startswith("tcp://127.0.0.1:")
+    state = router.state()["instances"]
+    assert [(i["role"], i["transport_address"]) for i in state] == \
+        [("prefill", None), ("decode", info["transport_address"])]
     prompts = make_block_prompts()
     expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
     results = [_complete(router, prompt) for prompt in prompts]
