@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from ..entrypoints.server_process import ServerProcess
-from ..tiny_models import hf_greedy, make_block_prompts, make_hf_model
+from ..tiny_models import hf_greedy, make_block_prompts, make_hf_model, random_prompts
 from .conftest import RouterProcess
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 6
 TIMEOUT_S = 120.0
+NUM_CONCURRENT = 16
+# Sends end within a step or two of the decode instance's load; bounds it on a busy machine.
+IDLE_DEADLINE_S = 15.0
 GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
           "return_token_ids": True}
 
@@ -148,6 +152,24 @@ def test_pd_streaming_and_chat_match_hf(pd):
     prompt_ids = body["prompt_token_ids"]
     assert body["choices"][0]["token_ids"] == hf_greedy(hf_model, [prompt_ids], MAX_TOKENS)[0]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == _loaded_tokens(prompt_ids)
+
+
+@pytest.mark.slow
+def test_pd_concurrent_requests_match_hf_and_leave_no_blocks_held(pd):
+    router, prefill, decode, hf_model = pd
+    prompts = random_prompts(NUM_CONCURRENT, 21, seed=3)
+    expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
+    with ThreadPoolExecutor(NUM_CONCURRENT) as pool:
+        results = list(pool.map(lambda p: _complete(router, p), prompts))
+    assert [r["choices"][0]["token_ids"] for r in results] == expected
+    assert all(r["usage"]["prompt_tokens_details"]["cached_tokens"] == 20 for r in results)
+    # Every send ended and every request finished: no block is held on either side.
+    for server in (prefill, decode):
+        deadline = time.monotonic() + IDLE_DEADLINE_S
+        while _metric(server.url, "vllm:kv_cache_usage_perc") != 0:
+            assert time.monotonic() < deadline, f"{server.url} still holds KV blocks"
+            time.sleep(0.1)
+    assert _metric(prefill.url, "kvtier:p2p_connector_send_errors") == 0
 
 
 @pytest.mark.faults
