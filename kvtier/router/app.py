@@ -48,8 +48,9 @@ def build_app(service: RouterService,
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while at least one instance is healthy."""
-        if not any(i.healthy for i in service.instances):
+        """200 while at least one instance that answers requests (in P/D mode, a decode
+        instance) is healthy."""
+        if not any(i.healthy for i in service.router.instances):
             raise ServiceUnavailableError("no instance is healthy", code="no_instance")
         return Response(status_code=200)
 
@@ -57,7 +58,8 @@ def build_app(service: RouterService,
     async def instances() -> JSONResponse:
         """Each instance's state as the router sees it, and the index's size."""
         return JSONResponse({"index_blocks": len(service.index), "instances": [
-            {"url": i.url, "healthy": i.healthy, "indexed": i.indexed,
+            {"url": i.url, "role": i.role, "healthy": i.healthy, "indexed": i.indexed,
+             "transport_address": i.transport_address,
              "in_flight": i.in_flight, "reported_load": i.reported_load}
             for i in service.instances]})
 

@@ -1,7 +1,8 @@
 """`kvtier router --instance URL [--instance URL ...]`: a KV-cache-aware router in front of
 kvtier instances, OpenAI-compatible (the instances serve with --kv-events-config so the router
 can follow their caches, and --enable-prompt-tokens-details for its predicted-vs-actual
-metrics)."""
+metrics). `kvtier router --prefill URL ... --decode URL ...`: the same front-end in P/D mode,
+prompts computed on prefill instances and answered by decode instances (P2PConnector)."""
 
 from __future__ import annotations
 
@@ -15,8 +16,18 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--instance", action="append", required=True, metavar="URL",
+    parser.add_argument("--instance", action="append", default=[], metavar="URL",
                         help="a kvtier instance, e.g. http://127.0.0.1:8000 (repeat for each)")
+    parser.add_argument("--prefill", action="append", default=[], metavar="URL",
+                        help="P/D mode: an instance that computes prompts and sends their KV "
+                             "(P2PConnector kv_producer; repeat for each; needs --decode)")
+    parser.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="P/D mode: an instance that loads a prompt's KV from a prefill "
+                             "instance and answers the request (P2PConnector kv_consumer; "
+                             "repeat for each; needs --prefill)")
+    parser.add_argument("--prefill-timeout", type=float, default=60.0,
+                        help="P/D mode: seconds a prefill instance gets to compute a prompt; "
+                             "past it the decode instance computes it itself (default 60)")
     parser.add_argument("--policy", default="kv-aware", choices=POLICIES,
                         help="kv-aware (default): where the longest prefix is cached, weighed "
                              "against load; round-robin; least-loaded")
@@ -48,7 +59,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     return RouterConfig(
-        instances=tuple(args.instance), policy=args.policy, model=args.model,
+        instances=tuple(args.instance), prefill=tuple(args.prefill), decode=tuple(args.decode),
+        prefill_timeout_s=args.prefill_timeout, policy=args.policy, model=args.model,
         index_max_blocks=args.index_max_blocks, saturation=args.saturation,
         load_weight_tokens=args.load_weight_tokens, health_interval_s=args.health_interval,
         max_attempts=args.max_attempts)
@@ -66,8 +78,9 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_app(RouterService(config), max_request_body_bytes=max_body)
-    logging.getLogger(__name__).info("routing (%s) over %d instance(s) on http://%s:%d",
-                                     config.policy, len(config.instances), args.host, args.port)
+    logging.getLogger(__name__).info(
+        "routing (%s) over %d instance(s), %d prefill, %d decode, on http://%s:%d", config.policy,
+        len(config.instances), len(config.prefill), len(config.decode), args.host, args.port)
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
                                   log_level=args.uvicorn_log_level)).run()
     return 0

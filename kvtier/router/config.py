@@ -23,7 +23,12 @@ class TierWeights:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    instances: tuple[str, ...]
+    # Instance mode: each request goes to one of these, prompt and answer.
+    instances: tuple[str, ...] = ()
+    # P/D mode: each prompt is computed on a prefill instance, whose KV a decode instance loads
+    # to answer the request (both run the P2PConnector).
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
     policy: Policy = "kv-aware"
     # Model (HF directory or .gguf) whose tokenizer the router uses; None: the instances'.
     model: str | None = None
@@ -44,20 +49,22 @@ class RouterConfig:
     # Instances one request is tried on before its error goes back to the client.
     max_attempts: int = 3
     connect_timeout_s: float = 5.0
+    # Longest wait for a prefill instance's answer; past it the decode instance computes the
+    # prompt itself.
+    prefill_timeout_s: float = 60.0
     # Longest wait for an instance's next bytes.
     read_timeout_s: float = 600.0
 
+    @property
+    def is_disaggregated(self) -> bool:
+        return bool(self.decode)
+
+    @property
+    def all_urls(self) -> tuple[str, ...]:
+        return self.instances + self.prefill + self.decode
+
     def __post_init__(self) -> None:
-        if not self.instances:
-            raise ValueError("give at least one --instance URL, e.g. --instance "
-                             "http://127.0.0.1:8000")
-        for url in self.instances:
-            parts = urlsplit(url)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ValueError(f"--instance {url!r} is not an http(s) URL; use e.g. "
-                                 "http://127.0.0.1:8000")
-        if len(set(self.instances)) != len(self.instances):
-            raise ValueError("--instance URLs must be distinct")
+        self._check_urls()
         if self.policy not in POLICIES:
             raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         for name in ("index_max_blocks", "saturation", "max_health_failures", "max_attempts"):
@@ -67,6 +74,24 @@ class RouterConfig:
         if self.load_weight_tokens < 0:
             raise ValueError(f"--load-weight-tokens must be >= 0, got {self.load_weight_tokens}")
         for name in ("health_interval_s", "event_timeout_s", "connect_timeout_s",
-                     "read_timeout_s"):
+                     "read_timeout_s", "prefill_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def _check_urls(self) -> None:
+        if self.instances and (self.prefill or self.decode):
+            raise ValueError("give --instance URLs, or --prefill and --decode URLs, not both")
+        if not self.instances and not (self.prefill and self.decode):
+            raise ValueError("give at least one --instance URL (e.g. --instance "
+                             "http://127.0.0.1:8000), or at least one --prefill URL and one "
+                             "--decode URL")
+        for flag, urls in (("--instance", self.instances), ("--prefill", self.prefill),
+                           ("--decode", self.decode)):
+            for url in urls:
+                parts = urlsplit(url)
+                if parts.scheme not in ("http", "https") or not parts.hostname:
+                    raise ValueError(f"{flag} {url!r} is not an http(s) URL; use e.g. "
+                                     "http://127.0.0.1:8000")
+        if len(set(self.all_urls)) != len(self.all_urls):
+            raise ValueError("instance URLs must be distinct (an instance is either a prefill "
+                             "or a decode one)")

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+# "instance": serves whole requests; in P/D mode "prefill" computes prompts, "decode" answers.
+Role = Literal["instance", "prefill", "decode"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,7 @@ class Instance:
     url: str
     # This instance's nibble in the KV index (1, 2, ...; 0 is shared stores).
     slot: int
+    role: Role = "instance"
     healthy: bool = False
     # Requests the router has sent there and not seen finish.
     in_flight: int = 0
@@ -53,6 +57,9 @@ class Instance:
     # time.monotonic() of the first request finished there since its last event batch: it
     # should have published by now; None when it has.
     awaiting_events_since: float | None = None
+    # A decode instance's transfer engine address (its GET /v1/kv_transfer_info), where a
+    # prefill instance sends the prompt's KV; None: it computes prompts itself.
+    transport_address: str | None = None
 
     @property
     def load(self) -> int:

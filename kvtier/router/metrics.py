@@ -18,6 +18,9 @@ class RouterMetrics:
                                ["reason"], registry=r)
         self.requests = Counter("kvtier_router:requests", "Requests answered, by outcome.",
                                 ["outcome"], registry=r)
+        self.prefills = Counter("kvtier_router:prefills", "P/D mode: prompts sent to a prefill "
+                                "instance, by outcome (anything but ok: the decode instance "
+                                "computes the prompt itself).", ["outcome"], registry=r)
         self.prompt_tokens = Counter("kvtier_router:prompt_tokens", "Prompt tokens of requests "
                                      "whose usage reported cached tokens.", registry=r)
         self.predicted_cached = Counter(

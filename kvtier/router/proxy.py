@@ -9,8 +9,8 @@ Once bytes have been relayed the answer is the instance's, to the end.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvtier.entrypoints.openai.errors import APIError, BadRequestError, ServiceUnavailableError
+from kvtier.router.disagg import with_prefilled_kv
 from kvtier.router.instances import Instance
 from kvtier.router.policy import Decision, NoInstanceError
 from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
@@ -61,7 +62,12 @@ async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
     block_size = service.hasher.block_size if service.hasher is not None else 1
     decision = service.router.choose(prompt.block_hashes, block_size)
     matches = service.router.matches(prompt.block_hashes, service.instances)
+    prefill = None
+    if service.prefill_router is not None:
+        with contextlib.suppress(NoInstanceError):  # the decode instance computes the prompt
+            prefill = service.prefill_router.choose(prompt.block_hashes, block_size).instance.url
     return {"instance": decision.instance.url, "reason": decision.reason,
+            "prefill_instance": prefill,
             "num_prompt_blocks": len(prompt.block_hashes),
             "predicted_cached_tokens": decision.predicted_cached_tokens,
             "instances": [{"url": i.url, "healthy": i.healthy, "load": i.load,
@@ -84,8 +90,12 @@ async def proxy(service: RouterService, path: str, raw: Request) -> Response:
             break
         service.metrics.decisions.labels(service.config.policy, decision.reason).inc()
         tried.add(decision.instance.url)
+        sent = content
+        if service.prefill_router is not None:
+            sent = await with_prefilled_kv(service, path, body, headers, prompt.block_hashes,
+                                           decision.instance)
         try:
-            return await _forward(service, decision, path, content, headers, prompt,
+            return await _forward(service, decision, path, sent, headers, prompt,
                                   body.get("stream") is True)
         except _TryElsewhere as exc:
             service.metrics.retries.labels(str(exc)).inc()
@@ -124,7 +134,7 @@ async def _hash_prompt(service: RouterService, path: str, body: dict[str, Any],
 async def _forward(service: RouterService, decision: Decision, path: str, content: bytes,
                    headers: dict[str, str], prompt: _Prompt, stream: bool) -> Response:
     instance = decision.instance
-    _add_in_flight(service, instance, 1)
+    service.add_in_flight(instance, 1)
     relaying = False
     try:
         upstream = await _send(service, instance, path, content, headers)
@@ -149,7 +159,7 @@ async def _forward(service: RouterService, decision: Decision, path: str, conten
                                  upstream.status_code, out_headers)
     finally:
         if not relaying:
-            _add_in_flight(service, instance, -1)
+            service.add_in_flight(instance, -1)
 
 
 async def _send(service: RouterService, instance: Instance, path: str, content: bytes,
@@ -192,14 +202,9 @@ async def _relay(service: RouterService, decision: Decision, prompt: _Prompt,
     finally:
         # Before the await: a client that left cancels this generator, and the await may
         # raise again.
-        _add_in_flight(service, decision.instance, -1)
+        service.add_in_flight(decision.instance, -1)
         _observe(service, decision, prompt, scanner.usage, outcome)
         await upstream.aclose()
-
-
-def _add_in_flight(service: RouterService, instance: Instance, delta: int) -> None:
-    instance.in_flight += delta
-    service.metrics.in_flight.labels(instance.url).set(instance.in_flight)
 
 
 def _observe(service: RouterService, decision: Decision, prompt: _Prompt,
@@ -212,9 +217,8 @@ def _observe(service: RouterService, decision: Decision, prompt: _Prompt,
         return
     instance = decision.instance
     block_size = service.hasher.block_size if service.hasher is not None else 1
-    num_new_blocks = len(prompt.block_hashes) - decision.predicted_cached_tokens // block_size
-    if instance.indexed and num_new_blocks > 0 and instance.awaiting_events_since is None:
-        instance.awaiting_events_since = time.monotonic()
+    service.expect_events(instance, len(prompt.block_hashes)
+                          - decision.predicted_cached_tokens // block_size)
     details = (usage or {}).get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
     if isinstance(cached, int):

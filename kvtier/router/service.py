@@ -31,6 +31,8 @@ from kvtier.router.subscriber import EventSubscriber, instance_endpoint
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+# kv_role values of an instance that loads KV other instances computed.
+CONSUMER_ROLES = ("kv_consumer", "kv_both")
 _LOAD_SERIES = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
 
 
@@ -38,9 +40,17 @@ class RouterService:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.index = KVIndex(config.index_max_blocks, config.tier_weights)
-        self.instances = [Instance(url.rstrip("/"), slot) for slot, url
-                          in enumerate(config.instances, start=1)]
-        self.router = Router(config, self.instances, self.index)
+        pools = (("instance", config.instances), ("prefill", config.prefill),
+                 ("decode", config.decode))
+        roles_urls = [(role, url) for role, urls in pools for url in urls]
+        self.instances = [Instance(url.rstrip("/"), slot, role) for slot, (role, url)
+                          in enumerate(roles_urls, start=1)]
+        # Chooses where requests are answered: any instance, or in P/D mode a decode one.
+        self.router = Router(config, [i for i in self.instances if i.role != "prefill"],
+                             self.index)
+        # In P/D mode, chooses where prompts are computed.
+        self.prefill_router = Router(config, [i for i in self.instances if i.role == "prefill"],
+                                     self.index) if config.is_disaggregated else None
         self.metrics = RouterMetrics(lambda: len(self.index), lambda: self.index.num_evicted)
         self.hasher: PromptHasher | None = None
         self._hashing: tuple[int, str] | None = None
@@ -117,12 +127,31 @@ class RouterService:
                            instance.url, exc)
             events = None
         instance.events = events
+        if instance.role == "decode":
+            instance.transport_address = await self._read_transport_address(instance)
         if events is not None and await self._can_hash_like(instance, events):
             self._subscribe(instance)
         instance.healthy = True
         self.metrics.up.labels(instance.url).set(1)
         logger.info("instance %s is up%s", instance.url,
                     " (KV events indexed)" if instance.indexed else "")
+
+    async def _read_transport_address(self, instance: Instance) -> str | None:
+        """A decode instance's P2PConnector address, from its GET /v1/kv_transfer_info."""
+        try:
+            response = await self.client.get(f"{instance.url}/v1/kv_transfer_info",
+                                             timeout=HEALTH_TIMEOUT_S)
+            info = response.json() if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            info = None
+        address = info.get("transport_address") if isinstance(info, dict) else None
+        if not isinstance(address, str) or info.get("kv_role") not in CONSUMER_ROLES:
+            logger.error("decode instance %s reports no P2PConnector consumer address (serve it "
+                         "with --kv-transfer-config '{\"kv_connector\": \"P2PConnector\", "
+                         "\"kv_role\": \"kv_consumer\"}'): it computes every prompt itself",
+                         instance.url)
+            return None
+        return instance_endpoint(address, instance.url)
 
     async def _can_hash_like(self, instance: Instance, events: EventsInfo) -> bool:
         """Whether this instance hashes blocks as the router does (the first one decides)."""
@@ -161,6 +190,16 @@ class RouterService:
                     load += float(line.rsplit(b" ", 1)[1])
         instance.reported_load = int(load)
         self.metrics.reported_load.labels(instance.url).set(load)
+
+    def add_in_flight(self, instance: Instance, delta: int) -> None:
+        instance.in_flight += delta
+        self.metrics.in_flight.labels(instance.url).set(instance.in_flight)
+
+    def expect_events(self, instance: Instance, num_new_blocks: int) -> None:
+        """`instance` computed `num_new_blocks` blocks the index did not know it had: it owes
+        the index their events (see `check`)."""
+        if instance.indexed and num_new_blocks > 0 and instance.awaiting_events_since is None:
+            instance.awaiting_events_since = time.monotonic()
 
     # ---- events -------------------------------------------------------------------------------
 

@@ -34,8 +34,12 @@ def instance_args() -> list[str]:
             "--kv-events-config", events_config()]
 
 
+def all_indexed(state: dict) -> bool:
+    return all(i["indexed"] for i in state["instances"])
+
+
 class RouterProcess:
-    def __init__(self, log_dir: str, instances: list[str], *extra: str) -> None:
+    def __init__(self, log_dir: str, instances: list[str], *extra: str, ready=all_indexed) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "kvtier.entrypoints.cli", "router", "--port",
@@ -45,7 +49,7 @@ class RouterProcess:
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log,
                                         stderr=subprocess.STDOUT)
-        self.wait_until(lambda state: all(i["indexed"] for i in state["instances"]))
+        self.wait_until(ready)
 
     def state(self) -> dict:
         return httpx.get(f"{self.url}/router/instances", timeout=5.0).json()

@@ -1,6 +1,8 @@
-"""GET /v1/models, /v1/kv_events_info, /health, /version, /metrics."""
+"""GET /v1/models, /v1/kv_events_info, /v1/kv_transfer_info, /health, /version, /metrics."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -32,6 +34,31 @@ async def kv_events_info(raw: Request) -> JSONResponse:
     {"publishing": false} when it publishes none."""
     info = _ctx(raw).kv_events_info
     return JSONResponse(info if info is not None else {"publishing": False})
+
+
+@router.get("/v1/kv_transfer_info")
+async def kv_transfer_info(raw: Request) -> JSONResponse:
+    """This server's KV connector and role, and where its transfer engine listens (a router
+    gives a decode instance's address to the prefill instance that sends it the prompt's KV):
+    {"kv_connector": null} without a connector."""
+    engine = _ctx(raw).engine
+    transfer = engine.config.kv_transfer_config
+    if transfer is None:
+        return JSONResponse({"kv_connector": None})
+    return JSONResponse({"kv_connector": transfer.kv_connector, "kv_role": transfer.kv_role,
+                         "transport_address": _transport_address(engine.runner.connector)})
+
+
+def _transport_address(connector: Any) -> str | None:
+    """The address of the P2PConnector's transfer engine, inside a MultiConnector too."""
+    from kvtier.connector.multi import MultiConnectorWorker
+    from kvtier.connector.p2p import P2PConnectorWorker
+
+    if isinstance(connector, P2PConnectorWorker):
+        return connector.address
+    if isinstance(connector, MultiConnectorWorker):
+        return next(filter(None, map(_transport_address, connector.children)), None)
+    return None
 
 
 @router.get("/health")
