@@ -7,6 +7,7 @@ import pytest
 from kvtier import LLM, SamplingParams
 from kvtier.connector.offloading import OffloadingConnector, OffloadingConnectorWorker
 
+from ..stores import ValkeyServer
 from ..tiny_models import LFM2_MIXES, hf_greedy, make_lfm2_model, random_prompts
 
 PROMPT_LEN = 30  # 7 loadable blocks of 4 (the last token is always recomputed)
@@ -75,10 +76,22 @@ def test_evicted_from_device_resumes_from_host_states(model):
         llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("tier", ["disk", "fs"])
-def test_evicted_from_host_resumes_from_tier_states(model, tmp_path, tier):
+@pytest.fixture(scope="module")
+def valkey(tmp_path_factory):
+    with ValkeyServer(tmp_path_factory.mktemp("valkey")) as server:
+        yield server
+
+
+@pytest.mark.parametrize("tier", ["disk", "fs", "redis"])
+def test_evicted_from_host_resumes_from_tier_states(model, tmp_path, tier, request):
+    """The state pages go wherever the attention chunks go: a local disk tier, a shared
+    directory, a Valkey store other instances read too."""
     model_dir, prompts, expected, chunk = model
-    flag = f"disk={tmp_path}:64MiB" if tier == "disk" else f"fs={tmp_path}"
+    flag = {"disk": f"disk={tmp_path}:64MiB", "fs": f"fs={tmp_path}"}.get(tier)
+    if tier == "redis":
+        valkey = request.getfixturevalue("valkey")
+        valkey.client().flushall()  # each layer mix starts from an empty store
+        flag = f"redis={valkey.url}"
     # 24 host slots (each fits the larger chunk): a prompt stores 16 chunks, so the first
     # prompts leave host memory, and the two asked again fit with room to spare.
     llm = _llm(model_dir, kv_offload=f"host={24 * max(chunk)},{flag}")
