@@ -14,6 +14,7 @@ import pytest
 from ..entrypoints.server_process import ServerProcess
 from ..stores import SeaweedS3, ValkeyServer
 from ..tiny_models import hf_greedy, make_hf_model, random_prompts
+from .completions import greedy_completion
 from .test_restart_faults import STORE_DEADLINE_S, _metric
 
 BLOCK = 16  # the server's default block size
@@ -48,14 +49,7 @@ def store_flag(request, tmp_path, monkeypatch):
 
 
 def _complete(url: str, prompt: list[int]) -> tuple[list[int], int]:
-    """(generated token ids, cached prompt tokens) of a greedy completion of `prompt`."""
-    response = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-        "return_token_ids": True})
-    assert response.status_code == 200, response.text
-    body = response.json()
-    return (body["choices"][0]["token_ids"],
-            body["usage"]["prompt_tokens_details"]["cached_tokens"])
+    return greedy_completion(url, prompt, MAX_TOKENS)
 
 
 def _wait_stored(url: str, tier: str, num_bytes: float) -> None:
