@@ -6,35 +6,23 @@ import asyncio
 import threading
 import time
 
-import httpx
 import uvicorn
 from fastapi import FastAPI
 from fastapi.responses import PlainTextResponse
 
 from kvtier.engine.kv_events import KVEventsConfig, ZmqEventPublisher
 from kvtier.kv import AllBlocksCleared, BlockRemoved
-from kvtier.router.app import build_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.service import RouterService
 
 from ..entrypoints.server_process import free_port
 from ..tiny_models import save_byte_tokenizer
+from .asgi_client import run_scenario
 
 
 def run_against_dead_instance(scenario) -> None:
     config = RouterConfig(instances=(f"http://127.0.0.1:{free_port()}",), max_health_failures=2)
-    service = RouterService(config)
-    app = build_app(service)
-
-    async def main() -> None:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            try:
-                await scenario(service, client)
-            finally:
-                await service.stop()
-
-    asyncio.run(main())
+    asyncio.run(run_scenario(RouterService(config), scenario))
 
 
 def test_without_a_healthy_instance_requests_get_a_503_naming_it():

@@ -8,18 +8,17 @@ import asyncio
 import threading
 import time
 
-import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from kvtier.router.app import build_app
 from kvtier.router.config import RouterConfig
 from kvtier.router.disagg import prefill_body
 from kvtier.router.service import RouterService
 
 from ..entrypoints.server_process import free_port
+from .asgi_client import run_scenario
 
 PREFILL_TIMEOUT_S = 0.5
 
@@ -88,12 +87,7 @@ def _run(instances, scenario) -> None:
             for instance in service.instances:
                 await service.check(instance)
             await asyncio.sleep(0.05)
-        transport = httpx.ASGITransport(app=build_app(service))
-        async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
-            try:
-                await scenario(service, client)
-            finally:
-                await service.stop()
+        await run_scenario(service, scenario)
 
     asyncio.run(main())
 
