@@ -59,6 +59,10 @@ class TransportError(Exception):
     """A transfer engine could not do what it was asked (bad region, closed engine)."""
 
 
+class BackendUnavailableError(TransportError):
+    """The chosen transport backend cannot run here (its package is not installed)."""
+
+
 class HandshakeError(TransportError):
     """A peer was refused before any KV moved."""
 

@@ -10,6 +10,9 @@ from dataclasses import dataclass
 SECRET_ENV = "KVTIER_TRANSPORT_SECRET"
 SECRET_FILE_ENV = "KVTIER_TRANSPORT_SECRET_FILE"
 _MIN_SECRET_BYTES = 16
+# Transfer engine backends (`TransportConfig.backend`): "zmq" moves the bytes as zmq message
+# frames; "mooncake" has the receiver read them with Mooncake's transfer engine (TCP or RDMA).
+BACKENDS = ("zmq", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class TransportConfig:
     max_frame_bytes: int = 1 << 30
     # Handshakes not finished in this time are forgotten (a peer that went quiet).
     handshake_timeout_s: float = 10.0
+    # One of BACKENDS; both ends of a transfer must use the same.
+    backend: str = "zmq"
 
     def __post_init__(self) -> None:
         if len(self.namespace) != 32:
@@ -41,6 +46,9 @@ class TransportConfig:
             raise ValueError(f"the transport secret must be at least {_MIN_SECRET_BYTES} bytes")
         if self.max_frame_bytes <= 0 or self.handshake_timeout_s <= 0:
             raise ValueError("max_frame_bytes and handshake_timeout_s must be > 0")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"transport backend {self.backend!r} is unknown; choose one of "
+                             f"{', '.join(BACKENDS)}")
 
 
 def load_secret(environ: Mapping[str, str] | None = None) -> bytes | None:

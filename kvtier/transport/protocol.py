@@ -41,6 +41,10 @@ MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "data": {"id": _STR},
     "done": {"id": _STR},
     "fail": {"id": _STR, "error": _STR},
+    # A one-sided backend's offer: the receiver reads `sizes` bytes at `addrs` of the sender's
+    # registered memory itself, from `session` (the backend's data endpoint), within `ttl_ms`
+    # (the sender's time left), then answers done or fail. It accepts when the read starts.
+    "pull": {"id": _STR, "sizes": _SIZES, "session": _STR, "addrs": _SIZES, "ttl_ms": (int,)},
 }
 # Refusal codes, so the initiator raises the matching error type.
 REFUSED_NAMESPACE = "namespace"
@@ -80,8 +84,10 @@ def decode(frame: bytes | memoryview,
         if not isinstance(message[name], types) or (types == (int,)
                                                     and isinstance(message[name], bool)):
             raise MalformedMessageError(f"{kind}.{name} has type {type(message[name]).__name__}")
-    if kind == "offer":
+    if kind in ("offer", "pull"):
         _check_sizes(message["sizes"])
+    if kind == "pull":
+        _check_pull(message)
     message["t"] = kind
     return message
 
@@ -89,6 +95,15 @@ def decode(frame: bytes | memoryview,
 def _check_sizes(sizes: list[Any]) -> None:
     if not sizes or not all(type(size) is int and size >= 0 for size in sizes):
         raise MalformedMessageError("offer.sizes must be a non-empty list of byte counts")
+
+
+def _check_pull(message: dict[str, Any]) -> None:
+    addrs = message["addrs"]
+    if len(addrs) != len(message["sizes"]) or not all(
+            type(addr) is int and 0 <= addr < 1 << 64 for addr in addrs):
+        raise MalformedMessageError("pull.addrs must hold one 64-bit address per size")
+    if message["ttl_ms"] <= 0:
+        raise MalformedMessageError("pull.ttl_ms must be > 0")
 
 
 def prove(secret: bytes, role: str, my_nonce: bytes, their_nonce: bytes, namespace: str,

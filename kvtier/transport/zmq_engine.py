@@ -64,10 +64,15 @@ class ZmqTransferEngine(TransferEngine):
         self._state = State()
         self._closed = False
         local = LocalIdentity(self._engine_id, config.namespace.hex(), config.secret)
-        loop = IOLoop(self._ctx, listener, wake_rx, local, self._state,
-                      config.handshake_timeout_s, config.max_frame_bytes, self._on_result)
+        loop = self._make_loop(listener, wake_rx, local)
         self._thread = threading.Thread(target=loop.run, name="kvtier-transport", daemon=True)
         self._thread.start()
+
+    def _make_loop(self, listener: zmq.Socket, wake: zmq.Socket, local: LocalIdentity) -> IOLoop:
+        """The I/O thread's loop; a backend that moves the bytes another way extends it."""
+        return IOLoop(self._ctx, listener, wake, local, self._state,
+                      self.config.handshake_timeout_s, self.config.max_frame_bytes,
+                      self._on_result)
 
     def _socket(self, kind: int) -> zmq.Socket:
         return make_socket(self._ctx, kind, self.config.max_frame_bytes)
@@ -165,8 +170,13 @@ class ZmqTransferEngine(TransferEngine):
 
     def _submit(self, command: object) -> None:
         self._state.commands.put(command)
+        self._wake_loop(stopping=isinstance(command, Stop))
+
+    def _wake_loop(self, stopping: bool = False) -> None:
+        """Make the I/O thread look at its commands (and a backend's news) now."""
         with self._lock:
-            if self._closed and not isinstance(command, Stop):
+            # Once closed, only the Stop wakes it: the wake socket goes when the thread ends.
+            if self._closed and not stopping:
                 return
             try:
                 self._wake.send(b"", flags=zmq.NOBLOCK)

@@ -55,6 +55,7 @@ _REFUSAL_LINGER_MS = 200
 
 class IOLoop:
     """Runs in one thread (`run`); talks to the caller through `state` and `wake`."""
+    TRANSFER_KINDS = ("offer", "data", "fail")  # from a welcomed peer, each to its `_on_<kind>`
 
     def __init__(self, ctx: zmq.Context, listener: zmq.Socket, wake: zmq.Socket,
                  local: LocalIdentity, state: State, handshake_timeout_s: float,
@@ -180,8 +181,10 @@ class IOLoop:
             return
         sending.conn = conn
         self.sends[sending.transfer_id] = sending
-        self._send(conn, [protocol.encode("offer", id=sending.transfer_id,
-                                          sizes=[len(v) for v in sending.views])])
+        self._send(conn, [self._offer(sending)])
+
+    def _offer(self, sending: Sending) -> bytes:
+        return protocol.encode("offer", id=sending.transfer_id, sizes=list(map(len, sending.views)))
 
     def _start_recv(self, receiving: Receiving) -> None:
         self.recvs[receiving.transfer_id] = receiving
@@ -205,14 +208,14 @@ class IOLoop:
         elif kind == "proof" and accepting is not None and accepting.peer is not None \
                 and not accepting.welcomed:
             self._reply_handshake(source, accepting, accepting.on_proof(msg))
-        elif kind in ("offer", "data", "fail") and accepting is not None and accepting.welcomed:
+        elif kind in self.TRANSFER_KINDS and accepting is not None and accepting.welcomed:
             getattr(self, f"_on_{kind}")(source, msg, frames[1:])
         elif kind == "refused" and accepting is not None and not accepting.welcomed:
             code = msg["code"] if msg["code"] in protocol.REFUSAL_CODES else "protocol"
             self.refusals.record(Refusal(code, f"it refused us: {msg['reason']}"),
                                  accepting.peer or "?")
             del self.accepting[source]
-        elif kind in ("offer", "data", "fail", "proof"):
+        elif kind in (*self.TRANSFER_KINDS, "proof"):
             self.counts["refused_protocol"] += 1
             self._reply(source, protocol.encode("refused", code=protocol.REFUSED_PROTOCOL,
                                                 reason="handshake first"))
@@ -228,22 +231,24 @@ class IOLoop:
 
     def _reply_handshake(self, source: bytes, accepting: Accepting, reply) -> None:
         frame, refusal = reply
-        self._reply(source, frame)
-        if refusal is not None:
+        if refusal is not None:  # counted before the peer can hear of it
             self.refusals.record(refusal, accepting.peer or "?")
             del self.accepting[source]
+        self._reply(source, frame)
 
     def _on_offer(self, source: bytes, msg: dict, _frames) -> None:
-        tid, sizes = TransferId(msg["id"]), msg["sizes"]
+        self._take_offer(TransferId(msg["id"]), Offer(source, msg["sizes"]))
+
+    def _take_offer(self, tid: TransferId, offer: Offer) -> None:
         receiving = self.recvs.get(tid)
         if tid in self.offers or (receiving is not None and receiving.source is not None):
-            self._fail_to(source, tid, "a transfer with this id is already in progress")
+            self._fail_to(offer.source, tid, "a transfer with this id is already in progress")
         elif receiving is not None:
-            self._match(receiving, Offer(source, sizes))
+            self._match(receiving, offer)
         elif len(self.offers) >= MAX_UNMATCHED_OFFERS:
-            self._fail_to(source, tid, "receiver has too many offers waiting for a recv")
+            self._fail_to(offer.source, tid, "receiver has too many offers waiting for a recv")
         else:
-            self.offers[tid] = Offer(source, sizes)
+            self.offers[tid] = offer
 
     def _match(self, receiving: Receiving, offer: Offer) -> None:
         offered, wanted = sum(offer.sizes), sum(len(v) for v in receiving.views)

@@ -37,6 +37,8 @@ class Sending:
     views: list[memoryview]
     deadline: float
     conn: Connection | None = None
+    # The receiver accepted (for a one-sided backend: started reading the regions).
+    accepted: bool = False
     tracker: zmq.MessageTracker | None = None
     # Set when the result is known but zmq may still hold the frames.
     error: str | None = None

@@ -3,10 +3,11 @@ from __future__ import annotations
 import pytest
 
 from kvtier.transport import TransportConfig
-from tests.transport.transport_helpers import BACKENDS, NAMESPACE
+from tests.transport.transport_helpers import BACKENDS, NAMESPACE, UNAVAILABLE
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+@pytest.fixture(params=[pytest.param(name, marks=pytest.mark.skipif(
+    name in UNAVAILABLE, reason=UNAVAILABLE.get(name, ""))) for name in sorted(BACKENDS)])
 def backend(request):
     return request.param
 

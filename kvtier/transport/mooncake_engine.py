@@ -1,0 +1,181 @@
+"""The Mooncake backend: the zmq engine's control path, with the bytes pulled by Mooncake's
+transfer engine (its TCP transport; RDMA where Mooncake finds devices).
+
+    sender                                  receiver
+    (zmq handshake, as the zmq backend)
+    pull {id, sizes, session, addrs, ttl}  ->        waits until recv(id) is posted
+                                           <-  accept {id}   and reads the regions with Mooncake
+                                           <-  done {id}     (or fail {id, error})
+
+`register_buffer` also registers the memory with Mooncake. The sender offers its regions'
+addresses and its Mooncake session ("host:port", P2P handshake mode: no metadata server); the
+receiver reads them one-sidedly into a staging buffer, copies that into its regions and answers
+done. Both ends must use this backend: a zmq receiver drops a pull as malformed, and a zmq
+sender's offer is failed here.
+
+Ownership. Mooncake cannot cancel a read it has started. So the receiver reads into memory of
+its own (`mooncake_reader`) rather than the caller's regions, which lets a receive fail at its
+deadline even while a read is stuck; the one copy matches the zmq backend's. And the sender,
+once a receiver accepted, keeps its source regions until that receiver's done or fail, or
+`ABORT_GRACE_S` past the send's deadline (the receiver stops waiting for the read by then),
+before it reports the send: the send's result may come up to that much later than its deadline.
+After that Mooncake may still serve a read already under way from the source memory (never
+write it); unregistering the buffer makes Mooncake refuse any further read of it.
+
+Security: the handshake guards the control connection only. Mooncake's own ports take requests
+from anyone who reaches them, for any registered memory: keep them on a trusted network.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from types import ModuleType
+
+import zmq
+
+from kvtier.transport import protocol
+from kvtier.transport.base import (
+    BackendUnavailableError,
+    BufferId,
+    TransferId,
+    TransportError,
+)
+from kvtier.transport.config import TransportConfig
+from kvtier.transport.handshake import LocalIdentity
+from kvtier.transport.mooncake_reader import Read, Reader, address_of
+from kvtier.transport.zmq_engine import ZmqTransferEngine
+from kvtier.transport.zmq_loop import IOLoop
+from kvtier.transport.zmq_state import Offer, Receiving, Sending, scatter
+
+# Covers the time a receiver's done or fail takes to arrive after the sender's deadline.
+ABORT_GRACE_S = 0.5
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+def _load_mooncake() -> ModuleType:
+    try:
+        import mooncake.engine
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"the mooncake transport needs Mooncake's transfer engine ({exc}): "
+            f"pip install 'kvtier[mooncake]' (and apt-get install libibverbs1), or choose "
+            f"the zmq transport") from exc
+    return mooncake.engine
+
+
+@dataclass(kw_only=True)
+class Pull(Offer):
+    """A pull offer: where the sender's regions are, and when the sender stops waiting."""
+
+    session: str
+    addrs: list[int]
+    sender_deadline: float
+
+
+class MooncakeLoop(IOLoop):
+    """The zmq I/O loop with pulls instead of offers and data frames."""
+
+    TRANSFER_KINDS = ("pull", "offer", "fail")
+
+    def __init__(self, *args, reader: Reader, session: str) -> None:
+        super().__init__(*args)
+        self.reader, self.session = reader, session
+
+    # ---- sending side ------------------------------------------------------------------------
+
+    def _offer(self, sending: Sending) -> bytes:
+        ttl_ms = max(1, int((sending.deadline - time.monotonic()) * 1000))
+        return protocol.encode("pull", id=sending.transfer_id,
+                               sizes=[len(v) for v in sending.views], session=self.session,
+                               addrs=[address_of(v) for v in sending.views], ttl_ms=ttl_ms)
+
+    def _send_data(self, sending: Sending) -> None:
+        # The receiver started reading: it has until our deadline to finish, and we keep the
+        # source until it says so (see the module docstring).
+        if not sending.accepted:
+            sending.accepted = True
+            sending.deadline += ABORT_GRACE_S
+
+    # ---- receiving side ----------------------------------------------------------------------
+
+    def _on_offer(self, source: bytes, msg: dict, _frames) -> None:
+        self._fail_to(source, TransferId(msg["id"]), "the receiver uses the mooncake transport "
+                      "and the sender another; choose the same transport on both")
+
+    def _on_pull(self, source: bytes, msg: dict, _frames) -> None:
+        self._take_offer(TransferId(msg["id"]), Pull(
+            source, msg["sizes"], session=msg["session"], addrs=msg["addrs"],
+            sender_deadline=time.monotonic() + msg["ttl_ms"] / 1000))
+
+    def _match(self, receiving: Receiving, offer: Pull) -> None:
+        super()._match(receiving, offer)
+        if receiving.source is None:
+            return  # the sizes differ: both sides were failed
+        # A read that ends after the sender stopped waiting may hold bytes it overwrote.
+        receiving.deadline = min(receiving.deadline, offer.sender_deadline)
+        self.reader.start(Read(receiving, offer.session, offer.addrs, offer.sizes))
+
+    def _release(self) -> None:
+        for read in self.reader.take_ended():
+            self._finish_read(read)
+        super()._release()
+
+    def _finish_read(self, read: Read) -> None:
+        receiving = read.receiving
+        if self.recvs.get(receiving.transfer_id) is not receiving:
+            self.counts["late_messages"] += 1  # failed meanwhile (deadline, sender, shutdown)
+            return
+        if read.error is not None:
+            self._fail_to(receiving.source, receiving.transfer_id, read.error)
+            self._end_recv(receiving, read.error)
+            return
+        scatter([memoryview(read.staging)], receiving.views)
+        self.counts["bytes_received"] += len(read.staging)
+        self._reply(receiving.source, protocol.encode("done", id=receiving.transfer_id))
+        self._end_recv(receiving, None)
+
+
+class MooncakeTransferEngine(ZmqTransferEngine):
+    """See `TransferEngine` and the module docstring. Needs the `mooncake` extra."""
+
+    def __init__(self, config: TransportConfig, engine_id: str | None = None) -> None:
+        if config.bind_host in _WILDCARD_HOSTS:
+            raise TransportError("the mooncake transport names itself to peers by bind_host: "
+                                 "give an address they can reach, not a wildcard")
+        self._mooncake = _load_mooncake().TransferEngine()
+        if self._mooncake.initialize(config.bind_host, "P2PHANDSHAKE", "tcp", "") != 0:
+            raise TransportError(f"Mooncake's transfer engine did not start on "
+                                 f"{config.bind_host} (see its log above)")
+        self._session = f"{config.bind_host}:{self._mooncake.get_rpc_port()}"
+        self._addresses: dict[BufferId, int] = {}
+        self._reader = Reader(self._mooncake, on_ended=self._wake_loop)
+        super().__init__(config, engine_id)
+
+    def _make_loop(self, listener: zmq.Socket, wake: zmq.Socket, local: LocalIdentity) -> IOLoop:
+        return MooncakeLoop(self._ctx, listener, wake, local, self._state,
+                            self.config.handshake_timeout_s, self.config.max_frame_bytes,
+                            self._on_result, reader=self._reader, session=self._session)
+
+    def register_buffer(self, buffer_id: BufferId, buffer: memoryview) -> None:
+        super().register_buffer(buffer_id, buffer)
+        view = memoryview(buffer)
+        if not view.nbytes:
+            return  # no region can name an empty buffer: nothing for Mooncake to serve
+        address = address_of(view)
+        if self._mooncake.register_memory(address, view.nbytes) != 0:
+            super().unregister_buffer(buffer_id)
+            raise TransportError(f"Mooncake could not register buffer {buffer_id!r}")
+        with self._lock:
+            self._addresses[buffer_id] = address
+
+    def unregister_buffer(self, buffer_id: BufferId) -> None:
+        super().unregister_buffer(buffer_id)
+        with self._lock:
+            address = self._addresses.pop(buffer_id, None)
+        if address is not None:
+            self._mooncake.unregister_memory(address)
+
+    def shutdown(self, timeout_s: float) -> None:
+        super().shutdown(timeout_s)
+        self._reader.stop()
