@@ -100,8 +100,8 @@ def _check_sizes(sizes: list[Any]) -> None:
 def _check_pull(message: dict[str, Any]) -> None:
     addrs = message["addrs"]
     if len(addrs) != len(message["sizes"]) or not all(
-            type(addr) is int and 0 <= addr < 1 << 64 for addr in addrs):
-        raise MalformedMessageError("pull.addrs must hold one 64-bit address per size")
+            type(addr) is int and addr >= 0 for addr in addrs):
+        raise MalformedMessageError("pull.addrs must hold one address per size")
     if message["ttl_ms"] <= 0:
         raise MalformedMessageError("pull.ttl_ms must be > 0")
 

@@ -16,6 +16,11 @@ def test_every_message_round_trips():
     biggest = ["x" * 200, [(1 << 63) - 1] * protocol.MAX_REGIONS]
     frame = protocol.encode("offer", id=biggest[0], sizes=biggest[1])
     assert protocol.decode(frame)["sizes"] == biggest[1]
+    # So does the largest pull: regions under 4 GiB each, at any 64-bit addresses.
+    pull = {"id": "x" * 200, "sizes": [(1 << 32) - 1] * protocol.MAX_REGIONS,
+            "session": "10.0.0.5:15357", "addrs": [(1 << 64) - 1] * protocol.MAX_REGIONS,
+            "ttl_ms": 60_000}
+    assert protocol.decode(protocol.encode("pull", **pull)) == {"t": "pull", **pull}
 
 
 @pytest.mark.parametrize("frame", [
@@ -29,6 +34,11 @@ def test_every_message_round_trips():
                    "auth": False}),                                 # a bool is not a version
     msgpack.packb({"t": "offer", "id": "a", "sizes": []}),          # no regions
     msgpack.packb({"t": "offer", "id": "a", "sizes": [-1]}),        # negative size
+    *[msgpack.packb({"t": "pull", "id": "a", "sizes": [4, 4], "session": "h:1", "addrs": addrs,
+                     "ttl_ms": ttl}) for addrs, ttl in [
+        ([4096], 10),                                               # an address per size
+        ([4096, -1], 10),                                           # negative address
+        ([4096, 8192], 0)]],                                        # the sender gave up
     msgpack.packb({"t": "accept", "id": msgpack.ExtType(1, b"x")}),  # extension type
     msgpack.packb({"t": "accept", "id": "a"}) + b"trailing",
     b"\x81" + msgpack.packb("t") + b"\xc6" + b"\xff" * 4,          # bin longer than the frame
@@ -70,6 +80,8 @@ def test_config_checks_its_fields():
         TransportConfig(namespace=b"short")
     with pytest.raises(ValueError, match="port"):
         TransportConfig(namespace=bytes(32), port=70000)
+    with pytest.raises(ValueError, match="zmq, mooncake"):
+        TransportConfig(namespace=bytes(32), backend="nixl")
 
 
 def test_scatter_copies_across_unequal_cuts():

@@ -1,0 +1,205 @@
+"""What only the Mooncake backend does: a pull that a plain Mooncake reader can serve itself,
+a sender that keeps its source until the reader is done (or a grace past its deadline), a
+receiver that survives pulls it cannot read, and clear errors for a missing wheel or
+mismatched backends."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+from kvtier.transport import (
+    BackendUnavailableError,
+    Region,
+    TransferId,
+    TransportConfig,
+    TransportError,
+    make_transfer_engine,
+    protocol,
+)
+from kvtier.transport.mooncake_engine import ABORT_GRACE_S
+from tests.transport.transport_helpers import (
+    BACKENDS,
+    NAMESPACE,
+    UNAVAILABLE,
+    wait_results,
+    wait_until,
+)
+
+needs_mooncake = pytest.mark.skipif("mooncake" in UNAVAILABLE,
+                                    reason=UNAVAILABLE.get("mooncake", ""))
+
+
+@pytest.fixture
+def engines():
+    """backend name -> a new engine of it; all shut down at the end."""
+    made = []
+
+    def make(backend: str):
+        made.append(BACKENDS[backend](TransportConfig(namespace=NAMESPACE)))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.shutdown(timeout_s=2.0)
+
+
+@pytest.fixture
+def raw_peer():
+    """A zmq socket that speaks the protocol by hand, as a test's stand-in peer."""
+    ctx = zmq.Context()
+    sockets = []
+
+    def make(kind: int) -> zmq.Socket:
+        sockets.append(ctx.socket(kind))
+        sockets[-1].setsockopt(zmq.LINGER, 0)
+        sockets[-1].setsockopt(zmq.RCVTIMEO, 5000)
+        return sockets[-1]
+
+    yield make
+    for s in sockets:
+        s.close()
+    ctx.term()
+
+
+def _greet(dealer: zmq.Socket, receiver) -> None:
+    """The initiator's side of the handshake, without a secret."""
+    dealer.connect(receiver.address)
+    dealer.send(protocol.encode("hello", v=protocol.PROTOCOL_VERSION, engine="raw",
+                                ns=NAMESPACE.hex(), nonce=os.urandom(32), auth=False))
+    assert protocol.decode(dealer.recv())["t"] == "hello_ack"
+    dealer.send(protocol.encode("proof", proof=None))
+    assert protocol.decode(dealer.recv())["t"] == "welcome"
+
+
+def _welcome(router: zmq.Socket, sender) -> list:
+    """The acceptor's side of the handshake for `sender.connect`; returns [peer id]."""
+    connected: list = []
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    connecting = threading.Thread(target=lambda: connected.append(
+        sender.connect(f"tcp://127.0.0.1:{port}", timeout_s=5)))
+    connecting.start()
+    source, _ = router.recv_multipart()
+    router.send_multipart([source, protocol.encode(
+        "hello_ack", engine="raw", ns=NAMESPACE.hex(), nonce=os.urandom(32), auth=False,
+        proof=None)])
+    router.recv_multipart()
+    router.send_multipart([source, protocol.encode("welcome")])
+    connecting.join()
+    return connected
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_missing_wheel_is_a_typed_error_naming_the_fix(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mooncake", None)  # what an absent package looks like
+    monkeypatch.setitem(sys.modules, "mooncake.engine", None)
+    with pytest.raises(BackendUnavailableError, match=r"pip install 'kvtier\[mooncake\]'"):
+        make_transfer_engine(TransportConfig(namespace=NAMESPACE, backend="mooncake"))
+
+
+@needs_mooncake
+def test_a_wildcard_bind_host_is_refused():
+    with pytest.raises(TransportError, match="wildcard"):
+        make_transfer_engine(TransportConfig(NAMESPACE, bind_host="0.0.0.0", backend="mooncake"))
+
+
+@needs_mooncake
+def test_the_pull_is_all_a_mooncake_reader_needs_and_the_sender_waits_for_it(engines,
+                                                                             raw_peer):
+    from mooncake.engine import TransferEngine
+
+    sender = engines("mooncake")
+    data = os.urandom(300_000)
+    sender.register_buffer("src", memoryview(bytearray(data)))
+    router = raw_peer(zmq.ROUTER)
+    [peer] = _welcome(router, sender)
+    timeout_s = 0.5
+    start = time.monotonic()
+    sender.send(peer, TransferId("t"), [Region("src", 1000, 5000), Region("src", 90_000, 7)],
+                timeout_s=timeout_s)
+    source, header = router.recv_multipart()
+    pull = protocol.decode(header)
+    assert pull["sizes"] == [5000, 7] and pull["addrs"][1] - pull["addrs"][0] == 89_000
+    assert 0 < pull["ttl_ms"] <= timeout_s * 1000
+    router.send_multipart([source, protocol.encode("accept", id="t")])
+    # A plain Mooncake engine reads the regions with what the pull says, nothing else.
+    reader = TransferEngine()
+    assert reader.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    dst = bytearray(5007)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(dst))
+    assert reader.register_memory(base, len(dst)) == 0
+    assert reader.batch_transfer_sync_read(pull["session"], [base, base + 5000], pull["addrs"],
+                                           pull["sizes"]) == 0
+    assert dst == data[1000:6000] + data[90_000:90_007]
+    # Memory the sender did not register is refused.
+    assert reader.batch_transfer_sync_read(pull["session"], [base], [pull["addrs"][0] + 400_000],
+                                           [16]) != 0
+    # The reader never says done: the sender holds its source past the deadline, for the grace.
+    time.sleep(timeout_s + ABORT_GRACE_S / 2 - (time.monotonic() - start))
+    assert sender.get_finished() == []
+    with pytest.raises(TransportError, match="pending"):
+        sender.unregister_buffer("src")
+    [result] = wait_results(sender, 1, timeout_s=3)
+    assert "deadline" in result.error and time.monotonic() - start >= timeout_s + ABORT_GRACE_S
+    sender.unregister_buffer("src")
+    reader.unregister_memory(base)
+
+
+@needs_mooncake
+def test_a_pull_that_cannot_be_read_fails_the_receive_at_once_and_others_go_on(engines,
+                                                                             raw_peer):
+    receiver = engines("mooncake")
+    dst = bytearray(4096)
+    receiver.register_buffer("dst", memoryview(dst))
+    receiver.recv(TransferId("bad"), [Region("dst", 0, 4096)], timeout_s=20)
+    dealer = raw_peer(zmq.DEALER)
+    _greet(dealer, receiver)
+    start = time.monotonic()
+    dealer.send(protocol.encode("pull", id="bad", sizes=[4096],
+                                session=f"127.0.0.1:{_closed_port()}", addrs=[4096],
+                                ttl_ms=20_000))
+    assert protocol.decode(dealer.recv())["t"] == "accept"
+    reply = protocol.decode(dealer.recv())
+    assert reply["t"] == "fail" and "Mooncake" in reply["error"]
+    [result] = wait_results(receiver, 1, timeout_s=10)
+    assert result.error == reply["error"] and time.monotonic() - start < 10
+    assert dst == bytes(4096)
+    # The same receiver takes an honest sender's transfer into the same buffer.
+    sender = engines("mooncake")
+    data = os.urandom(4096)
+    sender.register_buffer("src", memoryview(bytearray(data)))
+    receiver.recv(TransferId("good"), [Region("dst", 0, 4096)], timeout_s=20)
+    sender.send(sender.connect(receiver.address, timeout_s=5), TransferId("good"),
+                [Region("src", 0, 4096)], timeout_s=20)
+    assert wait_results(receiver, 1, timeout_s=20)[0].ok and dst == data
+
+
+@needs_mooncake
+def test_backends_must_match_and_say_so(engines):
+    zmq_engine, mooncake_engine = engines("zmq"), engines("mooncake")
+    for engine in (zmq_engine, mooncake_engine):
+        engine.register_buffer("b", memoryview(bytearray(100)))
+    # A zmq offer to a Mooncake receiver is failed at once, naming the fix.
+    mooncake_engine.recv(TransferId("z"), [Region("b", 0, 100)], timeout_s=0.5)
+    zmq_engine.send(zmq_engine.connect(mooncake_engine.address, timeout_s=5), TransferId("z"),
+                    [Region("b", 0, 100)], timeout_s=10)
+    [sent] = wait_results(zmq_engine, 1, timeout_s=5)
+    assert "same transport" in sent.error
+    # A pull to a zmq receiver is dropped as malformed; the send fails at its deadline.
+    mooncake_engine.send(mooncake_engine.connect(zmq_engine.address, timeout_s=5),
+                         TransferId("m"), [Region("b", 0, 100)], timeout_s=0.5)
+    results = {r.transfer_id: r for r in wait_results(mooncake_engine, 2, timeout_s=5)}
+    assert "deadline" in results["m"].error and "deadline" in results["z"].error
+    wait_until(lambda: zmq_engine.stats()["malformed"] == 1)
