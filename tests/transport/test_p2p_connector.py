@@ -9,6 +9,7 @@ import pytest
 
 from kvtier import LLM, SamplingParams
 from tests.tiny_models import hf_greedy, make_block_prompts, make_hf_model
+from tests.transport.transport_helpers import UNAVAILABLE
 
 BLOCK_SIZE = 4
 MAX_TOKENS = 6
@@ -130,6 +131,8 @@ def test_kv_transfer_params_and_options_are_checked():
         P2PConnectorOptions(port=70000)
     with pytest.raises(ValueError, match="send_timeout_s"):
         P2PConnectorOptions(send_timeout_s=0)
+    with pytest.raises(ValueError, match="transport must be one of"):
+        P2PConnectorOptions(transport="nixl")
 
 
 def test_aborted_prefill_sends_nothing(model, engines):
@@ -143,3 +146,28 @@ def test_aborted_prefill_sends_nothing(model, engines):
     assert metrics["kvtier:p2p_connector_requests_sent"] == 0
     assert metrics["kvtier:p2p_connector_send_errors"] == 0
     assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+@pytest.mark.skipif("mooncake" in UNAVAILABLE, reason=UNAVAILABLE.get("mooncake", ""))
+def test_decode_over_the_mooncake_transport_matches_hf(model):
+    model_dir, prompts, expected = model
+    producer, consumer = (
+        LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
+            kv_transfer_config={"kv_connector": "P2PConnector", "kv_role": role,
+                                "kv_connector_extra_config": {"transport": "mooncake"}})
+        for role in ("kv_producer", "kv_consumer"))
+    try:
+        address = consumer.engine.runner.connector.address
+        for i, prompt in enumerate(prompts):
+            prefill = _run(producer, f"p{i}", prompt, PREFILL,
+                           {"transfer_id": f"t{i}", "consumer_address": address})
+            producer.engine.step()  # the worker starts the send
+            decode = _run(consumer, f"c{i}", prompt, GREEDY, prefill.kv_transfer_params)
+            assert decode.outputs[0].token_ids == expected[i]
+            assert decode.num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        _drain(producer)
+        assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == len(prompts)
+        assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13
+    finally:
+        for llm in (producer, consumer):
+            llm.engine.shutdown()

@@ -15,8 +15,9 @@ asynchronously (WAITING_FOR_REMOTE_KVS) and computes only the rest; a load that 
 A is the consumer's transfer engine address (`tcp://host:port`, its extra config `bind_host`
 and `port`); T is unique per consumer (the router picks it). Both engines must have the same
 KVIdentity namespace and, when $KVTIER_TRANSPORT_SECRET(_FILE) is set, the same secret.
-Extra config: {"bind_host": "127.0.0.1", "port": 0, "send_timeout_s": 60.0}. Models with one KV
-cache group only.
+Extra config: {"bind_host": "127.0.0.1", "port": 0, "send_timeout_s": 60.0, "transport": "zmq"}
+("mooncake": Mooncake's transfer engine, see docs/transport.md). Models with one KV cache group
+only.
 """
 
 from kvtier.connector.base import KVConnectorBase

@@ -7,6 +7,7 @@ from typing import Any
 
 from kvtier.common.options import require
 from kvtier.connector.base import KVConnectorMetadata
+from kvtier.transport.config import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -17,6 +18,8 @@ class P2PConnectorOptions:
     # A producer's send of one request, handshake included, fails (and frees its blocks) after
     # this long, e.g. when the consumer never asks for it.
     send_timeout_s: float = 60.0
+    # The transfer engine backend (kvtier.transport.BACKENDS); producer and consumer must agree.
+    transport: str = "zmq"
 
     def __post_init__(self) -> None:
         where = "P2PConnector extra config:"
@@ -26,6 +29,8 @@ class P2PConnectorOptions:
                 "port must be in 0..65535", self.port)
         require(isinstance(self.send_timeout_s, (int, float)) and self.send_timeout_s > 0,
                 where, "send_timeout_s must be a number of seconds > 0", self.send_timeout_s)
+        require(self.transport in BACKENDS, where, f"transport must be one of {BACKENDS}",
+                self.transport)
 
 
 @dataclass(frozen=True)

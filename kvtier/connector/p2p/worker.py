@@ -25,8 +25,8 @@ from kvtier.transport import (
     TransportConfig,
     TransportError,
     load_secret,
+    make_transfer_engine,
 )
-from kvtier.transport.zmq_engine import ZmqTransferEngine
 
 logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 5.0
@@ -54,9 +54,9 @@ class P2PConnectorWorker(KVConnectorWorker):
         options = parse_options(P2PConnectorOptions, config.kv_connector_extra_config,
                                 "P2PConnector extra config")
         self.options = options
-        self.transport = ZmqTransferEngine(TransportConfig(
+        self.transport = make_transfer_engine(TransportConfig(
             namespace=context.namespace, bind_host=options.bind_host, port=options.port,
-            secret=load_secret()))
+            secret=load_secret(), backend=options.transport))
         self._peers: dict[str, PeerId] = {}
         self._pending: dict[tuple[Direction, str], _Pending] = {}
         self._load_errors: set[int] = set()
