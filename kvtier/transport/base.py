@@ -30,9 +30,11 @@ message frames after the accept. A one-sided RDMA backend keeps the same calls a
   carries the sender's serialized descriptors; the receiver READs them into its own registered
   regions (`make_prepped_xfer` / `transfer`) when `recv` is posted, polls `check_xfer_state`
   and acknowledges with a notification. The handshake also exchanges the agents' metadata.
-* Mooncake: `register_buffer` calls `register_memory`; the offer carries the sender's session
-  id and buffer addresses; the receiver pulls them with `batch_transfer_sync_read` (or the
-  async batch API and its status polling) and acknowledges over the control channel.
+* Mooncake (`mooncake_engine.py`): `register_buffer` also calls `register_memory`; the offer
+  (`pull`) carries the sender's session id and region addresses; the receiver reads them with
+  `batch_transfer_async_read`, polls `transfer_check_status` and acknowledges over the zmq
+  control connection. It cannot cancel a read, so the sender keeps its source regions until
+  the receiver's done or fail (or a grace past its deadline).
 
 Either way the deadlines, the handshake and `get_finished` stay as they are; only the way bytes
 cross changes, so the tests in tests/transport run unchanged against every backend.
