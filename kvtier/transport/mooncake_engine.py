@@ -19,8 +19,9 @@ deadline even while a read is stuck; the one copy matches the zmq backend's. And
 once a receiver accepted, keeps its source regions until that receiver's done or fail, or
 `ABORT_GRACE_S` past the send's deadline (the receiver stops waiting for the read by then),
 before it reports the send: the send's result may come up to that much later than its deadline.
-After that Mooncake may still serve a read already under way from the source memory (never
-write it); unregistering the buffer makes Mooncake refuse any further read of it.
+Only a shutdown (or a new `connect` to the same peer, which replaces the connection) reports it
+sooner. After the result Mooncake may still serve a read already under way from the source
+memory (never write it); unregistering the buffer makes Mooncake refuse any further read of it.
 
 Security: the handshake guards the control connection only. Mooncake's own ports take requests
 from anyone who reaches them, for any registered memory: keep them on a trusted network.
@@ -114,7 +115,8 @@ class MooncakeLoop(IOLoop):
             return  # the sizes differ: both sides were failed
         # A read that ends after the sender stopped waiting may hold bytes it overwrote.
         receiving.deadline = min(receiving.deadline, offer.sender_deadline)
-        self.reader.start(Read(receiving, offer.session, offer.addrs, offer.sizes))
+        if receiving.deadline > time.monotonic():  # else `_expire` fails it, unread
+            self.reader.start(Read(receiving, offer.session, offer.addrs, offer.sizes))
 
     def _release(self) -> None:
         for read in self.reader.take_ended():
@@ -150,7 +152,11 @@ class MooncakeTransferEngine(ZmqTransferEngine):
         self._session = f"{config.bind_host}:{self._mooncake.get_rpc_port()}"
         self._addresses: dict[BufferId, int] = {}
         self._reader = Reader(self._mooncake, on_ended=self._wake_loop)
-        super().__init__(config, engine_id)
+        try:
+            super().__init__(config, engine_id)
+        except BaseException:
+            self._reader.stop()
+            raise
 
     def _make_loop(self, listener: zmq.Socket, wake: zmq.Socket, local: LocalIdentity) -> IOLoop:
         return MooncakeLoop(self._ctx, listener, wake, local, self._state,
@@ -179,3 +185,9 @@ class MooncakeTransferEngine(ZmqTransferEngine):
     def shutdown(self, timeout_s: float) -> None:
         super().shutdown(timeout_s)
         self._reader.stop()
+        # Peers' reads of our buffers are refused from now on; Mooncake's listeners themselves
+        # close when this engine is collected (its Python API has no close).
+        with self._lock:
+            addresses, self._addresses = list(self._addresses.values()), {}
+        for address in addresses:
+            self._mooncake.unregister_memory(address)

@@ -77,12 +77,8 @@ class Reader:
     def _run(self) -> None:
         active: list[Read] = []
         while active or not self._stopping.is_set():
-            try:
-                read = self._todo.get(timeout=_POLL_S if active else _IDLE_S)
-            except queue.Empty:
-                pass
-            else:
-                if not self._stopping.is_set():
+            for read in self._take_todo(timeout_s=_POLL_S if active else _IDLE_S):
+                if not self._stopping.is_set():  # never submitted: nothing for Mooncake to end
                     self._submit(read)
                     active.append(read)
             try:
@@ -92,6 +88,16 @@ class Reader:
                 # their deadlines, and this thread keeps polling the others.
                 logger.exception("transport: polling Mooncake reads failed")
         self._mooncake = None  # the last reference: Mooncake's listeners close with it
+
+    def _take_todo(self, timeout_s: float) -> list[Read]:
+        """Every read queued, waiting up to `timeout_s` for the first (the poll interval)."""
+        try:
+            reads = [self._todo.get(timeout=timeout_s)]
+        except queue.Empty:
+            return []
+        while not self._todo.empty():
+            reads.append(self._todo.get_nowait())
+        return reads
 
     def _submit(self, read: Read) -> None:
         read.staging = bytearray(sum(read.sizes))

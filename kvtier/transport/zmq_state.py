@@ -37,7 +37,7 @@ class Sending:
     views: list[memoryview]
     deadline: float
     conn: Connection | None = None
-    # The receiver accepted (for a one-sided backend: started reading the regions).
+    # Set by a one-sided backend when the receiver accepted, i.e. started reading the regions.
     accepted: bool = False
     tracker: zmq.MessageTracker | None = None
     # Set when the result is known but zmq may still hold the frames.
