@@ -155,7 +155,7 @@ class MooncakeTransferEngine(ZmqTransferEngine):
         try:
             super().__init__(config, engine_id)
         except BaseException:
-            self._reader.stop()
+            self._reader.stop(timeout_s=0)
             raise
 
     def _make_loop(self, listener: zmq.Socket, wake: zmq.Socket, local: LocalIdentity) -> IOLoop:
@@ -183,8 +183,9 @@ class MooncakeTransferEngine(ZmqTransferEngine):
             self._mooncake.unregister_memory(address)
 
     def shutdown(self, timeout_s: float) -> None:
+        start = time.monotonic()
         super().shutdown(timeout_s)
-        self._reader.stop()
+        self._reader.stop(timeout_s=max(0.0, start + timeout_s - time.monotonic()))
         # Peers' reads of our buffers are refused from now on; Mooncake's listeners themselves
         # close when this engine is collected (its Python API has no close).
         with self._lock:

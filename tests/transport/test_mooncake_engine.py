@@ -203,3 +203,36 @@ def test_backends_must_match_and_say_so(engines):
     results = {r.transfer_id: r for r in wait_results(mooncake_engine, 2, timeout_s=5)}
     assert "deadline" in results["m"].error and "deadline" in results["z"].error
     wait_until(lambda: zmq_engine.stats()["malformed"] == 1)
+
+
+@needs_mooncake
+def test_a_sender_mooncake_cannot_reach_holds_up_only_its_own_reads(engines, raw_peer):
+    receiver = engines("mooncake")
+    dst = bytearray(8192)
+    receiver.register_buffer("dst", memoryview(dst))
+    # Takes Mooncake's handshake connection and never answers it (as a paused sender would).
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
+    try:
+        start = time.monotonic()
+        receiver.recv(TransferId("stuck"), [Region("dst", 0, 4096)], timeout_s=1.0)
+        dealer = raw_peer(zmq.DEALER)
+        _greet(dealer, receiver)
+        dealer.send(protocol.encode("pull", id="stuck", sizes=[4096],
+                                    session=f"127.0.0.1:{silent.getsockname()[1]}",
+                                    addrs=[4096], ttl_ms=20_000))
+        assert protocol.decode(dealer.recv())["t"] == "accept"
+        # Another sender's transfer to the same receiver goes through meanwhile.
+        sender = engines("mooncake")
+        data = os.urandom(4096)
+        sender.register_buffer("src", memoryview(bytearray(data)))
+        receiver.recv(TransferId("good"), [Region("dst", 4096, 4096)], timeout_s=20)
+        sender.send(sender.connect(receiver.address, timeout_s=5), TransferId("good"),
+                    [Region("src", 0, 4096)], timeout_s=20)
+        results = {r.transfer_id: r for r in wait_results(receiver, 2, timeout_s=10)}
+        assert results["good"].ok and dst[4096:] == data
+        assert "deadline" in results["stuck"].error and time.monotonic() - start < 3.0
+        assert dst[:4096] == bytes(4096)
+    finally:
+        silent.close()
