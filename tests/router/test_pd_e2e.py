@@ -113,7 +113,7 @@ def test_pd_streaming_and_chat_match_hf(pd):
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == loaded_tokens(prompt_ids)
 
 
-@pytest.mark.slow
+@pytest.mark.faults
 def test_pd_concurrent_requests_match_hf_and_leave_nothing_held(pd):
     """More requests than the decode instance's 64 blocks hold at once: some wait for room
     while the prefill instance holds their KV."""
