@@ -19,6 +19,7 @@ from kvtier.connector.p2p.metadata import BlockLoad, BlockSend, P2PConnectorOpti
 from kvtier.transport import (
     BufferId,
     Direction,
+    HandshakeError,
     PeerId,
     Region,
     TransferId,
@@ -30,7 +31,7 @@ from kvtier.transport import (
 
 logger = logging.getLogger(__name__)
 _CONNECT_TIMEOUT_S = 5.0
-_COUNTED = ("requests_sent", "send_errors", "blocks_loaded", "load_errors")
+_COUNTED = ("requests_sent", "send_errors", "sends_refused", "blocks_loaded", "load_errors")
 # Sends still in flight at shutdown get this long (a consumer may be waiting for them).
 _SHUTDOWN_TIMEOUT_S = 10.0
 
@@ -104,6 +105,9 @@ class P2PConnectorWorker(KVConnectorWorker):
             self._pending.pop((Direction.SEND, send.transfer_id), None)
             self._unregister(Direction.SEND, send.transfer_id)
             self._sent_failed.add(send.req_id)
+            if isinstance(exc, HandshakeError):
+                # Another KV namespace or secret: operators need to tell it from a dead peer.
+                self._counts.add("sends_refused", 1)
 
     def _post(self, direction: Direction, req_id: str, transfer_id: str, payload: torch.Tensor,
               load: BlockLoad | None) -> None:
