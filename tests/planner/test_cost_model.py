@@ -46,9 +46,14 @@ def test_json_round_trip_and_bad_files(tmp_path):
         load_cost_model(tmp_path / "missing.json")
 
 
-def test_shipped_cost_model_loads():
+def test_shipped_cost_model_loads_and_is_the_fit_of_its_measurements():
     cost = load_cost_model(default_cost_model_path())
     assert cost.prefill_s_per_token > 0 and {"host", "disk"} <= set(cost.load_s_per_byte)
+    raw = json.loads(default_cost_model_path().read_text())
+    fitted = _fit([Measurement(**m) for m in raw["measurements"]])
+    assert fitted == pytest.approx((cost.step_s_base, cost.prefill_s_per_token,
+                                    cost.decode_s_per_seq, cost.prefill_s_per_pair,
+                                    cost.decode_s_per_context_token))
 
 
 def test_step_cost_grows_with_the_context_attended_to():
