@@ -1,10 +1,16 @@
 """`kvtier plan calibrate`: measure this machine with a model and fit the planner's cost model.
 
-Prefills of a few sizes and decodes of a few batch sizes and context lengths run through `LLM`
-(prefix caching off, random token ids, greedy, no early stop); one least-squares fit of seconds
-per step against (1, prefill tokens, decoding sequences, prefill attention pairs, context tokens
-decoded against) gives the step costs, each row weighted by its own time so that a 20 ms decode
-step is fitted as closely as a 2 s prefill. Host loads are timed as a copy of a buffer in memory,
+A few batches of random-token prompts run through the engine (prefix caching off, greedy, no
+early stop) with the engine's default scheduler limits, and every engine step is timed on its
+own. What a step did is read from its requests' computed tokens before and after it: the
+prefill chunks (tokens, and the attention pairs of each chunk after its context) and the
+decoding sequences (their number, and the context each attends to). The batches make the steps
+the engine takes under load: a prompt alone, many short prompts prefilled together and then
+128 sequences decoding, long prompts whose decodes read long contexts, and the steps between
+them that mix prefill chunks with decodes. One least-squares fit of seconds per step against
+(1, prefill tokens, decoding sequences, prefill attention pairs, context tokens decoded
+against) gives the step costs, each step weighted by its own time so that a 20 ms decode step
+is fitted as closely as a 2 s prefill. Host loads are timed as a copy of a buffer in memory,
 disk loads as a read of a file written, synced and dropped from the page cache first (where the
 OS allows), so both are per-byte costs of this machine.
 """
@@ -21,28 +27,29 @@ import numpy as np
 
 from kvtier.planner.cost_model import CostModel, prefill_pairs
 
-PREFILL_SIZES = (128, 512, 1024, 2048)
-# (sequences, prompt tokens of each): the batch sizes give the per-sequence cost, the long
-# prompts the cost of the context a decoding sequence reads.
-DECODE_BATCHES = ((1, 16), (4, 16), (16, 16), (4, 1024))
-DECODE_STEPS = 16
+# (sequences, prompt tokens of each, output tokens of each), queued at once. Prompts longer
+# than half the model's context are cut to fit it.
+BATCHES = ((1, 128, 1), (1, 512, 1), (1, 1024, 1), (1, 2048, 1), (128, 32, 8), (16, 512, 8),
+           (4, 2048, 8))
 _COPY_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
 class Measurement:
-    """One timed configuration: seconds of one step that prefills `prefill_tokens` (from an empty
-    context) or decodes `decode_seqs` sequences of `decode_context` tokens each (a mean)."""
+    """One engine step and its seconds: `prefill_tokens` over its prefill chunks with
+    `prefill_pairs` attention pairs in all, and `decode_seqs` decoding sequences attending to
+    `decode_context` tokens in all."""
 
     prefill_tokens: int
     decode_seqs: int
     step_s: float
-    decode_context: float = 0.0
+    prefill_pairs: int = 0
+    decode_context: int = 0
 
     def features(self) -> list[float]:
         """The step's (1, prefill tokens, decoding seqs, attention pairs, context decoded)."""
-        return [1.0, self.prefill_tokens, self.decode_seqs,
-                prefill_pairs(self.prefill_tokens, 0), self.decode_seqs * self.decode_context]
+        return [1.0, self.prefill_tokens, self.decode_seqs, self.prefill_pairs,
+                self.decode_context]
 
 
 def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
@@ -52,8 +59,7 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
 
     llm = LLM(model, dtype=dtype, device=device, enable_prefix_caching=False)
     try:
-        vocab = llm.engine.model_config.vocab_size
-        measurements = _measure_steps(llm, vocab, repeats)
+        measurements = _measure_steps(llm.engine, repeats)
     finally:
         llm.engine.shutdown()
     base, per_token, per_seq, per_pair, per_context = _fit(measurements)
@@ -66,41 +72,67 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
     return cost, [m.__dict__ for m in measurements]
 
 
-def _measure_steps(llm, vocab: int, repeats: int) -> list[Measurement]:
+def calibration_batches(max_model_len: int) -> list[tuple[int, int, int]]:
+    """BATCHES for a model of `max_model_len` tokens, without the ones cutting made repeats."""
+    longest = max_model_len // 2
+    batches: list[tuple[int, int, int]] = []
+    for num_seqs, prompt_tokens, output_tokens in BATCHES:
+        batch = (num_seqs, min(prompt_tokens, longest - output_tokens), output_tokens)
+        if batch not in batches:
+            batches.append(batch)
+    return batches
+
+
+def _measure_steps(engine, repeats: int) -> list[Measurement]:
+    """Every step of every batch, `repeats` times; of steps that did the same work, the
+    fastest (the others met the machine's other jobs)."""
     from kvtier.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    many = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    batches = calibration_batches(engine.max_model_len)
+    _run_batch(engine, rng, vocab, (1, 32, 2), SamplingParams)  # first-call costs are no step's
+    fastest: dict[tuple[int, int, int, int], float] = {}
+    for _ in range(repeats):
+        for batch in batches:
+            for step in _run_batch(engine, rng, vocab, batch, SamplingParams):
+                work = (step.prefill_tokens, step.decode_seqs, step.prefill_pairs,
+                        step.decode_context)
+                fastest[work] = min(step.step_s, fastest.get(work, step.step_s))
+    return [Measurement(tokens, seqs, seconds, pairs, context)
+            for (tokens, seqs, pairs, context), seconds in fastest.items()]
 
-    def prompts(count: int, length: int) -> list[dict]:
-        return [{"prompt_token_ids": rng.integers(0, vocab, length).tolist()}
-                for _ in range(count)]
 
-    llm.generate(prompts(1, 32), one)  # warm-up: first-call costs are not a step's
-    measurements = []
-    # A small model's context may be shorter than the largest size.
-    longest = llm.engine.max_model_len // 2
-    for size in sorted({min(size, longest) for size in PREFILL_SIZES}):
-        seconds = min(_timed(llm, prompts(1, size), one) for _ in range(repeats))
-        measurements.append(Measurement(size, 0, seconds))
-    for batch, prompt_tokens in DECODE_BATCHES:
-        if prompt_tokens + DECODE_STEPS > longest:
+def _run_batch(engine, rng, vocab: int, batch: tuple[int, int, int],
+               sampling_params) -> list[Measurement]:
+    num_seqs, prompt_tokens, output_tokens = batch
+    params = sampling_params(temperature=0.0, max_tokens=output_tokens, ignore_eos=True)
+    for _ in range(num_seqs):
+        engine.add_request(f"calibrate-{rng.integers(2**62)}",
+                           rng.integers(0, vocab, prompt_tokens).tolist(), params)
+    steps = []
+    while engine.has_unfinished_requests():
+        before = [(r, r.num_computed_tokens) for r in engine.scheduler.requests.values()]
+        started = time.perf_counter()
+        engine.step()
+        steps.append(_step_measurement(before, time.perf_counter() - started))
+    return [step for step in steps if step.prefill_tokens or step.decode_seqs]
+
+
+def _step_measurement(before: list, step_s: float) -> Measurement:
+    """What the step computed, from each request's computed tokens before it and now."""
+    tokens = seqs = pairs = context = 0
+    for request, num_computed in before:
+        num_new = request.num_computed_tokens - num_computed
+        if num_new <= 0:
             continue
-        batch_prompts = prompts(batch, prompt_tokens)
-        first = min(_timed(llm, batch_prompts, one) for _ in range(repeats))
-        whole = min(_timed(llm, batch_prompts, many) for _ in range(repeats))
-        # Steps 2..DECODE_STEPS attend to prompt + 1 .. prompt + DECODE_STEPS - 1 tokens.
-        context = prompt_tokens + DECODE_STEPS / 2
-        measurements.append(Measurement(0, batch, max(0.0, whole - first) / (DECODE_STEPS - 1),
-                                        context))
-    return measurements
-
-
-def _timed(llm, prompts: list[dict], params) -> float:
-    started = time.perf_counter()
-    llm.generate(prompts, params)
-    return time.perf_counter() - started
+        if num_computed < request.num_prompt_tokens:
+            tokens += num_new
+            pairs += prefill_pairs(num_new, num_computed)
+        else:  # one new token, attending to everything before it and itself
+            seqs += 1
+            context += num_computed + 1
+    return Measurement(tokens, seqs, step_s, pairs, context)
 
 
 def _fit(measurements: list[Measurement]) -> tuple[float, ...]:

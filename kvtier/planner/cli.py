@@ -35,8 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     commands = parser.add_subparsers(dest="plan_command", metavar="calibrate")
     calibrate = commands.add_parser(
         "calibrate", help="measure this machine with a model; write a cost model JSON",
-        description="A few prefills and decodes of different sizes through the engine (LLM), "
-                    "host memory copies and disk reads, fitted to the planner's cost model.")
+        description="Batches of prompts through the engine with every step timed (prefills "
+                    "alone, many prompts prefilled together, 128 sequences decoding, long "
+                    "contexts decoding, steps that mix them), host memory copies and disk "
+                    "reads, fitted to the planner's cost model.")
     _add_model_arguments(calibrate)
     calibrate.add_argument("--device", default=None, help="torch device (default: the engine's)")
     calibrate.add_argument("--disk-dir", default=None,

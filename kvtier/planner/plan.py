@@ -21,7 +21,8 @@ from kvtier.planner.simulator import SchedulerLimits, SimRequest, Simulation
 @dataclass(frozen=True)
 class PlanConfig:
     """What to simulate. `offload` None: the device cache alone; `cost` None: hits only (every
-    step takes no time, so the report has no TTFT or throughput)."""
+    step takes no time, so the report has no TTFT or throughput); `per_request`: the report
+    lists every request's times and hits (`requests`)."""
 
     trace: Path
     model: ModelKV
@@ -30,6 +31,7 @@ class PlanConfig:
     cost: CostModel | None = None
     scaling: TraceScaling = TraceScaling()
     limits: SchedulerLimits = SchedulerLimits()
+    per_request: bool = False
 
 
 def plan_requests(requests: list[ScaledRequest], keys: BlockKeys) -> list[SimRequest]:
@@ -60,7 +62,21 @@ def run_plan(config: PlanConfig, scaled: list[ScaledRequest] | None = None) -> d
         "num_steps": simulation.num_steps,
         "planner_runtime_s": time.perf_counter() - started,
     }
+    if config.per_request:
+        report["requests"] = [request_row(r, simulation.level_names) for r in requests]
     return report
+
+
+def request_row(request: SimRequest, level_names: list[str]) -> dict[str, Any]:
+    """One request's times (seconds from the trace's start; `ttft_s` from its arrival) and its
+    prompt tokens served by each level."""
+    first_token = request.first_token_s
+    return {"index": request.index, "arrival_s": request.arrival_s,
+            "prompt_tokens": request.num_prompt_tokens, "admitted_s": request.admitted_s,
+            "first_token_s": first_token,
+            "ttft_s": None if first_token is None else first_token - request.arrival_s,
+            "hit_tokens": dict(zip(level_names, request.hit_tokens)),
+            "rejected": request.rejected}
 
 
 def summarize_plan(simulation: Simulation, requests: list[SimRequest]) -> dict[str, Any]:

@@ -3,9 +3,11 @@ every device prefix hit and eviction, the offload tiers' own caches and policies
 decide every host and disk hit, and the cost model advances the clock. No model runs and no KV
 bytes exist.
 
-Each step schedules as the engine does: running requests first (one token per decoding request,
-then the next prefill chunk of those still in prefill), then waiting requests in arrival order
-while the token budget, `max_num_seqs` and the device pool allow. A request's lookups happen
+Each step schedules as the engine does: running requests first, in the order they started (one
+token per decoding request, the next prefill chunk of one still in prefill), then waiting
+requests in arrival order while the token budget, `max_num_seqs` and the device pool allow. A
+step costs what the cost model says for what it computes, so a queue forms whenever arrivals
+ask for more than the steps can serve. A request's lookups happen
 when it is admitted: its device prefix hit, then the chunks after it found in host memory or a
 secondary tier (capped like the engine's, so the last prompt token is always recomputed).
 
@@ -55,6 +57,7 @@ class SimRequest:
     num_prefilled: int = 0  # prompt tokens computed or loaded
     num_output: int = 0
     num_stored_chunks: int = 0
+    admitted_s: float | None = None  # when it got its blocks: the time before is queueing
     first_token_s: float | None = None
     finished_s: float | None = None
     rejected: str | None = None
@@ -122,13 +125,16 @@ class Simulation:
     def _schedule(self, waiting: deque[SimRequest], running: list[SimRequest]) -> _Step:
         step = _Step()
         budget = self.limits.max_num_batched_tokens
+        # In the order they started, as the engine: a decode takes one token of the budget, a
+        # prefill the rest of its prompt or what is left; those after the budget wait a step.
         for request in running:
-            if not request.in_prefill:
+            if budget <= 0:
+                break
+            if request.in_prefill:
+                budget -= self._add_chunk(step, request, budget)
+            else:
                 step.decode.append(request)
                 budget -= 1
-        for request in running:
-            if request.in_prefill and budget > 0:
-                budget -= self._add_chunk(step, request, budget)
         while waiting and budget > 0 and len(running) < self.limits.max_num_seqs:
             if running and self._blocked_at == self.num_finished:
                 break  # nothing was freed since the head of the queue last failed to fit
@@ -144,6 +150,7 @@ class Simulation:
             self._blocked_at = None
             waiting.popleft()
             if request.rejected is None:
+                request.admitted_s = self.now
                 running.append(request)
                 step.load_s += load_s
                 budget -= self._add_chunk(step, request, budget)

@@ -46,9 +46,14 @@ def test_json_round_trip_and_bad_files(tmp_path):
         load_cost_model(tmp_path / "missing.json")
 
 
-def test_shipped_cost_model_loads():
+def test_shipped_cost_model_loads_and_is_the_fit_of_its_measurements():
     cost = load_cost_model(default_cost_model_path())
     assert cost.prefill_s_per_token > 0 and {"host", "disk"} <= set(cost.load_s_per_byte)
+    raw = json.loads(default_cost_model_path().read_text())
+    fitted = _fit([Measurement(**m) for m in raw["measurements"]])
+    assert fitted == pytest.approx((cost.step_s_base, cost.prefill_s_per_token,
+                                    cost.decode_s_per_seq, cost.prefill_s_per_pair,
+                                    cost.decode_s_per_context_token))
 
 
 def test_step_cost_grows_with_the_context_attended_to():
@@ -59,12 +64,17 @@ def test_step_cost_grows_with_the_context_attended_to():
         0.01 + 1e-2 + 4e-3 + 10050e-7 + 300e-6)
 
 
+def _measured(truth: CostModel, tokens: int, seqs: int, context: int) -> Measurement:
+    """A step of one prefill chunk from an empty context and `seqs` decodes, timed by `truth`."""
+    pairs = prefill_pairs(tokens, 0)
+    return Measurement(tokens, seqs, truth.step_s(tokens, seqs, pairs, context), pairs, context)
+
+
 def test_fit_recovers_every_cost():
     truth = CostModel(0.005, 2e-4, 3e-3, prefill_s_per_pair=4e-7, decode_s_per_context_token=2e-6)
     rows = [(128, 0, 0), (512, 0, 0), (1024, 0, 0), (2048, 0, 0), (0, 1, 24), (0, 4, 24),
             (0, 16, 24), (0, 4, 1032)]
-    measurements = [Measurement(p, d, truth.step_s(p, d, prefill_pairs(p, 0), d * c), c)
-                    for p, d, c in rows]
+    measurements = [_measured(truth, p, d, d * c) for p, d, c in rows]
     assert _fit(measurements) == pytest.approx((0.005, 2e-4, 3e-3, 4e-7, 2e-6))
 
 
@@ -72,8 +82,7 @@ def test_fit_holds_a_cost_it_cannot_tell_apart_at_zero():
     # Every decode at one context length: its context cost is the per-sequence cost's multiple.
     truth = CostModel(0.005, 2e-4, 3e-3, prefill_s_per_pair=4e-7)
     rows = [(128, 0, 0), (512, 0, 0), (1024, 0, 0), (0, 1, 24), (0, 4, 24), (0, 16, 24)]
-    measurements = [Measurement(p, d, truth.step_s(p, d, prefill_pairs(p, 0)), c)
-                    for p, d, c in rows]
+    measurements = [_measured(truth, p, d, d * c) for p, d, c in rows]
     assert _fit(measurements) == pytest.approx((0.005, 2e-4, 3e-3, 4e-7, 0.0))
 
 
@@ -85,10 +94,19 @@ def test_calibrate_measures_a_real_model(tmp_path, capsys):
                      "--disk-dir", str(tmp_path), "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     cost = load_cost_model(out)
-    raw = json.loads(out.read_text())
-    # The tiny model's context (256) caps the prefills at 128 tokens; three decode batches.
-    assert [(m["prefill_tokens"], m["decode_seqs"]) for m in raw["measurements"]] == \
-        [(128, 0), (0, 1), (0, 4), (0, 16)]
-    assert all(m["step_s"] > 0 for m in raw["measurements"])
+    steps = {(m["prefill_tokens"], m["decode_seqs"], m["prefill_pairs"], m["decode_context"])
+             for m in json.loads(out.read_text())["measurements"]}
+    # The tiny model's context (256) cuts every prompt to 128 tokens or less. A prompt alone:
+    assert (127, 0, prefill_pairs(127, 0), 0) in steps
+    # 128 prompts of 32 tokens: 64 fill the 2048-token budget; next step those 64 decode (each
+    # attending to 33 tokens) beside 62 more prompts; then 126 decode beside the last 2
+    # prompts, and all 128 decode together.
+    assert (2048, 0, 64 * prefill_pairs(32, 0), 0) in steps
+    assert (62 * 32, 64, 62 * prefill_pairs(32, 0), 64 * 33) in steps
+    assert (2 * 32, 126, 2 * prefill_pairs(32, 0), 64 * 34 + 62 * 33) in steps
+    assert (0, 128, 0, 64 * 35 + 62 * 34 + 2 * 33) in steps
+    # Four 120-token prompts, then four decodes over 121 tokens each.
+    assert (0, 4, 0, 4 * 121) in steps
+    assert all(m["step_s"] > 0 for m in json.loads(out.read_text())["measurements"])
     assert cost.step_s(128, 0) > 0 and cost.load_s("host", 10**6) > 0
     assert cost.load_s("disk", 10**6) > 0 and cost.model == str(directory)

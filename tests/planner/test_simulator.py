@@ -6,7 +6,7 @@ from kvtier.entrypoints.bench.trace import ScaledRequest
 from kvtier.planner.blocks import BlockKeys
 from kvtier.planner.cost_model import CostModel, prefill_pairs
 from kvtier.planner.model_kv import model_kv
-from kvtier.planner.plan import plan_requests
+from kvtier.planner.plan import plan_requests, request_row
 from kvtier.planner.simulator import SchedulerLimits, Simulation
 
 from ..tiny_models import make_hf_model
@@ -39,3 +39,50 @@ def test_chunked_prefill_after_a_prefix_hit_pays_for_its_context(tmp_path):
     assert second.first_token_s - 100.0 == pytest.approx(ttft)
     decodes = step(seqs=1, context=32 + 1) + step(seqs=1, context=32 + 2)
     assert second.finished_s - 100.0 == pytest.approx(ttft + decodes)
+
+
+def _simulation(directory, cost: CostModel, limits: SchedulerLimits) -> Simulation:
+    make_hf_model("llama", directory)
+    model = model_kv(str(directory), 4, "float32")
+    return Simulation(model, 256 * model.bytes_per_block, None, cost, limits)
+
+
+def test_a_step_of_n_decodes_costs_what_the_model_says(tmp_path):
+    cost = CostModel(BASE, PER_TOKEN, PER_SEQ, prefill_s_per_pair=PER_PAIR,
+                     decode_s_per_context_token=PER_CONTEXT)
+    # Four 8-token prompts (distinct blocks) at once: one step prefills all four, then every
+    # step decodes the four together.
+    scaled = [ScaledRequest(i, 0.0, (2 * i, 2 * i + 1), 8, 3) for i in range(4)]
+    requests = plan_requests(scaled, BlockKeys(4, 4))
+    _simulation(tmp_path, cost, SchedulerLimits(max_num_batched_tokens=64)).run(requests)
+    prefill = cost.step_s(32, 0, 4 * prefill_pairs(8, 0))
+    # Each decode attends to its prompt and the tokens it generated, itself included.
+    decodes = cost.step_s(0, 4, 0, 4 * (8 + 1)) + cost.step_s(0, 4, 0, 4 * (8 + 2))
+    assert decodes == pytest.approx(2 * BASE + 8 * PER_SEQ + 76 * PER_CONTEXT)
+    for request in requests:
+        assert request.first_token_s == pytest.approx(prefill)
+        assert request.finished_s == pytest.approx(prefill + decodes)
+
+
+def test_arrivals_faster_than_the_steps_queue(tmp_path):
+    cost = CostModel(BASE, PER_TOKEN, PER_SEQ, prefill_s_per_pair=PER_PAIR)
+    # One 16-token prompt per step (the whole budget), one output token: each request is one
+    # step of `service` seconds, and they arrive every `gap` < service seconds.
+    service = cost.step_s(16, 0, prefill_pairs(16, 0))
+    gap = service / 2
+    scaled = [ScaledRequest(i, i * gap, (4 * i, 4 * i + 1), 16, 1) for i in range(6)]
+    requests = plan_requests(scaled, BlockKeys(8, 4))
+    simulation = _simulation(tmp_path, cost, SchedulerLimits(max_num_batched_tokens=16))
+    simulation.run(requests)
+    rows = [request_row(r, simulation.level_names) for r in requests]
+    for k, row in enumerate(rows):
+        # Request k starts when the k before it are done: it waits k * (service - gap).
+        assert row["admitted_s"] == pytest.approx(k * service)
+        assert row["ttft_s"] == pytest.approx((k + 1) * service - k * gap)
+        assert row["hit_tokens"] == {"device": 0}
+    # Spread out wider than a step, nobody waits.
+    spread = [ScaledRequest(i, i * 2 * service, (4 * i, 4 * i + 1), 16, 1) for i in range(6)]
+    requests = plan_requests(spread, BlockKeys(8, 4))
+    _simulation(tmp_path / "spread", cost, SchedulerLimits(max_num_batched_tokens=16)).run(
+        requests)
+    assert [r.first_token_s - r.arrival_s for r in requests] == pytest.approx([service] * 6)
