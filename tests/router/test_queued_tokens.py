@@ -75,6 +75,11 @@ def test_a_request_counts_as_queued_prefill_until_its_first_token(tmp_path):
         assert instance.queued_tokens == num_tokens > 16
         metrics = service.metrics.render().decode()
         assert f'instance_queued_tokens{{instance="{instance.url}"}} {num_tokens}.0' in metrics
+        # The same prompt again would wait behind it: queued + 64 a request of load + its own.
+        explained = (await client.post("/router/explain", json={
+            "path": COMPLETIONS_PATH, "body": body})).json()
+        assert explained["prefill_tokens"] == num_tokens
+        assert explained["instances"][0]["cost_tokens"] == 2 * num_tokens + 64
         first_token.set()
         # Its prompt is computed: the request still decodes, but waits ahead of nobody.
         await until(lambda: instance.queued_tokens == 0)
