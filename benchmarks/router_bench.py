@@ -6,7 +6,8 @@ to hold every conversation (`--device-kv-bytes`, by default ~7 of the 24 convers
 `kvtier router --policy P` in front of them, and `kvtier bench multi-turn`'s workload runs
 through the router. Reported per policy: the cache hit rate (share of prompt tokens the
 instances served from cache, from their usage through the router's metrics), TTFT p50/p90,
-output tokens/s, and the routing decisions by reason; one JSON and one PNG.
+output tokens/s, the routing decisions by reason, and each instance's requests in flight and
+queued prefill tokens as the router saw them every 0.5 s; one JSON and one PNG.
 
     python benchmarks/router_bench.py                                   # the full comparison
     python benchmarks/router_bench.py --conversations 4 --num-turns 2 --policies kv-aware
@@ -18,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import time
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -38,6 +41,8 @@ POLICIES = ("kv-aware", "round-robin", "least-loaded")
 NUM_INSTANCES = 3
 DEFAULT_JSON = Path("benchmarks/results/router_bench.json")
 DEFAULT_PLOT = Path("docs/router_bench.png")
+# Seconds between samples of each instance's in-flight requests and queued prefill tokens.
+QUEUE_SAMPLE_S = 0.5
 
 
 def parse_args() -> argparse.Namespace:
@@ -111,7 +116,7 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
             router_command(policy, port, [i.url for i in instances]), dict(os.environ), port,
             args.log_dir / f"{name}-router.log", args.startup_timeout))
         target = ServerTarget(url=router.url)
-        report = asyncio.run(run_multi_turn(workload, target, label=policy))
+        report, queues = asyncio.run(run_sampling_queues(workload, target, policy))
         counters = router_counters(router.url)
     prompt = counters.get("prompt_tokens", 0.0)
     cached = counters.get("actual_cached_tokens", 0.0)
@@ -124,7 +129,34 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
             "num_failed": report["num_failed"],
             "decisions": {k.removeprefix("decisions:"): v for k, v in counters.items()
                           if k.startswith("decisions:")},
-            "report": report}
+            "queues": queues, "report": report}
+
+
+async def run_sampling_queues(workload: MultiTurnConfig, target: ServerTarget,
+                              policy: str) -> tuple[dict, list[dict]]:
+    """The workload's report, and each instance's load as the router saw it every
+    QUEUE_SAMPLE_S: [{"t": s, "in_flight": [...], "queued_tokens": [...]}, ...]."""
+    samples: list[dict] = []
+    started = time.perf_counter()
+
+    async def sample() -> None:
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            while True:
+                state = (await client.get(f"{target.url}/router/instances")).json()
+                instances = state["instances"]
+                samples.append({"t": round(time.perf_counter() - started, 2),
+                                "in_flight": [i["in_flight"] for i in instances],
+                                "queued_tokens": [i["queued_tokens"] for i in instances]})
+                await asyncio.sleep(QUEUE_SAMPLE_S)
+
+    sampler = asyncio.create_task(sample())
+    try:
+        report = await run_multi_turn(workload, target, label=policy)
+    finally:
+        sampler.cancel()
+        with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+            await sampler
+    return report, samples
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -163,7 +195,10 @@ def main() -> None:
         hit = "n/a" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         print(f"{r['policy']:13s} hit rate {hit}  TTFT p50 {r['ttft_p50_s']}  "
               f"p90 {r['ttft_p90_s']}  out tok/s {r['output_tokens_per_s']:.1f}  "
-              f"failed {r['num_failed']}")
+              f"failed {r['num_failed']}  decisions {r['decisions']}")
+        by_turn = [t["p90"] and round(t["p90"], 2) for t in r["report"]["ttft_by_turn_s"]]
+        peaks = [max(column) for column in zip(*(q["in_flight"] for q in r["queues"]))]
+        print(f"{'':13s} TTFT p90 by turn {by_turn}  peak in flight per instance {peaks}")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from kvtier.entrypoints.openai.errors import ServiceUnavailableError, install_error_handlers
+from kvtier.router.instances import Instance
 from kvtier.router.policy import NoInstanceError
 from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
 from kvtier.router.proxy import explain, proxy
@@ -57,11 +58,8 @@ def build_app(service: RouterService,
     @app.get("/router/instances")
     async def instances() -> JSONResponse:
         """Each instance's state as the router sees it, and the index's size."""
-        return JSONResponse({"index_blocks": len(service.index), "instances": [
-            {"url": i.url, "role": i.role, "healthy": i.healthy, "indexed": i.indexed,
-             "transport_address": i.transport_address,
-             "in_flight": i.in_flight, "reported_load": i.reported_load}
-            for i in service.instances]})
+        return JSONResponse({"index_blocks": len(service.index),
+                             "instances": [_state_of(i) for i in service.instances]})
 
     @app.post("/router/explain")
     async def explain_route(raw: Request) -> JSONResponse:
@@ -77,3 +75,10 @@ def build_app(service: RouterService,
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     return app
+
+
+def _state_of(instance: Instance) -> dict[str, object]:
+    return {"url": instance.url, "role": instance.role, "healthy": instance.healthy,
+            "indexed": instance.indexed, "transport_address": instance.transport_address,
+            "in_flight": instance.in_flight, "reported_load": instance.reported_load,
+            "queued_tokens": instance.queued_tokens}

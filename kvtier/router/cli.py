@@ -29,8 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="P/D mode: seconds a prefill instance gets to compute a prompt; "
                              "past it the decode instance computes it itself (default 60)")
     parser.add_argument("--policy", default="kv-aware", choices=POLICIES,
-                        help="kv-aware (default): where the longest prefix is cached, weighed "
-                             "against load; round-robin; least-loaded")
+                        help="kv-aware (default): the instance with the least prefill work "
+                             "before this request's first token (prompt tokens queued there, "
+                             "load, and this prompt less what it has cached); round-robin; "
+                             "least-loaded")
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1; 0.0.0.0 exposes it)")
     parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
@@ -44,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests in flight at which an instance counts as saturated and "
                              "kv-aware routing looks elsewhere (default 16)")
     parser.add_argument("--load-weight-tokens", type=int, default=64,
-                        help="cached tokens one request of load is worth when comparing "
-                             "instances (default 64)")
+                        help="prompt tokens of work each request of load adds to an instance's "
+                             "estimate in kv-aware routing (default 64)")
     parser.add_argument("--health-interval", type=float, default=1.0,
                         help="seconds between health and load checks of each instance")
     parser.add_argument("--max-attempts", type=int, default=3,

@@ -35,9 +35,10 @@ class RouterConfig:
     # Blocks the index remembers, least recently stored forgotten first.
     index_max_blocks: int = 1_000_000
     # Requests in flight (or queued) at which an instance counts as saturated: kv-aware routing
-    # stays with the instance holding a prefix until then.
+    # passes it over while another instance is below it, however much it has cached.
     saturation: int = 16
-    # Cached tokens one request of load is worth when kv-aware routing compares instances.
+    # Prompt tokens of work one request of load adds to kv-aware routing's estimate of an
+    # instance's time to first token: its decode steps, or a prompt the router did not send.
     load_weight_tokens: int = 64
     tier_weights: TierWeights = TierWeights()
     health_interval_s: float = 1.0

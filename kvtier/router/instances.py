@@ -48,6 +48,10 @@ class Instance:
     in_flight: int = 0
     # Requests the instance itself reports running or waiting (all clients, not only ours).
     reported_load: int = 0
+    # Prompt tokens still to compute (tier-weighted, as the policy estimated them) of the
+    # requests the router sent there whose first token has not come back: prefill work a new
+    # request would wait behind.
+    queued_tokens: int = 0
     num_health_failures: int = 0
     events: EventsInfo | None = None
     # Whether its events feed the index (they do once subscribed; not if it hashes differently).

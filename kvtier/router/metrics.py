@@ -36,6 +36,10 @@ class RouterMetrics:
         evicted.set_function(index_evictions)
         self.in_flight = Gauge("kvtier_router:instance_in_flight", "Requests the router has in "
                                "flight on each instance.", ["instance"], registry=r)
+        self.queued_tokens = Gauge("kvtier_router:instance_queued_tokens", "Prompt tokens "
+                                   "still to compute of the requests the router has sent each "
+                                   "instance and seen no first token of.", ["instance"],
+                                   registry=r)
         self.reported_load = Gauge("kvtier_router:instance_reported_load", "Requests each "
                                    "instance reports running or waiting.", ["instance"], registry=r)
         self.up = Gauge("kvtier_router:instance_up", "1 while an instance answers its health "

@@ -60,8 +60,10 @@ async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
                               f"\"body\": {{...}}}}", param="path", code="invalid_value")
     prompt = await _hash_prompt(service, path, body, len(content))
     block_size = service.hasher.block_size if service.hasher is not None else 1
-    decision = service.router.choose(prompt.block_hashes, block_size)
-    matches = service.router.matches(prompt.block_hashes, service.instances)
+    router = service.router
+    decision = router.choose(prompt.block_hashes, block_size,
+                             num_prompt_tokens=prompt.num_tokens)
+    matches = router.matches(prompt.block_hashes, service.instances)
     prefill = None
     if service.prefill_router is not None:
         with contextlib.suppress(NoInstanceError):  # the decode instance computes the prompt
@@ -70,9 +72,12 @@ async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
             "prefill_instance": prefill,
             "num_prompt_blocks": len(prompt.block_hashes),
             "predicted_cached_tokens": decision.predicted_cached_tokens,
+            "prefill_tokens": decision.prefill_tokens,
             "instances": [{"url": i.url, "healthy": i.healthy, "load": i.load,
+                           "queued_tokens": i.queued_tokens,
                            "cached_blocks": m.num_blocks if m else 0,
-                           "weighted_blocks": m.weighted_blocks if m else 0.0}
+                           "weighted_blocks": m.weighted_blocks if m else 0.0,
+                           "cost_tokens": router.cost(i, m, prompt.num_tokens, block_size)}
                           for i in service.instances for m in [matches.get(i.slot)]]}
 
 
@@ -85,7 +90,8 @@ async def proxy(service: RouterService, path: str, raw: Request) -> Response:
     tried: set[str] = set()
     for _ in range(service.config.max_attempts):
         try:
-            decision = service.router.choose(prompt.block_hashes, block_size, frozenset(tried))
+            decision = service.router.choose(prompt.block_hashes, block_size, frozenset(tried),
+                                             prompt.num_tokens)
         except NoInstanceError:
             break
         service.metrics.decisions.labels(service.config.policy, decision.reason).inc()
@@ -135,6 +141,7 @@ async def _forward(service: RouterService, decision: Decision, path: str, conten
                    headers: dict[str, str], prompt: _Prompt, stream: bool) -> Response:
     instance = decision.instance
     service.add_in_flight(instance, 1)
+    service.add_queued_tokens(instance, decision.prefill_tokens)
     relaying = False
     try:
         upstream = await _send(service, instance, path, content, headers)
@@ -158,6 +165,9 @@ async def _forward(service: RouterService, decision: Decision, path: str, conten
         return StreamingResponse(_relay(service, decision, prompt, upstream, first, chunks),
                                  upstream.status_code, out_headers)
     finally:
+        # The first token is out (a stream's first bytes), the answer is whole, or the request
+        # failed: its prompt no longer waits ahead of the next request's.
+        service.add_queued_tokens(instance, -decision.prefill_tokens)
         if not relaying:
             service.add_in_flight(instance, -1)
 

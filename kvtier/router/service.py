@@ -195,6 +195,10 @@ class RouterService:
         instance.in_flight += delta
         self.metrics.in_flight.labels(instance.url).set(instance.in_flight)
 
+    def add_queued_tokens(self, instance: Instance, delta: int) -> None:
+        instance.queued_tokens += delta
+        self.metrics.queued_tokens.labels(instance.url).set(instance.queued_tokens)
+
     def expect_events(self, instance: Instance, num_new_blocks: int) -> None:
         """`instance` computed `num_new_blocks` blocks the index did not know it had: it owes
         the index their events (see `check`)."""

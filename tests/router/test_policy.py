@@ -37,10 +37,60 @@ def test_kv_aware_stays_until_saturation_then_goes_elsewhere():
     b.in_flight = 3
     assert router.choose(PROMPT, BLOCK).instance is b
     b.reported_load = 4  # the instance's own count (other clients) is load too
-    a.in_flight = 1
+    a.queued_tokens = 1
     decision = router.choose(PROMPT, BLOCK)
-    assert (decision.instance, decision.reason, decision.predicted_cached_tokens) == \
-        (c, "saturated", 0)
+    assert (decision.instance, decision.reason, decision.predicted_cached_tokens,
+            decision.prefill_tokens) == (c, "saturated", 0, len(PROMPT) * BLOCK)
+
+
+def test_a_busy_holder_keeps_the_request_until_its_queue_costs_more_than_recomputing():
+    """Cost = queued prefill tokens + 16 a request of load + the prompt's uncached tokens."""
+    router, (a, b, c) = make(load_weight_tokens=16)
+    prompt = list(range(8))  # 128 tokens, all cached on b's device
+    router.index.store(b.slot, prompt, "GPU")
+    c.in_flight = 1
+    b.in_flight, b.queued_tokens = 1, 111  # 111 + 16 + 0 < 0 + 0 + 128 (a, idle)
+    decision = router.choose(prompt, BLOCK, num_prompt_tokens=130)
+    assert (decision.instance, decision.reason, decision.predicted_cached_tokens,
+            decision.prefill_tokens) == (b, "cache_hit", 128, 2)
+    b.queued_tokens = 115  # 115 + 16 + 2 > 0 + 0 + 130
+    decision = router.choose(prompt, BLOCK, num_prompt_tokens=130)
+    assert (decision.instance, decision.reason, decision.predicted_cached_tokens,
+            decision.prefill_tokens) == (a, "busy", 0, 130)
+
+
+def test_slower_tiers_save_less_so_their_holder_is_left_sooner():
+    router, (a, b, c) = make(load_weight_tokens=0)
+    prompt = list(range(8))
+    router.index.store(b.slot, prompt, "CPU")  # host copies save 0.8 of their recompute
+    router.index.store(c.slot, prompt, "DISK")  # disk copies 0.5
+    decision = router.choose(prompt, BLOCK)
+    assert (decision.instance, decision.reason, decision.prefill_tokens) == (b, "cache_hit", 26)
+    b.queued_tokens = 40  # 40 + 25.6 > 64 on c's disk, < 128 recomputed on a
+    decision = router.choose(prompt, BLOCK)
+    assert (decision.instance, decision.reason, decision.prefill_tokens) == (c, "busy", 64)
+    c.queued_tokens = 65
+    assert router.choose(prompt, BLOCK).instance is b
+
+
+def test_a_shared_store_counts_for_every_instance():
+    router, (a, b, c) = make(load_weight_tokens=0)
+    prompt = list(range(8))
+    router.index.store(a.slot, prompt, "obj", locality="remote")
+    a.queued_tokens, b.queued_tokens = 10, 5
+    decision = router.choose(prompt, BLOCK)
+    # 0.3 of each block saved wherever the request goes: the shortest queue wins.
+    assert (decision.instance, decision.reason, decision.predicted_cached_tokens,
+            decision.prefill_tokens) == (c, "cache_hit", 128, 90)
+
+
+def test_new_prompts_go_where_the_least_prefill_waits_not_the_fewest_requests():
+    router, (a, b, c) = make(load_weight_tokens=16)
+    a.in_flight = 3  # past their first tokens: decoding
+    b.in_flight, b.queued_tokens = 1, 600  # one long prompt still to compute
+    c.in_flight, c.queued_tokens = 2, 40
+    decision = router.choose(PROMPT, BLOCK)
+    assert (decision.instance, decision.reason) == (a, "no_hit")
 
 
 def test_without_a_hit_new_prompts_go_to_the_least_loaded_taking_turns():
