@@ -23,8 +23,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 DISABLE_ENV = "KVTIER_CPU_KERNELS"
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(_CSRC / name
                  for name in ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp"))
+# Included by the sources: part of the build's digest, not compiled on their own.
+_HEADERS = tuple(_CSRC / name for name in ("paged_prefill.h", "paged_prefill_bf16.h"))
 # -ffast-math lets expf vectorize; it is a compile flag only, so the process's floating-point
 # mode is untouched. -march=native: the cache is per machine. -fopenmp: at::parallel_for is
 # inline OpenMP; the extension links libgomp.so.1, which resolves to the copy torch has loaded,
@@ -75,7 +78,7 @@ def _build_name() -> str:
     sources differ from the last build's, so two checkouts sharing one name on a machine would
     rebuild in turn, each undoing the other's kernels."""
     digest = hashlib.sha256(" ".join(_CFLAGS).encode())
-    for path in _SOURCES:
+    for path in _SOURCES + _HEADERS:
         digest.update(path.read_bytes())
     return f"kvtier_cpu_kernels_{digest.hexdigest()[:12]}"
 

@@ -227,6 +227,38 @@ def test_bf16_prefills_of_any_length_stay_in_the_kernel_where_it_has_bf16_tiles(
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 2)])
+def test_bf16_prefill_tiles_share_packed_pages_and_ignore_stale_slots(num_heads, num_kv_heads,
+                                                                      head_dim, window):
+    """The bf16 tiles pack each sequence's pages once, in runs of 32 pages, for all its tiles:
+    chunks over prefixes longer than a run, a fresh prompt, a window starting inside a page;
+    slots past a sequence's last token hold NaN (another request's leftovers) and change
+    nothing."""
+    kernels = cpu_kernels.ops()
+    if kernels is None or not kernels.paged_prefill_has_bf16_tiles(torch.bfloat16, head_dim, 16):
+        pytest.skip("no vdpbf16ps prefill tiles on this CPU")
+    gen = torch.Generator().manual_seed(5)
+    num_computed, query_lens = [600, 0, 517, 21], [37, 45, 70, 3]
+    counts = [-(-(c + n) // 16) for c, n in zip(num_computed, query_lens)]
+    order = (torch.randperm(sum(counts), generator=gen) + 1).tolist()
+    kv_cache = torch.randn(2, sum(counts) + 1, 16, num_kv_heads, head_dim, generator=gen)
+    tables, used = [], 0
+    for computed, length, count in zip(num_computed, query_lens, counts):
+        tables.append(order[used:used + count])
+        used += count
+        kv_cache[:, tables[-1][-1], (computed + length) % 16 or 16:] = float("nan")
+    kv_cache = kv_cache.to(torch.bfloat16)
+    metadata = build_attention_metadata(num_computed, query_lens, [tables], 16)
+    query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim ** -0.5
+    reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, scale,
+                                          window)
+    out = paged_attention(query, kv_cache, metadata, 0, scale, window)
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+
+
 def test_write_kv_fills_exactly_the_mapped_slots():
     kv_cache = torch.zeros(2, 8, BLOCK, 1, 2)
     metadata = build_attention_metadata([3, 0], [2, 1], [[[5, 2], [7]]], BLOCK)

@@ -10,8 +10,8 @@
 // built by kvtier/models/cpu_kernels.py with -ffast-math (expf vectorizes). Only attended
 // positions are read, so pages before a sliding window may hold anything (the null block).
 //
-// bf16 caches with head_dim 64 or 128 and 16-slot blocks take attend_tile_bf16 where the CPU has
-// AVX512-BF16 (vdpbf16ps): measured 1.7x attend_tile on SmolLM2's shapes (3 prompts of 512 tokens
+// bf16 caches with head_dim 64 or 128 and 16-slot blocks take the vdpbf16ps tiles of
+// paged_prefill_bf16.h where the CPU has AVX512-BF16: measured 1.7x attend_tile on SmolLM2's shapes (3 prompts of 512 tokens
 // over a 128-token prefix: 8 vs 14 ms per layer on 2 AMD EPYC cores), and ahead of torch's flash
 // kernel on a 2,048-token prompt (38 vs 45 ms).
 
@@ -26,13 +26,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "paged_prefill.h"
+#include "paged_prefill_bf16.h"
 
 namespace {
-
-constexpr int64_t kTileTokens = 32;
 
 // 16 floats (one AVX-512 register, two AVX2 ones) for the loops whose sizes are compile-time:
 // GCC/Clang vector extensions keep the running sums in registers, where the same loops over
@@ -40,15 +37,6 @@ constexpr int64_t kTileTokens = 32;
 typedef float Vec16 __attribute__((vector_size(64), aligned(4)));
 inline Vec16 load16(const float* p) { return *reinterpret_cast<const Vec16*>(p); }
 inline void store16(float* p, Vec16 v) { *reinterpret_cast<Vec16*>(p) = v; }
-
-struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-  int64_t v_offset;  // elements between K and V of the same slot
-};
-
-struct Item {
-  int64_t seq, first_query;  // first_query: index of the tile's first token within its chunk
-};
 
 template <typename scalar_t>
 inline float to_float(scalar_t x) {
@@ -62,29 +50,6 @@ inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
   float f;
   std::memcpy(&f, &word, sizeof f);
   return f;
-}
-
-// Softmax of each row of `scores` (rows x num_keys, row r = token r / group at first_pos + r /
-// group) over its own keys [row_lo(pos), pos]; keys outside get weight 0.
-template <typename RowLo>
-void softmax_rows(float* scores, int64_t rows, int64_t num_keys, int64_t group, int64_t first_pos,
-                  int64_t lo, const RowLo& row_lo) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t pos = first_pos + r / group;
-    const int64_t begin = row_lo(pos) - lo, end = pos + 1 - lo;
-    float* sr = scores + r * num_keys;
-    const float peak = *std::max_element(sr + begin, sr + end);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = begin; t < end; ++t) {
-      sr[t] = expf(sr[t] - peak);
-      sum += sr[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < begin; ++t) sr[t] = 0.f;
-    for (int64_t t = begin; t < end; ++t) sr[t] *= inv;
-    for (int64_t t = end; t < num_keys; ++t) sr[t] = 0.f;
-  }
 }
 
 // One tile of one kv head. kDim / kBlock > 0: head dim / block size as compile-time constants
@@ -214,125 +179,6 @@ void attend_tile(const scalar_t* query, const scalar_t* cache, const int64_t* ta
   }
 }
 
-#if defined(__AVX512BF16__)
-// bf16 models on CPUs with AVX512-BF16: both products run as vdpbf16ps (two bf16 products summed
-// into each fp32 lane), twice the fp32 FMA rate. Scores: a lane is a key, the pair two adjacent
-// dims, so the scores are exact products of the stored bf16 values summed in fp32 as in
-// attend_tile. Values: a lane is a dim, the pair two adjacent keys, and the softmax weights are
-// rounded to bf16 for the product (as torch's CPU flash attention does); sums stay fp32.
-// The tile's pages are repacked once into those pair layouts (unused slots zero), and its
-// scores are laid out page-aligned so whole vectors are stored and read.
-template <int64_t kDim>
-void attend_tile_bf16(const c10::BFloat16* query, const c10::BFloat16* cache,
-                      const int64_t* table, int64_t computed, int64_t tile_begin,
-                      int64_t tile_end, int64_t kv_head, int64_t window, const Shape& s,
-                      float scale, c10::BFloat16* out, std::vector<float>& scratch) {
-  constexpr int64_t kBlock = 16, kPairs = kDim / 2, kChunks = kDim / 16;
-  constexpr int64_t kPageWords = kPairs * kBlock;  // = (kBlock / 2) * kDim
-  constexpr int64_t kRowsPV = 256 / kDim;           // rows sharing each V load: 16 accumulators
-  const int64_t group = s.num_heads / s.num_kv_heads;
-  const int64_t tokens = tile_end - tile_begin, rows = tokens * group;
-  const int64_t row_stride = s.num_heads * kDim;
-  const int64_t page_len = kBlock * s.num_kv_heads * kDim, token_len = s.num_kv_heads * kDim;
-  const int64_t first_pos = computed + tile_begin, last_pos = computed + tile_end - 1;
-  auto row_lo = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
-  const int64_t lo = row_lo(first_pos), hi = last_pos + 1;
-  const int64_t first_page = lo / kBlock, num_pages = (hi + kBlock - 1) / kBlock - first_page;
-  const int64_t keys = num_pages * kBlock;  // scores row r, column c = key first_page * 16 + c
-
-  // 32-bit words: a word holds two bf16, the lower one first.
-  scratch.resize(rows * kPairs + 2 * num_pages * kPageWords + rows * keys + rows * keys / 2 +
-                 rows * kDim);
-  uint32_t* q = reinterpret_cast<uint32_t*>(scratch.data());  // rows x kPairs
-  uint32_t* kpages = q + rows * kPairs;            // page, dim pair, slot
-  uint32_t* vpages = kpages + num_pages * kPageWords;  // page, slot pair, dim
-  float* scores = reinterpret_cast<float*>(vpages + num_pages * kPageWords);  // rows x keys
-  uint32_t* weights = reinterpret_cast<uint32_t*>(scores + rows * keys);   // rows x keys / 2
-  float* acc = reinterpret_cast<float*>(weights + rows * keys / 2);         // rows x kDim
-  for (int64_t i = 0; i < tokens; ++i) {
-    const c10::BFloat16* src = query + (tile_begin + i) * row_stride + kv_head * group * kDim;
-    std::memcpy(q + i * group * kPairs, src, group * kDim * sizeof(c10::BFloat16));
-  }
-  std::fill(kpages, kpages + 2 * num_pages * kPageWords, 0u);  // kpages and vpages after it
-  for (int64_t page = 0; page < num_pages; ++page) {
-    const int64_t page_pos = (first_page + page) * kBlock;
-    const int64_t t_lo = std::max(lo, page_pos) - page_pos;
-    const int64_t t_hi = std::min(hi, page_pos + kBlock) - page_pos;
-    const uint16_t* k_base = reinterpret_cast<const uint16_t*>(
-        cache + table[first_page + page] * page_len + kv_head * kDim);
-    const uint16_t* v_base = k_base + s.v_offset;
-    uint32_t* kp = kpages + page * kPageWords;
-    uint32_t* vp = vpages + page * kPageWords;
-    for (int64_t t = t_lo; t < t_hi; ++t) {
-      const uint32_t* k = reinterpret_cast<const uint32_t*>(k_base + t * token_len);
-      for (int64_t p = 0; p < kPairs; ++p) kp[p * kBlock + t] = k[p];
-      const uint16_t* v = v_base + t * token_len;
-      const int shift = (t & 1) * 16;
-      uint32_t* vrow = vp + (t / 2) * kDim;
-      for (int64_t d = 0; d < kDim; ++d) vrow[d] |= uint32_t(v[d]) << shift;
-    }
-  }
-
-  // Scores, four rows by one page: each K load serves four rows.
-  const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < rows; r += 4) {
-    const int64_t n = std::min<int64_t>(4, rows - r);
-    const uint32_t* qr[4];
-    for (int64_t j = 0; j < 4; ++j) qr[j] = q + (r + std::min(j, n - 1)) * kPairs;
-    for (int64_t page = 0; page < num_pages; ++page) {
-      const uint32_t* kp = kpages + page * kPageWords;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t p = 0; p < kPairs; ++p) {
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + p * kBlock);
-        a0 = _mm512_dpbf16_ps(a0, k, (__m512bh)_mm512_set1_epi32(qr[0][p]));
-        a1 = _mm512_dpbf16_ps(a1, k, (__m512bh)_mm512_set1_epi32(qr[1][p]));
-        a2 = _mm512_dpbf16_ps(a2, k, (__m512bh)_mm512_set1_epi32(qr[2][p]));
-        a3 = _mm512_dpbf16_ps(a3, k, (__m512bh)_mm512_set1_epi32(qr[3][p]));
-      }
-      const __m512 a[4] = {a0, a1, a2, a3};
-      for (int64_t j = 0; j < n; ++j) {
-        _mm512_storeu_ps(scores + (r + j) * keys + page * kBlock, _mm512_mul_ps(a[j], scale16));
-      }
-    }
-  }
-
-  softmax_rows(scores, rows, keys, group, first_pos, first_page * kBlock, row_lo);
-  for (int64_t i = 0; i < rows * keys; i += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + i / 2),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i)));
-  }
-
-  // Weighted values, kRowsPV rows at a time: each V load serves all of them.
-  for (int64_t r = 0; r < rows; r += kRowsPV) {
-    const int64_t n = std::min(kRowsPV, rows - r);
-    __m512 sum[kRowsPV][kChunks];
-    for (int64_t j = 0; j < kRowsPV; ++j) {
-      for (int64_t c = 0; c < kChunks; ++c) sum[j][c] = _mm512_setzero_ps();
-    }
-    const uint32_t* wr[kRowsPV];
-    for (int64_t j = 0; j < kRowsPV; ++j) wr[j] = weights + (r + std::min(j, n - 1)) * keys / 2;
-    for (int64_t pair = 0; pair < keys / 2; ++pair) {
-      const uint32_t* vp = vpages + pair * kDim;  // pages are consecutive: pair indexes them all
-      __m512bh v[kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + 16 * c);
-      for (int64_t j = 0; j < kRowsPV; ++j) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(wr[j][pair]);
-        for (int64_t c = 0; c < kChunks; ++c) sum[j][c] = _mm512_dpbf16_ps(sum[j][c], v[c], w);
-      }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t c = 0; c < kChunks; ++c) {
-        _mm512_storeu_ps(acc + (r + j) * kDim + 16 * c, sum[j][c]);
-      }
-    }
-  }
-  for (int64_t i = 0; i < tokens; ++i) {
-    c10::BFloat16* dst = out + (tile_begin + i) * row_stride + kv_head * group * kDim;
-    const float* src = acc + i * group * kDim;
-    for (int64_t j = 0; j < group * kDim; ++j) dst[j] = static_cast<c10::BFloat16>(src[j]);
-  }
-}
-#endif  // __AVX512BF16__
 
 // Whether paged_prefill_attention takes the vdpbf16ps tiles for this cache: then it is the
 // fastest path at every prefill length, and callers need no flash-kernel fallback for long ones.
@@ -344,18 +190,20 @@ bool paged_prefill_has_bf16_tiles(at::ScalarType dtype, int64_t head_dim, int64_
 #endif
 }
 
-// Runs the tiles through attend_tile_bf16 when it can take them; false: use attend_tile.
-template <typename scalar_t, typename Run>
-bool run_bf16_tiles(scalar_t*, const Shape&, const Run&) {
+
+// Runs the tiles through the bf16 tiles when they can take them; false: use attend_tile.
+template <typename scalar_t>
+bool try_bf16_tiles(const scalar_t*, const scalar_t*, const Batch&, const Shape&, scalar_t*) {
   return false;
 }
 
 #if defined(__AVX512BF16__)
-template <typename Run>
-bool run_bf16_tiles(c10::BFloat16*, const Shape& s, const Run& run) {
+template <>
+bool try_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Batch& b,
+                    const Shape& s, c10::BFloat16* out) {
   if (!paged_prefill_has_bf16_tiles(at::kBFloat16, s.head_dim, s.block_size)) return false;
-  if (s.head_dim == 64) run(attend_tile_bf16<64>);
-  else run(attend_tile_bf16<128>);
+  if (s.head_dim == 64) run_bf16_tiles<64>(q, cache, b, s, out);
+  else run_bf16_tiles<128>(q, cache, b, s, out);
   return true;
 }
 #endif
@@ -394,12 +242,14 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
     for (int64_t i = 0; i < lens[seq]; i += kTileTokens) items.push_back({seq, i});
   }
   const int64_t num_items = static_cast<int64_t>(items.size()) * s.num_kv_heads;
-  const int64_t* table = block_table.data_ptr<int64_t>();
+  const Batch batch{block_table.data_ptr<int64_t>(), starts, computed, lens, items, window,
+                    static_cast<float>(scale)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_prefill",
                                   [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
+    if (try_bf16_tiles(q, cache, batch, s, o)) return;
     auto run = [&](auto attend) {
       at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
         std::vector<float> scratch;
@@ -407,14 +257,13 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
           const Item& item = items[n / s.num_kv_heads];
           const int64_t seq = item.seq, row0 = starts[seq];
           const int64_t tile_end = std::min(lens[seq], item.first_query + kTileTokens);
-          attend(q + row0 * s.num_heads * s.head_dim, cache, table + seq * s.max_blocks,
+          attend(q + row0 * s.num_heads * s.head_dim, cache, batch.table + seq * s.max_blocks,
                  computed[seq], item.first_query, tile_end, n % s.num_kv_heads, window, s,
-                 static_cast<float>(scale), o + row0 * s.num_heads * s.head_dim, scratch);
+                 batch.scale, o + row0 * s.num_heads * s.head_dim, scratch);
         }
       });
     };
     const bool block16 = s.block_size == 16;
-    if (run_bf16_tiles(o, s, run)) return;
     if (s.head_dim == 64 && block16) run(attend_tile<scalar_t, 64, 16>);
     else if (s.head_dim == 128 && block16) run(attend_tile<scalar_t, 128, 16>);
     else run(attend_tile<scalar_t, 0, 0>);
