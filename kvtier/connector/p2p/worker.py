@@ -137,9 +137,9 @@ class P2PConnectorWorker(KVConnectorWorker):
         transfer = self._open_transfer(send.req_id, send.transfer_id, Direction.SEND,
                                        len(send.block_ids))
         transfer.holds_blocks = True
-        for i, cache in enumerate(self.kv_caches.values()):
-            transfer.payload.copy_out(i, 0, cache, send.block_ids)
         if transfer.error is None:
+            for i, cache in enumerate(self.kv_caches.values()):
+                transfer.payload.copy_out(i, 0, cache, send.block_ids)
             self._connect(transfer, send.consumer_address)
         for i in range(transfer.payload.num_layers):
             self._send_layer(transfer, i)
