@@ -225,7 +225,7 @@ def test_layer_push_with_a_failed_layer_is_recomputed(model, layer_engines):
     _drain(consumer)
 
 
-def test_layer_push_of_an_aborted_prefill_sends_nothing(model, layer_engines):
+def test_layer_push_of_an_aborted_or_short_prefill_sends_nothing(model, layer_engines):
     _, prompts, _ = model
     producer, consumer = layer_engines
     producer.engine.add_request("p0", prompts[3], PREFILL, kv_transfer_params={
@@ -235,6 +235,10 @@ def test_layer_push_of_an_aborted_prefill_sends_nothing(model, layer_engines):
     producer.engine.abort_request(["p0"])
     producer.engine.step()
     assert producer.engine.runner.connector.num_open_transfers == 0
+    # A prompt shorter than one block has nothing to push.
+    short = _run(producer, "p1", prompts[0][:3], PREFILL, {
+        "transfer_id": "t1", "consumer_address": consumer.engine.runner.connector.address})
+    assert short.kv_transfer_params == {"transfer_id": "t1", "num_tokens": 0}
     metrics = producer.get_metrics()
     assert metrics["kvtier:p2p_connector_requests_sent"] == 0
     assert metrics["kvtier:p2p_connector_send_errors"] == 0

@@ -14,8 +14,8 @@ class P2PConnectorOptions:
     # Where this instance's transfer engine listens (a consumer's address goes to producers).
     bind_host: str = "127.0.0.1"
     port: int = 0
-    # A producer's send of one request, handshake included, fails (and frees its blocks) after
-    # this long, e.g. when the consumer never asks for it.
+    # A producer's send of one request, handshake included, fails (and frees its blocks or its
+    # host copy) after this long, e.g. when the consumer never asks for it.
     send_timeout_s: float = 60.0
     # "layer": a producer sends each layer's KV of the prompt's full blocks while the forward
     # pass that completes the prompt computes the next layers. "request": it sends every layer

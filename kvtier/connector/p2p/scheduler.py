@@ -151,8 +151,11 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         if push is not None:
             return False, self._finish_push(request.request_id, push)
         params = self._params(SendParams.parse, request) if self.config.is_producer else None
-        if params is None or self._layer_push:
+        if params is None:
             return False, None
+        if self._layer_push:
+            # A prompt shorter than one block: there was nothing to push.
+            return False, {"transfer_id": params.transfer_id, "num_tokens": 0}
         # Only blocks whose KV was computed: an aborted prefill leaves the rest unwritten.
         num_computed = min(request.num_prompt_tokens, request.num_computed_tokens)
         num_blocks = min(len(block_ids), num_computed // self.context.block_size)
