@@ -173,19 +173,48 @@ def test_layer_push_over_chunked_prefill_matches_hf(model, layer_engines):
                        {"transfer_id": f"t{i}", "consumer_address": address})
         assert prefill.kv_transfer_params == {"transfer_id": f"t{i}",
                                               "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
-        # Every layer was sent from a host copy during the prefill itself: the blocks are
-        # free at once and no further producer step is needed to start the send.
-        assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+        # Every layer was sent during the prefill itself: no further producer step is needed
+        # for the consumer to get them.
         decode = _run(consumer, f"c{i}", prompt, GREEDY, prefill.kv_transfer_params)
         tokens.append(decode.outputs[0].token_ids)
         cached.append(decode.num_cached_tokens)
     assert tokens == expected
     assert cached == [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
     assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13
-    deadline = time.monotonic() + 4.5
-    while producer.engine.runner.connector.num_open_transfers and time.monotonic() < deadline:
-        producer.engine.step()
+    start = time.monotonic()
+    _drain(producer)
+    assert time.monotonic() - start < 4.5  # every send ended, well before send_timeout_s
     assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == len(prompts)
+    assert producer.engine.runner.connector.num_open_transfers == 0
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    _drain(consumer)
+
+
+def test_layer_push_ending_before_its_request_frees_the_blocks(model, layer_engines):
+    _, prompts, expected = model
+    producer, consumer = layer_engines
+    params = {"transfer_id": "t0", "consumer_address": consumer.engine.runner.connector.address}
+    producer.engine.add_request("p0", prompts[0], GREEDY, kv_transfer_params=params)
+    for _ in range(10):  # until the prompt is computed and its layers are sent
+        producer.engine.step()
+        if producer.engine.scheduler.requests["p0"].num_output_tokens:
+            break
+    assert producer.engine.runner.connector.num_open_transfers == 1
+    # The producer goes on decoding while the consumer takes the transfer.
+    decode = _run(consumer, "c0", prompts[0], GREEDY,
+                  {"transfer_id": "t0", "num_tokens": len(prompts[0]) // BLOCK_SIZE * BLOCK_SIZE})
+    assert decode.outputs[0].token_ids == expected[0]
+    assert decode.num_cached_tokens == 16
+    producer.engine.step()  # a decode step of p0, which collects the ended sends
+    assert producer.engine.runner.connector.num_open_transfers == 0
+    assert producer.engine.scheduler.requests["p0"].num_output_tokens < MAX_TOKENS
+    start = time.monotonic()
+    _drain(producer)
+    # The sends ended while p0 was still decoding; its blocks are freed once it finished, not
+    # at send_timeout_s and not never.
+    assert time.monotonic() - start < 4.5
+    assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == 1
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
     _drain(consumer)
 
 
@@ -215,13 +244,12 @@ def test_layer_push_with_a_failed_layer_is_recomputed(model, layer_engines):
     _run(producer, "p1", prompts[1], PREFILL, {"transfer_id": "unwanted",
                                                "consumer_address": address})
     start = time.monotonic()
-    while connector.num_open_transfers and time.monotonic() - start < 8.0:
-        producer.engine.step()
+    _drain(producer)
     assert 4.0 < time.monotonic() - start < 8.0
     assert connector.num_open_transfers == 0
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
     assert producer.get_metrics()["kvtier:p2p_connector_send_errors"] == 2
     assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == 0
-    _drain(producer)
     _drain(consumer)
 
 

@@ -2,14 +2,14 @@
 
 A producer (`kv_role: kv_producer`) computes a prompt and sends the KV of its prompt's full
 blocks to the consumer its kv_transfer_params name, one transfer per layer (`layout.py`). With
-push "request" it sends when the request finishes, and the blocks stay allocated
-(`request_finished` returns delay_free=True) until the send ends, successfully or not (a
-consumer that never asks fails the send after `send_timeout_s`). With push "layer" it copies
-each layer's blocks to the host as the forward pass writes them and sends each layer during the
-step that computes the prompt's last full block; the blocks are freed at once. A consumer
-(`kv_role: kv_consumer`) given the kv_transfer_params the producer returned loads that KV
-asynchronously (WAITING_FOR_REMOTE_KVS) and computes only the rest; a load that fails or misses
-`kv_load_timeout_s` is recomputed per `kv_load_failure_policy`.
+push "request" it sends when the request finishes; with push "layer" it copies each layer's
+blocks to the host as the forward pass writes them and sends each layer during the step that
+computes the prompt's last full block. Either way the blocks stay allocated (`request_finished`
+returns delay_free=True) until the send ends, successfully or not (a consumer that never asks
+fails the send after `send_timeout_s`). A consumer (`kv_role: kv_consumer`) given the
+kv_transfer_params the producer returned loads that KV asynchronously (WAITING_FOR_REMOTE_KVS)
+and computes only the rest; a load that fails or misses `kv_load_timeout_s` is recomputed per
+`kv_load_failure_policy`.
 
     producer request  kv_transfer_params={"transfer_id": T, "consumer_address": A}
     producer returns  kv_transfer_params={"transfer_id": T, "num_tokens": N}

@@ -149,7 +149,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._taken.discard(request.request_id)
         push = self._pushes.pop(request.request_id, None)
         if push is not None:
-            return False, self._finish_push(request.request_id, push)
+            return self._finish_push(request.request_id, push)
         params = self._params(SendParams.parse, request) if self.config.is_producer else None
         if params is None:
             return False, None
@@ -168,13 +168,14 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                                      params.consumer_address, list(block_ids[:num_blocks])))
         return True, result
 
-    def _finish_push(self, req_id: str, push: _Push) -> dict[str, Any]:
-        """A layer-wise push's result. Its blocks are freed at once: the worker copied their KV
-        to the host during the forward pass that computed them."""
+    def _finish_push(self, req_id: str, push: _Push) -> tuple[bool, dict[str, Any]]:
+        """A layer-wise push's (delay_free, kv_transfer_params). Its KV is on the host already,
+        but its blocks stay allocated until its sends end: the engine keeps stepping only while
+        a finished request holds blocks, and those steps collect the sends' results."""
         if push.num_copied == push.num_blocks:
-            return {"transfer_id": push.params.transfer_id,
-                    "num_tokens": push.num_blocks * self.context.block_size}
+            return True, {"transfer_id": push.params.transfer_id,
+                          "num_tokens": push.num_blocks * self.context.block_size}
         # The prompt was not computed to its end (aborted): nothing was sent.
         if push.num_copied > 0:
             self._dropped.append(req_id)
-        return {"transfer_id": push.params.transfer_id, "num_tokens": 0}
+        return False, {"transfer_id": push.params.transfer_id, "num_tokens": 0}

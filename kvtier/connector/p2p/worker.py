@@ -3,7 +3,9 @@
 A request's KV crosses as one transfer per layer out of one layer-major host buffer (see
 `layout.py`). A producer fills that buffer either as each layer of the forward pass is computed,
 sending each layer once the prompt's last full block is in (push "layer"), or from the
-request's blocks at the step after it finished, sending every layer then (push "request"). A
+request's blocks at the step after it finished, sending every layer then (push "request").
+Either way the request's blocks stay allocated until its sends end, since the engine steps (and
+so collects transfer results) only while a finished request holds blocks. A
 consumer receives every layer into its own host buffer and copies the blocks it needs into the
 paged cache once all of them arrived; one failed layer fails the load.
 """
@@ -53,8 +55,6 @@ class _Transfer:
     peer: PeerId | None = None
     load: BlockLoad | None = None
     error: str | None = None
-    # Only request-mode sends hold the request's blocks, so only they report finished_sending.
-    holds_blocks: bool = False
 
     @property
     def buffer_id(self) -> BufferId:
@@ -77,6 +77,11 @@ class P2PConnectorWorker(KVConnectorWorker):
         # Layer-wise pushes by request id, from their first chunk until the request finishes.
         self._pushing: dict[str, _Transfer] = {}
         self._step_pushes: list[tuple[LayerPush, _Transfer]] = []
+        # Pushed requests the scheduler has not finished yet, and those of them whose sends
+        # ended: the scheduler frees a request's blocks on a finished_sending that comes after
+        # it finished the request, and ignores an earlier one.
+        self._unfinished: set[str] = set()
+        self._sent_early: set[str] = set()
         self._load_errors: set[int] = set()
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
@@ -136,7 +141,6 @@ class P2PConnectorWorker(KVConnectorWorker):
     def _start_send(self, send: BlockSend) -> None:
         transfer = self._open_transfer(send.req_id, send.transfer_id, Direction.SEND,
                                        len(send.block_ids))
-        transfer.holds_blocks = True
         if transfer.error is None:
             for i, cache in enumerate(self.kv_caches.values()):
                 transfer.payload.copy_out(i, 0, cache, send.block_ids)
@@ -152,6 +156,7 @@ class P2PConnectorWorker(KVConnectorWorker):
             if transfer.error is None:
                 self._connect(transfer, push.consumer_address)
             self._pushing[push.req_id] = transfer
+            self._unfinished.add(push.req_id)
         return transfer
 
     def _send_layer(self, transfer: _Transfer, layer_index: int) -> None:
@@ -183,6 +188,7 @@ class P2PConnectorWorker(KVConnectorWorker):
 
     def _drop_push(self, req_id: str) -> None:
         transfer = self._pushing.pop(req_id, None)
+        self._unfinished.discard(req_id)
         # No layer of it was sent: the transport holds nothing of it.
         if transfer is not None and self._open.get((Direction.SEND, transfer.transfer_id)) \
                 is transfer:
@@ -212,7 +218,10 @@ class P2PConnectorWorker(KVConnectorWorker):
         for result in self.transport.get_finished():
             transfer_id, _ = split_layer_transfer_id(result.transfer_id)
             self._end_layer(self._open[(result.direction, transfer_id)], result.error)
-        sending, self._finished_sending = self._finished_sending, set()
+        self._unfinished -= finished_req_ids
+        ready = self._sent_early - self._unfinished
+        self._sent_early -= ready
+        sending, self._finished_sending = self._finished_sending | ready, set()
         recving, self._finished_recving = self._finished_recving, set()
         return sending, recving
 
@@ -237,7 +246,9 @@ class P2PConnectorWorker(KVConnectorWorker):
             logger.warning("P2PConnector: cannot send request %s: %s", transfer.req_id,
                            transfer.error)
         self._counts.add("requests_sent" if transfer.error is None else "send_errors", 1)
-        if transfer.holds_blocks:
+        if transfer.req_id in self._unfinished:
+            self._sent_early.add(transfer.req_id)
+        else:
             self._finished_sending.add(transfer.req_id)
 
     def _finish_load(self, transfer: _Transfer) -> None:
