@@ -18,7 +18,7 @@ and computes only the rest; a load that fails or misses `kv_load_timeout_s` is r
 A is the consumer's transfer engine address (`tcp://host:port`, its extra config `bind_host`
 and `port`); T is unique per consumer (the router picks it). Both engines must have the same
 KVIdentity namespace and, when $KVTIER_TRANSPORT_SECRET(_FILE) is set, the same secret.
-Extra config: {"bind_host": "127.0.0.1", "port": 0, "send_timeout_s": 60.0, "push": "request"}.
+Extra config: {"bind_host": "127.0.0.1", "port": 0, "send_timeout_s": 60.0, "push": "layer"}.
 Models with one KV cache group only.
 """
 

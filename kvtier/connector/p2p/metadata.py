@@ -20,7 +20,7 @@ class P2PConnectorOptions:
     # "layer": a producer sends each layer's KV of the prompt's full blocks while the forward
     # pass that completes the prompt computes the next layers. "request": it sends every layer
     # once the request has finished. Consumers receive either the same way.
-    push: Literal["layer", "request"] = "request"
+    push: Literal["layer", "request"] = "layer"
 
     def __post_init__(self) -> None:
         where = "P2PConnector extra config:"
