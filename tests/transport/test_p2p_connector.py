@@ -1,13 +1,16 @@
 """P2PConnector end to end on a tiny random Llama: one engine prefills, another decodes with the
-KV it received over the transport, token for token as HF's greedy generation."""
+KV it received over the transport, token for token as HF's greedy generation, with the producer
+pushing the whole request once it finished or each layer as the forward pass computes it."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import torch
 
 from kvtier import LLM, SamplingParams
+from kvtier.transport import TransportError
 from tests.tiny_models import hf_greedy, make_block_prompts, make_hf_model
 from tests.transport.transport_helpers import UNAVAILABLE
 
@@ -24,9 +27,11 @@ def model(tmp_path_factory):
     return model_dir, prompts, hf_greedy(make_hf_model("llama", model_dir), prompts, MAX_TOKENS)
 
 
-def _llm(model_dir: str, role: str, **fields) -> LLM:
-    extra = {"send_timeout_s": 5.0} if role == "kv_producer" else {}
+def _llm(model_dir: str, role: str, push: str = "request", max_num_batched_tokens: int = 2048,
+         **fields) -> LLM:
+    extra = {"send_timeout_s": 5.0, "push": push} if role == "kv_producer" else {}
     return LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
+               max_num_batched_tokens=max_num_batched_tokens,
                kv_transfer_config={"kv_connector": "P2PConnector", "kv_role": role,
                                    "kv_connector_extra_config": extra, **fields})
 
@@ -133,6 +138,8 @@ def test_kv_transfer_params_and_options_are_checked():
         P2PConnectorOptions(send_timeout_s=0)
     with pytest.raises(ValueError, match="transport must be one of"):
         P2PConnectorOptions(transport="nixl")
+    with pytest.raises(ValueError, match='push must be "layer" or "request"'):
+        P2PConnectorOptions(push="block")
 
 
 def test_aborted_prefill_sends_nothing(model, engines):
@@ -171,3 +178,159 @@ def test_decode_over_the_mooncake_transport_matches_hf(model):
     finally:
         for llm in (producer, consumer):
             llm.engine.shutdown()
+
+
+@pytest.fixture
+def layer_engines(model):
+    """A producer that pushes layer by layer and computes a prompt 8 tokens per step."""
+    model_dir = model[0]
+    producer = _llm(model_dir, "kv_producer", push="layer", max_num_batched_tokens=8)
+    consumer = _llm(model_dir, "kv_consumer", kv_load_timeout_s=2.0)
+    yield producer, consumer
+    for llm in (producer, consumer):
+        llm.engine.shutdown()
+
+
+def test_layer_push_over_chunked_prefill_matches_hf(model, layer_engines):
+    _, prompts, expected = model
+    producer, consumer = layer_engines
+    address = consumer.engine.runner.connector.address
+    tokens, cached = [], []
+    for i, prompt in enumerate(prompts):
+        prefill = _run(producer, f"p{i}", prompt, PREFILL,
+                       {"transfer_id": f"t{i}", "consumer_address": address})
+        assert prefill.kv_transfer_params == {"transfer_id": f"t{i}",
+                                              "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
+        # Every layer was sent during the prefill itself: no further producer step is needed
+        # for the consumer to get them.
+        decode = _run(consumer, f"c{i}", prompt, GREEDY, prefill.kv_transfer_params)
+        tokens.append(decode.outputs[0].token_ids)
+        cached.append(decode.num_cached_tokens)
+    assert tokens == expected
+    assert cached == [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13
+    start = time.monotonic()
+    _drain(producer)
+    assert time.monotonic() - start < 4.5  # every send ended, well before send_timeout_s
+    assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == len(prompts)
+    assert producer.engine.runner.connector.num_open_transfers == 0
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    _drain(consumer)
+
+
+def test_layer_push_ending_before_its_request_frees_the_blocks(model, layer_engines):
+    _, prompts, expected = model
+    producer, consumer = layer_engines
+    params = {"transfer_id": "t0", "consumer_address": consumer.engine.runner.connector.address}
+    producer.engine.add_request("p0", prompts[0], GREEDY, kv_transfer_params=params)
+    for _ in range(10):  # until the prompt is computed and its layers are sent
+        producer.engine.step()
+        if producer.engine.scheduler.requests["p0"].num_output_tokens:
+            break
+    assert producer.engine.runner.connector.num_open_transfers == 1
+    # The producer goes on decoding while the consumer takes the transfer.
+    decode = _run(consumer, "c0", prompts[0], GREEDY,
+                  {"transfer_id": "t0", "num_tokens": len(prompts[0]) // BLOCK_SIZE * BLOCK_SIZE})
+    assert decode.outputs[0].token_ids == expected[0]
+    assert decode.num_cached_tokens == 16
+    connector = producer.engine.runner.connector
+    num_layers = len(connector.kv_caches)
+    deadline = time.monotonic() + 10.0
+    while connector.transport.stats()["sent"] < num_layers and time.monotonic() < deadline:
+        time.sleep(0.01)  # the transport's thread takes the consumer's done messages
+    producer.engine.step()  # a decode step of p0, which collects the ended sends
+    assert producer.engine.runner.connector.num_open_transfers == 0
+    assert producer.engine.scheduler.requests["p0"].num_output_tokens < MAX_TOKENS
+    start = time.monotonic()
+    _drain(producer)
+    # The sends ended while p0 was still decoding; its blocks are freed once it finished, not
+    # at send_timeout_s and not never.
+    assert time.monotonic() - start < 4.5
+    assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == 1
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    _drain(consumer)
+
+
+def test_layer_push_with_a_failed_layer_is_recomputed(model, layer_engines):
+    _, prompts, expected = model
+    producer, consumer = layer_engines
+    connector = producer.engine.runner.connector
+    send = connector.transport.send
+
+    def send_all_but_layer_1(peer, transfer_id, regions, timeout_s):
+        if transfer_id.endswith("/1"):
+            raise TransportError("injected: layer 1 cannot be sent")
+        send(peer, transfer_id, regions, timeout_s)
+
+    connector.transport.send = send_all_but_layer_1
+    address = consumer.engine.runner.connector.address
+    prefill = _run(producer, "p0", prompts[0], PREFILL,
+                   {"transfer_id": "t0", "consumer_address": address})
+    # Layer 0 arrives, layer 1 never does: the load fails at kv_load_timeout_s (2 s) and the
+    # consumer computes the prompt itself.
+    decode = _run(consumer, "c0", prompts[0], GREEDY, prefill.kv_transfer_params)
+    assert decode.outputs[0].token_ids == expected[0]
+    assert decode.num_cached_tokens == 0
+    assert _metric_reaches(consumer, "kvtier:p2p_connector_load_errors", 4)
+    assert consumer.engine.runner.connector.num_open_transfers == 0
+    # A push nobody asks for ends at send_timeout_s (5 s) and lets go of its host copy.
+    _run(producer, "p1", prompts[1], PREFILL, {"transfer_id": "unwanted",
+                                               "consumer_address": address})
+    start = time.monotonic()
+    _drain(producer)
+    assert 4.0 < time.monotonic() - start < 8.0
+    assert connector.num_open_transfers == 0
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+    assert producer.get_metrics()["kvtier:p2p_connector_send_errors"] == 2
+    assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == 0
+    _drain(consumer)
+
+
+def test_layer_push_of_an_aborted_or_short_prefill_sends_nothing(model, layer_engines):
+    _, prompts, _ = model
+    producer, consumer = layer_engines
+    producer.engine.add_request("p0", prompts[3], PREFILL, kv_transfer_params={
+        "transfer_id": "t0", "consumer_address": consumer.engine.runner.connector.address})
+    producer.engine.step()  # the first 8 of its 23 tokens: two blocks copied, nothing sent
+    assert producer.engine.runner.connector.num_open_transfers == 1
+    producer.engine.abort_request(["p0"])
+    producer.engine.step()
+    assert producer.engine.runner.connector.num_open_transfers == 0
+    # A prompt shorter than one block has nothing to push.
+    short = _run(producer, "p1", prompts[0][:3], PREFILL, {
+        "transfer_id": "t1", "consumer_address": consumer.engine.runner.connector.address})
+    assert short.kv_transfer_params == {"transfer_id": "t1", "num_tokens": 0}
+    metrics = producer.get_metrics()
+    assert metrics["kvtier:p2p_connector_requests_sent"] == 0
+    assert metrics["kvtier:p2p_connector_send_errors"] == 0
+    _drain(producer)
+    assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_layer_major_payload_layout_and_round_trip():
+    from kvtier.connector.p2p.layout import (
+        LayerMajorPayload,
+        layer_transfer_id,
+        split_layer_transfer_id,
+    )
+
+    torch.manual_seed(0)
+    # (2, num_blocks, block_size, kv_heads, head_dim); layers may differ in shape.
+    source = {"l0": torch.randn(2, 8, 4, 2, 3), "l1": torch.randn(2, 8, 4, 1, 5)}
+    payload = LayerMajorPayload(source, num_blocks=3)
+    payload.copy_out(0, 0, source["l0"], [6])
+    payload.copy_out(0, 1, source["l0"], [5, 2])
+    payload.copy_out(1, 0, source["l1"], [6, 5, 2])
+    regions = [payload.region("b", i) for i in range(2)]
+    # 2 x 4 x 2 x 3 and 2 x 4 x 1 x 5 fp32 values a block.
+    assert [(r.offset, r.length) for r in regions] == [(0, 3 * 192), (3 * 192, 3 * 160)]
+    for region, cache in zip(regions, source.values()):
+        # Each layer's region is its blocks one after the other, K then V within a block.
+        area = payload.buffer[region.offset:region.offset + region.length].view(torch.float32)
+        assert torch.equal(area, torch.cat([cache[:, b].reshape(-1) for b in (6, 5, 2)]))
+    target = {name: torch.zeros_like(cache) for name, cache in source.items()}
+    for i, name in enumerate(target):
+        payload.copy_in(i, 1, target[name], [0, 7])
+        assert torch.equal(target[name][:, [0, 7]], source[name][:, [5, 2]])
+        assert not target[name][:, 1:7].any()
+    assert split_layer_transfer_id(layer_transfer_id("a/b", 12)) == ("a/b", 12)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from kvtier.common.options import require
 from kvtier.connector.base import KVConnectorMetadata
@@ -15,11 +15,15 @@ class P2PConnectorOptions:
     # Where this instance's transfer engine listens (a consumer's address goes to producers).
     bind_host: str = "127.0.0.1"
     port: int = 0
-    # A producer's send of one request, handshake included, fails (and frees its blocks) after
-    # this long, e.g. when the consumer never asks for it.
+    # A producer's send of one request, handshake included, fails (and frees its blocks or its
+    # host copy) after this long, e.g. when the consumer never asks for it.
     send_timeout_s: float = 60.0
     # The transfer engine backend (kvtier.transport.BACKENDS); producer and consumer must agree.
     transport: str = "zmq"
+    # "layer": a producer sends each layer's KV of the prompt's full blocks while the forward
+    # pass that completes the prompt computes the next layers. "request": it sends every layer
+    # once the request has finished. Consumers receive either the same way.
+    push: Literal["layer", "request"] = "layer"
 
     def __post_init__(self) -> None:
         where = "P2PConnector extra config:"
@@ -31,6 +35,8 @@ class P2PConnectorOptions:
                 where, "send_timeout_s must be a number of seconds > 0", self.send_timeout_s)
         require(self.transport in BACKENDS, where, f"transport must be one of {BACKENDS}",
                 self.transport)
+        require(self.push in ("layer", "request"), where, 'push must be "layer" or "request"',
+                self.push)
 
 
 @dataclass(frozen=True)
@@ -75,8 +81,26 @@ class BlockSend:
     req_id: str
     transfer_id: str
     consumer_address: str
-    # The request's first blocks, in order: the payload is their KV, block after block.
+    # The request's first blocks, in order.
     block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class LayerPush:
+    """This step's part of a producer request's layer-wise push: as each layer is computed, copy
+    its blocks `block_ids` (the prompt's blocks first_block...) to the host, and once the last
+    of the prompt's `num_blocks` full blocks is copied (`is_last`), send the layer."""
+
+    req_id: str
+    transfer_id: str
+    consumer_address: str
+    num_blocks: int
+    first_block: int
+    block_ids: list[int]
+
+    @property
+    def is_last(self) -> bool:
+        return self.first_block + len(self.block_ids) == self.num_blocks
 
 
 @dataclass(frozen=True)
@@ -99,3 +123,7 @@ class BlockLoad:
 class P2PConnectorMetadata(KVConnectorMetadata):
     sends: list[BlockSend] = field(default_factory=list)
     loads: list[BlockLoad] = field(default_factory=list)
+    pushes: list[LayerPush] = field(default_factory=list)
+    # Requests whose layer-wise push ended before the prompt was computed (aborted): their
+    # host copies are dropped unsent.
+    dropped_pushes: list[str] = field(default_factory=list)

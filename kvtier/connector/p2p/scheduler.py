@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.connector.base import ConnectorContext, KVConnectorScheduler
-from kvtier.connector.config import KVTransferConfig
+from kvtier.connector.config import KVTransferConfig, parse_options
 from kvtier.connector.p2p.metadata import (
     BlockLoad,
     BlockSend,
+    LayerPush,
     LoadParams,
     P2PConnectorMetadata,
+    P2PConnectorOptions,
     SendParams,
 )
 
@@ -21,9 +24,23 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class _Push:
+    """A producer request pushed layer by layer: its block ids and how far it was copied."""
+
+    params: SendParams
+    num_blocks: int
+    block_ids: list[int] = field(default_factory=list)
+    num_copied: int = 0
+
+
 class P2PConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
         super().__init__(config, context)
+        self._layer_push = parse_options(P2PConnectorOptions, config.kv_connector_extra_config,
+                                         "P2PConnector extra config").push == "layer"
+        self._pushes: dict[str, _Push] = {}
+        self._dropped: list[str] = []
         self._sends: list[BlockSend] = []
         self._drains: list[BlockLoad] = []
         # request id -> (request, its block ids, blocks to load), set at allocation.
@@ -53,6 +70,8 @@ class P2PConnectorScheduler(KVConnectorScheduler):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        if self._layer_push and self.config.is_producer:
+            self._start_push(request, blocks)
         if request.request_id in self._taken:
             return
         if num_external_tokens <= 0:
@@ -72,9 +91,21 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._pending_loads[request.request_id] = (
             request, list(block_ids[0]), num_external_tokens // self.context.block_size)
 
+    def _start_push(self, request: Request, blocks: KVCacheBlocks) -> None:
+        params = self._params(SendParams.parse, request)
+        num_blocks = request.num_prompt_tokens // self.context.block_size
+        # A request resumed after preemption keeps its host copies: only its block ids change.
+        if params is None or num_blocks == 0 or request.request_id in self._pushes:
+            return
+        if len(blocks.get_block_ids()) != 1:
+            raise NotImplementedError("P2PConnector supports models with one KV cache group")
+        self._pushes[request.request_id] = _Push(params, num_blocks)
+
     def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
-        meta = P2PConnectorMetadata(sends=self._sends, loads=self._drains)
-        self._sends, self._drains = [], []
+        meta = P2PConnectorMetadata(sends=self._sends, loads=self._drains,
+                                    pushes=self._plan_pushes(scheduler_output),
+                                    dropped_pushes=self._dropped)
+        self._sends, self._drains, self._dropped = [], [], []
         for req_id, (request, block_ids, num_blocks) in self._pending_loads.items():
             params = LoadParams.parse(request.kv_transfer_params)
             # The scheduler has set num_computed_tokens to local hit + external tokens.
@@ -85,13 +116,46 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._pending_loads.clear()
         return meta
 
+    def _plan_pushes(self, scheduler_output: Any) -> list[LayerPush]:
+        """The blocks of pushed requests that this step fills, for the worker to copy (and,
+        with the prompt's last block, send) as each layer is computed."""
+        for new_req in scheduler_output.scheduled_new_reqs:
+            if new_req.req_id in self._pushes:
+                self._pushes[new_req.req_id].block_ids = list(new_req.block_ids[0])
+        for cached_req in scheduler_output.scheduled_cached_reqs:
+            if cached_req.req_id in self._pushes:
+                self._pushes[cached_req.req_id].block_ids.extend(cached_req.new_block_ids[0])
+        pushes = []
+        for data in [*scheduler_output.scheduled_new_reqs,
+                     *scheduler_output.scheduled_cached_reqs]:
+            push = self._pushes.get(data.req_id)
+            if push is None:
+                continue
+            num_computed = (data.num_computed_tokens
+                            + scheduler_output.num_scheduled_tokens[data.req_id])
+            end = min(push.num_blocks, num_computed // self.context.block_size)
+            if end > push.num_copied:
+                # A local prefix hit's blocks go with the first chunk: the forward does not
+                # write them, but their KV is in the paged cache already.
+                pushes.append(LayerPush(data.req_id, push.params.transfer_id,
+                                        push.params.consumer_address, push.num_blocks,
+                                        push.num_copied, push.block_ids[push.num_copied:end]))
+                push.num_copied = end
+        return pushes
+
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pending_loads.pop(request.request_id, None)
         self._taken.discard(request.request_id)
+        push = self._pushes.pop(request.request_id, None)
+        if push is not None:
+            return self._finish_push(request.request_id, push)
         params = self._params(SendParams.parse, request) if self.config.is_producer else None
         if params is None:
             return False, None
+        if self._layer_push:
+            # A prompt shorter than one block: there was nothing to push.
+            return False, {"transfer_id": params.transfer_id, "num_tokens": 0}
         # Only blocks whose KV was computed: an aborted prefill leaves the rest unwritten.
         num_computed = min(request.num_prompt_tokens, request.num_computed_tokens)
         num_blocks = min(len(block_ids), num_computed // self.context.block_size)
@@ -103,3 +167,15 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._sends.append(BlockSend(request.request_id, params.transfer_id,
                                      params.consumer_address, list(block_ids[:num_blocks])))
         return True, result
+
+    def _finish_push(self, req_id: str, push: _Push) -> tuple[bool, dict[str, Any]]:
+        """A layer-wise push's (delay_free, kv_transfer_params). Its KV is on the host already,
+        but its blocks stay allocated until its sends end: the engine keeps stepping only while
+        a finished request holds blocks, and those steps collect the sends' results."""
+        if push.num_copied == push.num_blocks:
+            return True, {"transfer_id": push.params.transfer_id,
+                          "num_tokens": push.num_blocks * self.context.block_size}
+        # The prompt was not computed to its end (aborted): nothing was sent.
+        if push.num_copied > 0:
+            self._dropped.append(req_id)
+        return False, {"transfer_id": push.params.transfer_id, "num_tokens": 0}

@@ -1,8 +1,13 @@
 """P2PConnector's worker half: the transfer engine, and copies between it and the paged cache.
 
-A send copies the request's blocks (block after block, each layer's (2, block_size, kv_heads,
-head_dim) in turn) into one host buffer and hands it to the transfer engine; a load receives
-that buffer and copies the blocks it needs into the paged cache once the transfer is done.
+A request's KV crosses as one transfer per layer out of one layer-major host buffer (see
+`layout.py`). A producer fills that buffer either as each layer of the forward pass is computed,
+sending each layer once the prompt's last full block is in (push "layer"), or from the
+request's blocks at the step after it finished, sending every layer then (push "request").
+Either way the request's blocks stay allocated until its sends end, since the engine steps (and
+so collects transfer results) only while a finished request holds blocks. A
+consumer receives every layer into its own host buffer and copies the blocks it needs into the
+paged cache once all of them arrived; one failed layer fails the load.
 """
 
 from __future__ import annotations
@@ -15,14 +20,17 @@ import torch
 from kvtier.connector.base import ConnectorContext, KVConnectorWorker
 from kvtier.connector.config import KVTransferConfig, parse_options
 from kvtier.connector.counters import ConnectorCounters
-from kvtier.connector.p2p.metadata import BlockLoad, BlockSend, P2PConnectorOptions
+from kvtier.connector.p2p.layout import (
+    LayerMajorPayload,
+    layer_transfer_id,
+    split_layer_transfer_id,
+)
+from kvtier.connector.p2p.metadata import BlockLoad, BlockSend, LayerPush, P2PConnectorOptions
 from kvtier.transport import (
     BufferId,
     Direction,
     HandshakeError,
     PeerId,
-    Region,
-    TransferId,
     TransportConfig,
     TransportError,
     load_secret,
@@ -36,17 +44,23 @@ _COUNTED = ("requests_sent", "send_errors", "sends_refused", "blocks_loaded", "l
 _SHUTDOWN_TIMEOUT_S = 10.0
 
 
-def _buffer_id(direction: Direction, transfer_id: str) -> BufferId:
-    # An instance that both produces and consumes may send and receive the same id.
-    return BufferId(f"{direction.value}:{transfer_id}")
-
-
 @dataclass
-class _Pending:
+class _Transfer:
+    """One request's KV crossing in one direction: its host buffer and its layers not ended."""
+
     req_id: str
-    # Keeps the host copy alive while the engine uses it.
-    payload: torch.Tensor
+    transfer_id: str
+    direction: Direction
+    payload: LayerMajorPayload
+    num_layers_left: int
+    peer: PeerId | None = None
     load: BlockLoad | None = None
+    error: str | None = None
+
+    @property
+    def buffer_id(self) -> BufferId:
+        # An instance that both produces and consumes may send and receive the same id.
+        return BufferId(f"{self.direction.value}:{self.transfer_id}")
 
 
 class P2PConnectorWorker(KVConnectorWorker):
@@ -59,100 +73,199 @@ class P2PConnectorWorker(KVConnectorWorker):
             namespace=context.namespace, bind_host=options.bind_host, port=options.port,
             secret=load_secret(), backend=options.transport))
         self._peers: dict[str, PeerId] = {}
-        self._pending: dict[tuple[Direction, str], _Pending] = {}
+        # (direction, transfer id) -> the transfer whose layers the transport is moving.
+        self._open: dict[tuple[Direction, str], _Transfer] = {}
+        # Layer-wise pushes by request id, from their first chunk until the request finishes.
+        self._pushing: dict[str, _Transfer] = {}
+        self._step_pushes: list[tuple[LayerPush, _Transfer]] = []
+        # Pushed requests the scheduler has not finished yet, and those of them whose sends
+        # ended: the scheduler frees a request's blocks on a finished_sending that comes after
+        # it finished the request, and ignores an earlier one.
+        self._unfinished: set[str] = set()
+        self._sent_early: set[str] = set()
         self._load_errors: set[int] = set()
-        # Requests whose send failed before it started; reported as finished sending.
-        self._sent_failed: set[str] = set()
+        self._finished_sending: set[str] = set()
+        self._finished_recving: set[str] = set()
         self._counts = ConnectorCounters("p2p_connector", "P2PConnector", _COUNTED,
                                          context.metrics)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
 
     @property
     def address(self) -> str:
         """Where producers send this instance's KV (its consumer_address)."""
         return self.transport.address
 
-    def _block_bytes(self) -> int:
-        return sum(cache[:, 0].nbytes for cache in self.kv_caches.values())
+    @property
+    def num_open_transfers(self) -> int:
+        """Transfers whose host buffer the transport still holds (sends and loads)."""
+        return len(self._open)
+
+    # ---- starting transfers ---------------------------------------------------------------------
 
     def start_load_kv(self, forward_context: object) -> None:
-        for send in self.connector_metadata.sends:
+        meta = self.connector_metadata
+        for req_id in meta.dropped_pushes:
+            self._drop_push(req_id)
+        for send in meta.sends:
             self._start_send(send)
-        for load in self.connector_metadata.loads:
-            payload = torch.empty(load.num_remote_blocks * self._block_bytes(), dtype=torch.uint8)
-            self._post(Direction.RECV, load.req_id, load.transfer_id, payload, load)
-            self.transport.recv(TransferId(load.transfer_id),
-                                [Region(_buffer_id(Direction.RECV, load.transfer_id), 0,
-                                        payload.numel())],
-                                self.config.kv_load_timeout_s)
+        for load in meta.loads:
+            self._start_load(load)
+        self._step_pushes = [(push, self._push_of(push)) for push in meta.pushes]
 
-    def _start_send(self, send: BlockSend) -> None:
-        # (2, block_size, kv_heads, head_dim) of each layer, block after block.
-        payload = torch.cat([cache[:, block_id].reshape(-1).view(torch.uint8)
-                             for block_id in send.block_ids for cache in self.kv_caches.values()])
+    def _open_transfer(self, req_id: str, transfer_id: str, direction: Direction,
+                       num_blocks: int) -> _Transfer:
+        """A transfer with its host buffer registered, or failed (`error`) when it cannot be."""
+        transfer = _Transfer(req_id, transfer_id, direction,
+                             LayerMajorPayload(self.kv_caches, num_blocks), len(self.kv_caches))
         try:
-            peer = self._peers.get(send.consumer_address)
+            self.transport.register_buffer(transfer.buffer_id,
+                                           memoryview(transfer.payload.buffer.numpy()))
+        except TransportError as exc:
+            transfer.error = str(exc)  # e.g. the id is in use by another request
+            return transfer
+        self._open[(direction, transfer_id)] = transfer
+        return transfer
+
+    def _connect(self, transfer: _Transfer, address: str) -> None:
+        try:
+            peer = self._peers.get(address)
             if peer is None:
-                peer = self.transport.connect(send.consumer_address, _CONNECT_TIMEOUT_S)
-                self._peers[send.consumer_address] = peer
-            self._post(Direction.SEND, send.req_id, send.transfer_id, payload, None)
-            self.transport.send(peer, TransferId(send.transfer_id),
-                                [Region(_buffer_id(Direction.SEND, send.transfer_id), 0,
-                                        payload.numel())],
-                                self.options.send_timeout_s)
+                peer = self.transport.connect(address, _CONNECT_TIMEOUT_S)
+                self._peers[address] = peer
+            transfer.peer = peer
         except (TransportError, TimeoutError, ConnectionError) as exc:
-            logger.warning("P2PConnector: cannot send request %s to %s: %s", send.req_id,
-                           send.consumer_address, exc)
-            self._pending.pop((Direction.SEND, send.transfer_id), None)
-            self._unregister(Direction.SEND, send.transfer_id)
-            self._sent_failed.add(send.req_id)
+            transfer.error = f"cannot reach {address}: {exc}"
             if isinstance(exc, HandshakeError):
                 # Another KV namespace or secret: operators need to tell it from a dead peer.
                 self._counts.add("sends_refused", 1)
 
-    def _post(self, direction: Direction, req_id: str, transfer_id: str, payload: torch.Tensor,
-              load: BlockLoad | None) -> None:
-        self.transport.register_buffer(_buffer_id(direction, transfer_id),
-                                       memoryview(payload.numpy()))
-        self._pending[(direction, transfer_id)] = _Pending(req_id, payload, load)
+    def _start_send(self, send: BlockSend) -> None:
+        transfer = self._open_transfer(send.req_id, send.transfer_id, Direction.SEND,
+                                       len(send.block_ids))
+        if transfer.error is None:
+            for i, cache in enumerate(self.kv_caches.values()):
+                transfer.payload.copy_out(i, 0, cache, send.block_ids)
+            self._connect(transfer, send.consumer_address)
+        for i in range(transfer.payload.num_layers):
+            self._send_layer(transfer, i)
 
-    def _unregister(self, direction: Direction, transfer_id: str) -> None:
-        try:
-            self.transport.unregister_buffer(_buffer_id(direction, transfer_id))
-        except TransportError:
-            pass  # never registered: the send failed before
+    def _push_of(self, push: LayerPush) -> _Transfer:
+        transfer = self._pushing.get(push.req_id)
+        if transfer is None:
+            transfer = self._open_transfer(push.req_id, push.transfer_id, Direction.SEND,
+                                           push.num_blocks)
+            if transfer.error is None:
+                self._connect(transfer, push.consumer_address)
+            self._pushing[push.req_id] = transfer
+            self._unfinished.add(push.req_id)
+        return transfer
+
+    def _send_layer(self, transfer: _Transfer, layer_index: int) -> None:
+        if transfer.error is None:
+            try:
+                self.transport.send(transfer.peer,
+                                    layer_transfer_id(transfer.transfer_id, layer_index),
+                                    [transfer.payload.region(transfer.buffer_id, layer_index)],
+                                    self.options.send_timeout_s)
+                return
+            except TransportError as exc:
+                transfer.error = str(exc)
+        self._end_layer(transfer, transfer.error)
+
+    def _start_load(self, load: BlockLoad) -> None:
+        transfer = self._open_transfer(load.req_id, load.transfer_id, Direction.RECV,
+                                       load.num_remote_blocks)
+        transfer.load = load
+        for i in range(transfer.payload.num_layers):
+            if transfer.error is None:
+                try:
+                    self.transport.recv(layer_transfer_id(load.transfer_id, i),
+                                        [transfer.payload.region(transfer.buffer_id, i)],
+                                        self.config.kv_load_timeout_s)
+                    continue
+                except TransportError as exc:
+                    transfer.error = str(exc)
+            self._end_layer(transfer, transfer.error)
+
+    def _drop_push(self, req_id: str) -> None:
+        transfer = self._pushing.pop(req_id, None)
+        self._unfinished.discard(req_id)
+        # No layer of it was sent: the transport holds nothing of it.
+        if transfer is not None and self._open.get((Direction.SEND, transfer.transfer_id)) \
+                is transfer:
+            del self._open[(Direction.SEND, transfer.transfer_id)]
+            self.transport.unregister_buffer(transfer.buffer_id)
+
+    # ---- the forward pass -----------------------------------------------------------------------
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: object) -> None:
+        layer_index = self._layer_index[layer_name]
+        for push, transfer in self._step_pushes:
+            transfer.payload.copy_out(layer_index, push.first_block, kv_layer, push.block_ids)
+            if push.is_last:
+                self._send_layer(transfer, layer_index)
+
+    def wait_for_save(self) -> None:
+        # The copies in save_kv_layer are synchronous: nothing of this step is left to wait for.
+        for push, _ in self._step_pushes:
+            if push.is_last:
+                self._pushing.pop(push.req_id)
+        self._step_pushes = []
+
+    # ---- ending transfers -----------------------------------------------------------------------
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        sending, recving = self._sent_failed, set()
-        self._sent_failed = set()
-        self._counts.add("send_errors", len(sending))
         for result in self.transport.get_finished():
-            pending = self._pending.pop((result.direction, result.transfer_id))
-            if result.direction is Direction.SEND:
-                sending.add(pending.req_id)
-                self._counts.add("requests_sent" if result.ok else "send_errors", 1)
-            elif not pending.load.is_drain:
-                recving.add(pending.req_id)
-                self._finish_load(pending, result.error)
-            self._unregister(result.direction, result.transfer_id)
+            transfer_id, _ = split_layer_transfer_id(result.transfer_id)
+            self._end_layer(self._open[(result.direction, transfer_id)], result.error)
+        self._unfinished -= finished_req_ids
+        ready = self._sent_early - self._unfinished
+        self._sent_early -= ready
+        sending, self._finished_sending = self._finished_sending | ready, set()
+        recving, self._finished_recving = self._finished_recving, set()
         return sending, recving
 
-    def _finish_load(self, pending: _Pending, error: str | None) -> None:
-        load = pending.load
-        if error is not None:
-            logger.warning("P2PConnector: load of request %s failed: %s", pending.req_id, error)
+    def _end_layer(self, transfer: _Transfer, error: str | None) -> None:
+        """One layer's transfer ended (or was never started); the last one ends the transfer."""
+        transfer.error = transfer.error or error
+        transfer.num_layers_left -= 1
+        if transfer.num_layers_left > 0:
+            return
+        key = (transfer.direction, transfer.transfer_id)
+        if self._open.get(key) is transfer:
+            del self._open[key]
+            self.transport.unregister_buffer(transfer.buffer_id)
+        if transfer.direction is Direction.SEND:
+            self._end_send(transfer)
+        elif not transfer.load.is_drain:
+            self._finished_recving.add(transfer.req_id)
+            self._finish_load(transfer)
+
+    def _end_send(self, transfer: _Transfer) -> None:
+        if transfer.error is not None:
+            logger.warning("P2PConnector: cannot send request %s: %s", transfer.req_id,
+                           transfer.error)
+        self._counts.add("requests_sent" if transfer.error is None else "send_errors", 1)
+        if transfer.req_id in self._unfinished:
+            self._sent_early.add(transfer.req_id)
+        else:
+            self._finished_sending.add(transfer.req_id)
+
+    def _finish_load(self, transfer: _Transfer) -> None:
+        load = transfer.load
+        if transfer.error is not None:
+            logger.warning("P2PConnector: load of request %s failed: %s", transfer.req_id,
+                           transfer.error)
             self._load_errors |= set(load.block_ids)
             self._counts.add("load_errors", len(load.block_ids))
             return
-        block_bytes = self._block_bytes()
         with torch.inference_mode():
-            for i, block_id in enumerate(load.block_ids):
-                start = (load.first_block + i) * block_bytes
-                for cache in self.kv_caches.values():
-                    block_kv = cache[:, block_id]  # (2, block_size, kv_heads, head_dim)
-                    end = start + block_kv.nbytes
-                    block_kv.copy_(pending.payload[start:end].view(cache.dtype)
-                                   .view(block_kv.shape))
-                    start = end
+            for i, cache in enumerate(self.kv_caches.values()):
+                transfer.payload.copy_in(i, load.first_block, cache, load.block_ids)
         self._counts.add("blocks_loaded", len(load.block_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
