@@ -99,7 +99,8 @@ def cost_model(config: ValidationConfig) -> CostModel:
     if config.cost_model is not None:
         return load_cost_model(config.cost_model)
     print("calibrating the cost model for the default model ...", file=sys.stderr, flush=True)
-    cost, measurements = calibrate(None, dtype=DTYPE)
+    # The replay's block size: the engine's step costs depend on it.
+    cost, measurements = calibrate(None, dtype=DTYPE, block_size=config.block_size)
     write_cost_model(cost, config.out_dir / "cost_model.json", measurements)
     return cost
 

@@ -53,11 +53,15 @@ class Measurement:
 
 
 def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
-              disk_dir: str | None = None, repeats: int = 2) -> tuple[CostModel, list[dict]]:
-    """Measure and fit; returns the cost model and the measurements it came from."""
+              disk_dir: str | None = None, repeats: int = 2,
+              block_size: int = 16) -> tuple[CostModel, list[dict]]:
+    """Measure and fit; returns the cost model and the measurements it came from. Measure with
+    the block size the engine will serve with: the attention kernels differ by block size (the
+    vectorised CPU ones take 16-token blocks), and so do the step costs."""
     from kvtier.engine.llm import LLM
 
-    llm = LLM(model, dtype=dtype, device=device, enable_prefix_caching=False)
+    llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
+              enable_prefix_caching=False)
     try:
         measurements = _measure_steps(llm.engine, repeats)
     finally:

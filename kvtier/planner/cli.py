@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calibrate.add_argument("--disk-dir", default=None,
                            help="directory whose disk the disk tier would use (default: the "
                                 "temporary directory)")
+    calibrate.add_argument("--block-size", type=int, default=16,
+                           help="engine block size (tokens) to measure with, the one you serve "
+                                "with: step costs depend on it (default 16)")
     calibrate.add_argument("--output", type=Path, required=True, help="cost model JSON path")
     _add_plan_arguments(parser)
 
@@ -161,7 +164,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     # Imported here: it loads the engine (torch), which planning never needs.
     from kvtier.planner.calibrate import calibrate
 
-    cost, measurements = calibrate(args.model, args.dtype, args.device, args.disk_dir)
+    cost, measurements = calibrate(args.model, args.dtype, args.device, args.disk_dir,
+                                   block_size=args.block_size)
     write_cost_model(cost, args.output, measurements)
     print(json.dumps(cost.to_json(), indent=2))
     return 0
