@@ -4,6 +4,8 @@ Two setups of `kvtier serve` (the default model unless --model), each behind a `
 
 * 1P1D: a prefill instance (P2PConnector kv_producer) and a decode instance (kv_consumer)
   behind `kvtier router --prefill --decode`: prompts are computed on one, decoded on the other;
+* 1p1d-local: the same, with `--local-prefill-tokens` (default 512): prompts that short (the
+  streams') are computed on the decode instance, only the long ones on the prefill instance;
 * colocated: two plain instances behind `kvtier router --instance A --instance B --policy
   round-robin`: each computes its prompts between its decode steps.
 
@@ -55,7 +57,7 @@ from kvtier.entrypoints.bench.metrics_scrape import parse_samples  # noqa: E402
 from kvtier.entrypoints.bench.report import request_summary  # noqa: E402
 from kvtier.entrypoints.bench.workload import ConversationId, make_text  # noqa: E402
 
-SETUPS = ("1p1d", "colocated")
+SETUPS = ("1p1d", "1p1d-local", "colocated")
 CLASSES = ("stream", "long")
 COMPLETIONS_PATH = "/v1/completions"
 
@@ -107,6 +109,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--scale", type=float, default=1.0,
                         help="multiplies every token count but the long prompts' output, and "
                              "the burst interval")
+    parser.add_argument("--local-prefill-tokens", type=int, default=512,
+                        help="the 1p1d-local router's --local-prefill-tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-timeout", type=float, default=900.0)
     parser.add_argument("--run-timeout", type=float, default=3600.0)
@@ -126,11 +130,18 @@ def parse_args() -> argparse.Namespace:
 
 # ---- the processes -------------------------------------------------------------------------
 
-def serve_command(args: argparse.Namespace, port: int, role: str | None) -> list[str]:
-    """`kvtier serve` of one instance; `role` None: no connector (a colocated instance)."""
+def serve_command(args: argparse.Namespace, port: int, role: str | None,
+                  events: bool) -> list[str]:
+    """`kvtier serve` of one instance; `role` None: no connector (a colocated instance);
+    `events`: it publishes its KV events (the router counts a prompt's uncached tokens with
+    them)."""
     command = [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", "--port", str(port),
                "--dtype", args.dtype, "--kv-cache-memory-bytes", args.kv_cache_memory_bytes,
                "--uvicorn-log-level", "warning"]
+    if events:
+        command += ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{free_port()}",
+            "replay_endpoint": f"tcp://127.0.0.1:{free_port()}"})]
     if args.model is not None:
         command.append(args.model)
     if role is not None:
@@ -145,11 +156,14 @@ def router_command(args: argparse.Namespace, port: int, setup: str,
                    urls: list[str]) -> list[str]:
     command = [sys.executable, "-m", "kvtier.entrypoints.cli", "router", "--port", str(port),
                "--uvicorn-log-level", "warning"]
-    if setup == "1p1d":
+    if setup.startswith("1p1d"):
         # A burst queues on the one prefill instance: its prompts must not fall back to the
         # decode instance for being late.
-        return command + ["--prefill", urls[0], "--decode", urls[1],
-                          "--prefill-timeout", str(args.request_timeout)]
+        command += ["--prefill", urls[0], "--decode", urls[1],
+                    "--prefill-timeout", str(args.request_timeout)]
+        if setup == "1p1d-local":
+            command += ["--local-prefill-tokens", str(args.local_prefill_tokens)]
+        return command
     return command + ["--policy", "round-robin", "--instance", urls[0], "--instance", urls[1]]
 
 
@@ -161,7 +175,7 @@ def wait_router_ready(url: str, setup: str, deadline_s: float) -> None:
         try:
             instances = httpx.get(f"{url}/router/instances", timeout=5.0).json()["instances"]
             if all(i["healthy"] for i in instances) and (
-                    setup != "1p1d" or any(i["transport_address"] for i in instances)):
+                    not setup.startswith("1p1d") or any(i["transport_address"] for i in instances)):
                 return
         except (httpx.HTTPError, ValueError, KeyError):
             pass
@@ -173,12 +187,13 @@ def start_setup(args: argparse.Namespace, setup: str, stack: ExitStack) -> str:
     """Start the setup's two instances and its router; the router's URL."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_instance),
                MKL_NUM_THREADS=str(args.threads_per_instance))
-    roles = ("kv_producer", "kv_consumer") if setup == "1p1d" else (None, None)
+    roles = ("kv_producer", "kv_consumer") if setup.startswith("1p1d") \
+        else (None, None)
     urls = []
     for i, role in enumerate(roles):
         port = free_port()
         server = stack.enter_context(ServerProcess(
-            serve_command(args, port, role), env, port,
+            serve_command(args, port, role, events=setup == "1p1d-local"), env, port,
             args.log_dir / f"{setup}-instance{i}.log", args.startup_timeout))
         urls.append(server.url)
     port = free_port()

@@ -28,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-timeout", type=float, default=60.0,
                         help="P/D mode: seconds a prefill instance gets to compute a prompt; "
                              "past it the decode instance computes it itself (default 60)")
+    parser.add_argument("--local-prefill-tokens", type=int, default=0,
+                        help="P/D mode: a prompt of which the chosen decode instance lacks at "
+                             "most this many tokens (by the KV index) is computed there, without "
+                             "a prefill instance (default 0: every prompt goes to one)")
     parser.add_argument("--policy", default="kv-aware", choices=POLICIES,
                         help="kv-aware (default): the instance with the least prefill work "
                              "before this request's first token (prompt tokens queued there, "
@@ -62,7 +66,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     return RouterConfig(
         instances=tuple(args.instance), prefill=tuple(args.prefill), decode=tuple(args.decode),
-        prefill_timeout_s=args.prefill_timeout, policy=args.policy, model=args.model,
+        prefill_timeout_s=args.prefill_timeout,
+        local_prefill_tokens=args.local_prefill_tokens, policy=args.policy, model=args.model,
         index_max_blocks=args.index_max_blocks, saturation=args.saturation,
         load_weight_tokens=args.load_weight_tokens, health_interval_s=args.health_interval,
         max_attempts=args.max_attempts)

@@ -53,6 +53,11 @@ class RouterConfig:
     # Longest wait for a prefill instance's answer; past it the decode instance computes the
     # prompt itself.
     prefill_timeout_s: float = 60.0
+    # P/D mode: a prompt of which the decode instance lacks at most this many tokens (by the
+    # index) is computed there, with no prefill instance: a short prompt or a later turn costs
+    # that instance less than waiting behind long prompts for a prefill. 0: every prompt goes
+    # to a prefill instance.
+    local_prefill_tokens: int = 0
     # Longest wait for an instance's next bytes.
     read_timeout_s: float = 600.0
 
@@ -72,12 +77,24 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
+        self._check_local_prefill()
         if self.load_weight_tokens < 0:
             raise ValueError(f"--load-weight-tokens must be >= 0, got {self.load_weight_tokens}")
         for name in ("health_interval_s", "event_timeout_s", "connect_timeout_s",
                      "read_timeout_s", "prefill_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    def _check_local_prefill(self) -> None:
+        if self.local_prefill_tokens < 0:
+            raise ValueError("--local-prefill-tokens must be >= 0, got "
+                             f"{self.local_prefill_tokens}")
+        if self.local_prefill_tokens and not self.is_disaggregated:
+            raise ValueError("--local-prefill-tokens is for P/D mode (--prefill and --decode "
+                             "URLs); drop it in instance mode")
+        if self.local_prefill_tokens and self.policy != "kv-aware":
+            raise ValueError("--local-prefill-tokens needs --policy kv-aware: the router counts "
+                             "a prompt's uncached tokens with its KV index")
 
     def _check_urls(self) -> None:
         if self.instances and (self.prefill or self.decode):

@@ -11,7 +11,8 @@ for every prefill. When no prefill instance does its part (none healthy, unreach
 answer, past `prefill_timeout_s`, no kv_transfer_params in its answer) the decode instance gets
 the client's body without kv_transfer_params and computes the prompt itself: the client sees
 the same tokens, only later. So it does for a request the instance would split into several
-(n > 1, several prompts).
+(n > 1, several prompts), and, with `local_prefill_tokens`, for a prompt the decode instance
+has cached all but that many tokens of.
 """
 
 from __future__ import annotations
@@ -33,12 +34,16 @@ _ANSWER_FIELDS = ("stream_options", "min_tokens", "max_completion_tokens", "kv_t
 
 async def with_prefilled_kv(service: RouterService, path: str, body: dict[str, Any],
                             headers: dict[str, str], block_hashes: list[int],
-                            decode: Instance) -> bytes:
+                            decode: Instance, uncached_tokens: int | None) -> bytes:
     """The body to send `decode`: the client's, with the kv_transfer_params of the prefill done
-    for it, or without any when no prefill instance could do it."""
+    for it, or without any when no prefill instance could do it or `decode` lacks few enough
+    of the prompt's tokens (`uncached_tokens`, None: not known) to compute them itself."""
     params, outcome = None, "no_transport"
+    local = service.config.local_prefill_tokens
     if fans_out(body):
         outcome = "fan_out"
+    elif uncached_tokens is not None and uncached_tokens <= local:
+        outcome = "local"
     elif decode.transport_address is not None:
         params, outcome = await _prefill(service, path, body, headers, block_hashes,
                                          decode.transport_address)

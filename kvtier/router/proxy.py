@@ -98,8 +98,10 @@ async def proxy(service: RouterService, path: str, raw: Request) -> Response:
         tried.add(decision.instance.url)
         sent = content
         if service.prefill_router is not None:
+            uncached = prompt.num_tokens - decision.predicted_cached_tokens \
+                if prompt.num_tokens and service.config.local_prefill_tokens else None
             sent = await with_prefilled_kv(service, path, body, headers, prompt.block_hashes,
-                                           decision.instance)
+                                           decision.instance, uncached)
         try:
             return await _forward(service, decision, path, sent, headers, prompt,
                                   body.get("stream") is True)

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 
 from kvtier.router.config import RouterConfig
 from kvtier.router.disagg import prefill_body
+from kvtier.router.prompts import PromptHasher
 from kvtier.router.service import RouterService
 
 from ..entrypoints.server_process import free_port
@@ -75,10 +76,10 @@ def instances():
     decode.stop()
 
 
-def _run(instances, scenario) -> None:
+def _run(instances, scenario, **config) -> None:
     prefill, decode = instances
     service = RouterService(RouterConfig(prefill=(prefill.url,), decode=(decode.url,),
-                                         prefill_timeout_s=PREFILL_TIMEOUT_S))
+                                         prefill_timeout_s=PREFILL_TIMEOUT_S, **config))
 
     async def main() -> None:
         deadline = time.monotonic() + 10.0
@@ -140,6 +141,38 @@ def test_a_failed_prefill_leaves_the_prompt_to_the_decode_instance(instances, bo
     _run(instances, scenario)
 
 
+def test_a_prompt_the_decode_instance_lacks_little_of_is_computed_there(instances):
+    prefill, decode = instances
+
+    async def scenario(service, client):
+        # The stand-ins publish no events: hash token-id prompts as 4-token-block engines do,
+        # and tell the index what the decode instance holds.
+        service.hasher = PromptHasher(None, 4, "sha256_cbor")
+        decode_instance = service.instances[1]
+        decode_instance.indexed = True
+        num_prefills = len(prefill.seen)
+        for prompt in ([1, 2, 3, 4, 5, 6], list(range(1, 9))):  # 6 and 8 tokens uncached
+            body = {"prompt": prompt, "max_tokens": 4}
+            assert (await client.post("/v1/completions", json=body)).status_code == 200
+            assert decode.seen[-1] == body
+        assert len(prefill.seen) == num_prefills
+        # 9 tokens, none cached: a prefill. Then 2 of its blocks cached on the decode
+        # instance leave 1 uncached: computed there.
+        body = {"prompt": list(range(1, 10)), "max_tokens": 4}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert prefill.seen[-1]["prompt"] == body["prompt"]
+        assert decode.seen[-1]["kv_transfer_params"]["num_tokens"] == 8
+        hashes = service.hasher.block_hashes_of(body["prompt"])
+        service.index.store(decode_instance.slot, hashes, "GPU")
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+        assert decode.seen[-1] == body and len(prefill.seen) == num_prefills + 1
+        metrics = service.metrics.render().decode()
+        assert 'kvtier_router:prefills_total{outcome="local"} 3.0' in metrics
+        assert 'kvtier_router:prefills_total{outcome="ok"} 1.0' in metrics
+
+    _run(instances, scenario, local_prefill_tokens=8)
+
+
 def test_a_chat_prefill_asks_for_one_completion_token():
     body = {"messages": [], "max_tokens": 5, "max_completion_tokens": 7, "stream": True}
     assert prefill_body("/v1/chat/completions", body, "t", "tcp://a:1") == {
@@ -156,3 +189,10 @@ def test_pd_config_errors_name_the_flags():
         RouterConfig(prefill=("http://a:1",), decode=("b:1",))
     with pytest.raises(ValueError, match="distinct"):
         RouterConfig(prefill=("http://a:1",), decode=("http://a:1",))
+    with pytest.raises(ValueError, match="--local-prefill-tokens is for P/D mode"):
+        RouterConfig(instances=("http://a:1",), local_prefill_tokens=64)
+    with pytest.raises(ValueError, match="needs --policy kv-aware"):
+        RouterConfig(prefill=("http://a:1",), decode=("http://b:1",), policy="round-robin",
+                     local_prefill_tokens=64)
+    with pytest.raises(ValueError, match=">= 0"):
+        RouterConfig(prefill=("http://a:1",), decode=("http://b:1",), local_prefill_tokens=-1)
