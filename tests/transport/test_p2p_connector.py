@@ -9,15 +9,20 @@ import time
 import pytest
 import torch
 
-from kvtier import LLM, SamplingParams
+from kvtier import LLM
 from kvtier.transport import TransportError
 from tests.tiny_models import hf_greedy, make_block_prompts, make_hf_model
+from tests.transport.p2p_helpers import (
+    BLOCK_SIZE,
+    GREEDY,
+    MAX_TOKENS,
+    PREFILL,
+    engine_pair,
+    hand_over,
+    loaded_tokens,
+)
+from tests.transport.p2p_helpers import run_request as _run
 from tests.transport.transport_helpers import UNAVAILABLE
-
-BLOCK_SIZE = 4
-MAX_TOKENS = 6
-GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-PREFILL = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
@@ -25,24 +30,6 @@ def model(tmp_path_factory):
     model_dir = str(tmp_path_factory.mktemp("model"))
     prompts = make_block_prompts()
     return model_dir, prompts, hf_greedy(make_hf_model("llama", model_dir), prompts, MAX_TOKENS)
-
-
-def _llm(model_dir: str, role: str, push: str = "request", max_num_batched_tokens: int = 2048,
-         **fields) -> LLM:
-    extra = {"send_timeout_s": 5.0, "push": push} if role == "kv_producer" else {}
-    return LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
-               max_num_batched_tokens=max_num_batched_tokens,
-               kv_transfer_config={"kv_connector": "P2PConnector", "kv_role": role,
-                                   "kv_connector_extra_config": extra, **fields})
-
-
-def _run(llm: LLM, request_id: str, prompt, params, kv_transfer_params):
-    llm.engine.add_request(request_id, prompt, params, kv_transfer_params=kv_transfer_params)
-    for _ in range(10_000):
-        for output in llm.engine.step():
-            if output.request_id == request_id and output.finished:
-                return output
-    raise AssertionError(f"{request_id} did not finish")
 
 
 def _drain(llm: LLM) -> None:
@@ -63,28 +50,17 @@ def _metric_reaches(llm: LLM, name: str, value: float, timeout_s: float = 10.0) 
 
 @pytest.fixture
 def engines(model):
-    model_dir = model[0]
-    producer = _llm(model_dir, "kv_producer")
-    consumer = _llm(model_dir, "kv_consumer", kv_load_timeout_s=2.0)
-    yield producer, consumer
-    for llm in (producer, consumer):
-        llm.engine.shutdown()
+    with engine_pair(model[0]) as pair:
+        yield pair
 
 
 def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
     _, prompts, expected = model
     producer, consumer = engines
-    address = consumer.engine.runner.connector.address
-    tokens, cached = [], []
-    for i, prompt in enumerate(prompts):
-        prefill = _run(producer, f"p{i}", prompt, PREFILL,
-                       {"transfer_id": f"t{i}", "consumer_address": address})
-        assert prefill.kv_transfer_params == {"transfer_id": f"t{i}",
-                                              "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
-        producer.engine.step()  # as its serving loop would: the worker starts the send
-        decode = _run(consumer, f"c{i}", prompt, GREEDY, prefill.kv_transfer_params)
-        tokens.append(decode.outputs[0].token_ids)
-        cached.append(decode.num_cached_tokens)
+    prefills, decodes = hand_over(producer, consumer, prompts)
+    assert [p.kv_transfer_params for p in prefills] == [
+        {"transfer_id": f"t{i}", "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
+        for i, prompt in enumerate(prompts)]
     start = time.monotonic()
     _drain(producer)
     # Every send ended well before send_timeout_s (5 s), the one of the prompt the consumer
@@ -94,10 +70,10 @@ def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
     # (19, 16, 13, 23, 6 tokens) -> 4, 3, -, 5, 1 blocks; the third found locally.
     assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13
     _drain(consumer)
-    assert tokens == expected
+    assert [d.outputs[0].token_ids for d in decodes] == expected
     # Every full block before the last token came from the producer (or, for the prompt that
     # shares its first blocks with an earlier one, from the consumer's own prefix cache).
-    assert cached == [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    assert [d.num_cached_tokens for d in decodes] == [loaded_tokens(p) for p in prompts]
     assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
 
 
@@ -164,14 +140,9 @@ def test_decode_over_the_mooncake_transport_matches_hf(model):
                                 "kv_connector_extra_config": {"transport": "mooncake"}})
         for role in ("kv_producer", "kv_consumer"))
     try:
-        address = consumer.engine.runner.connector.address
-        for i, prompt in enumerate(prompts):
-            prefill = _run(producer, f"p{i}", prompt, PREFILL,
-                           {"transfer_id": f"t{i}", "consumer_address": address})
-            producer.engine.step()  # the worker starts the send
-            decode = _run(consumer, f"c{i}", prompt, GREEDY, prefill.kv_transfer_params)
-            assert decode.outputs[0].token_ids == expected[i]
-            assert decode.num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+        _, decodes = hand_over(producer, consumer, prompts)
+        assert [d.outputs[0].token_ids for d in decodes] == expected
+        assert [d.num_cached_tokens for d in decodes] == [loaded_tokens(p) for p in prompts]
         _drain(producer)
         assert producer.get_metrics()["kvtier:p2p_connector_requests_sent"] == len(prompts)
         assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13
@@ -183,31 +154,20 @@ def test_decode_over_the_mooncake_transport_matches_hf(model):
 @pytest.fixture
 def layer_engines(model):
     """A producer that pushes layer by layer and computes a prompt 8 tokens per step."""
-    model_dir = model[0]
-    producer = _llm(model_dir, "kv_producer", push="layer", max_num_batched_tokens=8)
-    consumer = _llm(model_dir, "kv_consumer", kv_load_timeout_s=2.0)
-    yield producer, consumer
-    for llm in (producer, consumer):
-        llm.engine.shutdown()
+    with engine_pair(model[0], push="layer", max_num_batched_tokens=8) as pair:
+        yield pair
 
 
 def test_layer_push_over_chunked_prefill_matches_hf(model, layer_engines):
     _, prompts, expected = model
     producer, consumer = layer_engines
-    address = consumer.engine.runner.connector.address
-    tokens, cached = [], []
-    for i, prompt in enumerate(prompts):
-        prefill = _run(producer, f"p{i}", prompt, PREFILL,
-                       {"transfer_id": f"t{i}", "consumer_address": address})
-        assert prefill.kv_transfer_params == {"transfer_id": f"t{i}",
-                                              "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
-        # Every layer was sent during the prefill itself: no further producer step is needed
-        # for the consumer to get them.
-        decode = _run(consumer, f"c{i}", prompt, GREEDY, prefill.kv_transfer_params)
-        tokens.append(decode.outputs[0].token_ids)
-        cached.append(decode.num_cached_tokens)
-    assert tokens == expected
-    assert cached == [(len(p) - 1) // BLOCK_SIZE * BLOCK_SIZE for p in prompts]
+    # Every layer was sent during the prefill itself: no further producer step is needed for
+    # the consumer to get them.
+    prefills, decodes = hand_over(producer, consumer, prompts, step_producer=False)
+    assert [p.kv_transfer_params["num_tokens"] for p in prefills] == \
+        [len(prompt) // BLOCK_SIZE * BLOCK_SIZE for prompt in prompts]
+    assert [d.outputs[0].token_ids for d in decodes] == expected
+    assert [d.num_cached_tokens for d in decodes] == [loaded_tokens(p) for p in prompts]
     assert consumer.get_metrics()["kvtier:p2p_connector_blocks_loaded"] == 13
     start = time.monotonic()
     _drain(producer)
