@@ -26,6 +26,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "softmax_span.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -109,16 +111,7 @@ void attend_sequence(const scalar_t* query, const scalar_t* cache, const int64_t
     }
   });
   for (int64_t h = 0; h < heads; ++h) {
-    float* sh = scores + h * num_keys;
-    const float peak = *std::max_element(sh, sh + num_keys);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < num_keys; ++t) {
-      sh[t] = expf(sh[t] - peak);
-      sum += sh[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < num_keys; ++t) sh[t] *= inv;
+    kvtier::softmax_span(scores + h * num_keys, num_keys, 0, num_keys);
   }
   std::fill(acc, acc + heads * dim, 0.f);
   for_each_row(s.v_offset, [&](int64_t t, const float* row) {
@@ -212,19 +205,8 @@ void attend_sequence_bf16(const c10::BFloat16* query, const c10::BFloat16* cache
   });
   const int64_t begin = first - first_page * kBlock, end = last - first_page * kBlock;
   for (int64_t h = 0; h < heads; ++h) {
-    float* sh = scores + h * keys;
-    const float peak = *std::max_element(sh + begin, sh + end);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = begin; t < end; ++t) {
-      sh[t] = expf(sh[t] - peak);
-      sum += sh[t];
-    }
-    const float inv = 1.f / sum;
     // Slots outside [begin, end) get weight 0: the value pass takes whole slot pairs.
-    for (int64_t t = 0; t < begin; ++t) sh[t] = 0.f;
-    for (int64_t t = begin; t < end; ++t) sh[t] *= inv;
-    for (int64_t t = end; t < keys; ++t) sh[t] = 0.f;
+    kvtier::softmax_span(scores + h * keys, keys, begin, end);
   }
   // The weights as bf16, two adjacent keys to a 32-bit word (keys is a multiple of 16).
   for (int64_t i = 0; i < heads * keys; i += 16) {

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "softmax_span.h"
+
 namespace {
 
 constexpr int64_t kTileTokens = 32;
@@ -29,18 +31,7 @@ void softmax_rows(float* scores, int64_t rows, int64_t num_keys, int64_t group, 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = first_pos + r / group;
     const int64_t begin = row_lo(pos) - lo, end = pos + 1 - lo;
-    float* sr = scores + r * num_keys;
-    const float peak = *std::max_element(sr + begin, sr + end);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = begin; t < end; ++t) {
-      sr[t] = expf(sr[t] - peak);
-      sum += sr[t];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < begin; ++t) sr[t] = 0.f;
-    for (int64_t t = begin; t < end; ++t) sr[t] *= inv;
-    for (int64_t t = end; t < num_keys; ++t) sr[t] = 0.f;
+    kvtier::softmax_span(scores + r * num_keys, num_keys, begin, end);
   }
 }
 
