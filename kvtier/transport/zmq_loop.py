@@ -332,6 +332,8 @@ class IOLoop(SenderSide, ReceiverSide):
                 self._close(sending.conn, None)  # the only way to make zmq drop queued frames
             else:
                 self._fail_send(sending, "deadline passed before the receiver confirmed")
+        for sending in [s for s in self.releasing if now >= s.deadline and not s.released]:
+            self._close(sending.conn, None)  # ended (e.g. failed by its receiver), frames stuck
         for receiving in [r for r in self.recvs.values() if now >= r.deadline]:
             if receiving.source is not None:
                 self._fail_to(receiving.source, receiving.transfer_id, "receiver deadline passed")

@@ -71,6 +71,29 @@ def test_send_stuck_in_a_peer_that_stopped_reading_is_released_at_its_deadline()
         ctx.term()
 
 
+def test_a_send_failed_by_its_receiver_with_frames_still_queued_is_released_by_its_deadline(
+        raw_peer):
+    stuck = raw_peer(zmq.ROUTER)
+    stuck.setsockopt(zmq.RCVHWM, 1)
+    stuck.setsockopt(zmq.RCVBUF, 65536)
+    sender = ZmqTransferEngine(TransportConfig(NAMESPACE))
+    try:
+        sender.register_buffer("src", memoryview(bytearray(32 << 20)))
+        [peer] = welcome(stuck, sender)
+        sender.send(peer, TransferId("big"), [Region("src", 0, 32 << 20)], timeout_s=1.0)
+        source, *_ = stuck.recv_multipart()
+        stuck.send_multipart([source, protocol.encode("accept", id="big", offset=0)])
+        # Then fail it at once and never read again: most data messages stay queued.
+        stuck.send_multipart([source, protocol.encode("fail", id="big", error="no")])
+        start = time.monotonic()
+        [result] = wait_results(sender, 1, timeout_s=5)
+        assert result.error == "no" and time.monotonic() - start < 3.0
+        assert not zmq_garbage.gc.refs
+        sender.unregister_buffer("src")
+    finally:
+        sender.shutdown(timeout_s=2)
+
+
 # ---- the protocol, with a raw zmq socket standing in for the peer ---------------------------
 
 def _offer(dealer: zmq.Socket, tid: str, total: int, payload: list[bytes],
