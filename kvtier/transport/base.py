@@ -23,8 +23,10 @@ prove they know it. A refused peer raises a `HandshakeError` subclass.
 
 Adding a backend: the protocol is offer / accept / move / acknowledge. The sender *offers* a
 transfer (id, region sizes); the receiver, once it has posted `recv` for that id, *accepts*;
-the bytes move; the receiver *acknowledges*. The zmq backend (`zmq_engine.py`) moves the bytes as
-message frames after the accept. A one-sided RDMA backend keeps the same calls and messages:
+the bytes move; the receiver *acknowledges* once it holds every byte. The zmq backend
+(`zmq_engine.py`, `zmq_transfer.py`) sends a transfer's first bytes with the offer (a small
+transfer needs no accept) and the rest after the accept as several data messages, which the
+receiver copies in as they come. A one-sided RDMA backend keeps the same calls and messages:
 
 * NIXL: `register_buffer` registers the memory with the agent (`register_memory`) and the offer
   carries the sender's serialized descriptors; the receiver READs them into its own registered

@@ -4,7 +4,7 @@ transfer engine (its TCP transport; RDMA where Mooncake finds devices).
     sender                                  receiver
     (zmq handshake, as the zmq backend)
     pull {id, sizes, session, addrs, ttl}  ->        waits until recv(id) is posted
-                                           <-  accept {id}   and reads the regions with Mooncake
+                                           <-  accept {id, 0}  and reads the regions with Mooncake
                                            <-  done {id}     (or fail {id, error})
 
 `register_buffer` also registers the memory with Mooncake. The sender offers its regions'
@@ -47,7 +47,7 @@ from kvtier.transport.handshake import LocalIdentity
 from kvtier.transport.mooncake_reader import Read, Reader, address_of
 from kvtier.transport.zmq_engine import ZmqTransferEngine
 from kvtier.transport.zmq_loop import IOLoop
-from kvtier.transport.zmq_state import Offer, Receiving, Sending, scatter
+from kvtier.transport.zmq_state import Offer, Receiving, Sending
 
 # Covers the time a receiver's done or fail takes to arrive after the sender's deadline.
 ABORT_GRACE_S = 0.5
@@ -67,11 +67,11 @@ def _load_mooncake() -> ModuleType:
 
 @dataclass(kw_only=True)
 class Pull(Offer):
-    """A pull offer: where the sender's regions are, and when the sender stops waiting."""
+    """A pull offer: where the sender's regions are (its deadline: when the sender stops
+    waiting)."""
 
     session: str
     addrs: list[int]
-    sender_deadline: float
 
 
 class MooncakeLoop(IOLoop):
@@ -85,18 +85,16 @@ class MooncakeLoop(IOLoop):
 
     # ---- sending side ------------------------------------------------------------------------
 
-    def _offer(self, sending: Sending) -> bytes:
+    def _send_offer(self, sending: Sending) -> None:
         ttl_ms = max(1, int((sending.deadline - time.monotonic()) * 1000))
-        return protocol.encode("pull", id=sending.transfer_id,
-                               sizes=[len(v) for v in sending.views], session=self.session,
-                               addrs=[address_of(v) for v in sending.views], ttl_ms=ttl_ms)
+        self._send(sending.conn, [protocol.encode(
+            "pull", id=sending.transfer_id, sizes=[len(v) for v in sending.views],
+            session=self.session, addrs=[address_of(v) for v in sending.views], ttl_ms=ttl_ms)])
 
-    def _send_data(self, sending: Sending) -> None:
+    def _on_accept(self, sending: Sending, offset: int) -> None:
         # The receiver started reading: it has until our deadline to finish, and we keep the
         # source until it says so (see the module docstring).
-        if not sending.accepted:
-            sending.accepted = True
-            sending.deadline += ABORT_GRACE_S
+        sending.deadline += ABORT_GRACE_S
 
     # ---- receiving side ----------------------------------------------------------------------
 
@@ -106,17 +104,17 @@ class MooncakeLoop(IOLoop):
 
     def _on_pull(self, source: bytes, msg: dict, _frames) -> None:
         self._take_offer(TransferId(msg["id"]), Pull(
-            source, msg["sizes"], session=msg["session"], addrs=msg["addrs"],
-            sender_deadline=time.monotonic() + msg["ttl_ms"] / 1000))
+            source, msg["sizes"], time.monotonic() + msg["ttl_ms"] / 1000,
+            session=msg["session"], addrs=msg["addrs"]))
 
-    def _match(self, receiving: Receiving, offer: Pull) -> None:
-        super()._match(receiving, offer)
-        if receiving.source is None:
-            return  # the sizes differ: both sides were failed
+    def _match(self, receiving: Receiving, offer: Pull) -> bool:
+        if not super()._match(receiving, offer):
+            return False  # the sizes differ: both sides were failed
         # A read that ends after the sender stopped waiting may hold bytes it overwrote.
-        receiving.deadline = min(receiving.deadline, offer.sender_deadline)
+        receiving.deadline = min(receiving.deadline, offer.deadline)
         if receiving.deadline > time.monotonic():  # else `_expire` fails it, unread
             self.reader.start(Read(receiving, offer.session, offer.addrs, offer.sizes))
+        return True
 
     def _release(self) -> None:
         for read in self.reader.take_ended():
@@ -129,13 +127,9 @@ class MooncakeLoop(IOLoop):
             self.counts["late_messages"] += 1  # failed meanwhile (deadline, sender, shutdown)
             return
         if read.error is not None:
-            self._fail_to(receiving.source, receiving.transfer_id, read.error)
-            self._end_recv(receiving, read.error)
-            return
-        scatter([memoryview(read.staging)], receiving.views)
-        self.counts["bytes_received"] += len(read.staging)
-        self._reply(receiving.source, protocol.encode("done", id=receiving.transfer_id))
-        self._end_recv(receiving, None)
+            self._fail_both(receiving, read.error)
+        else:  # every byte at once: copied in, then done
+            self._take_data(receiving, [memoryview(read.staging)])
 
 
 class MooncakeTransferEngine(ZmqTransferEngine):

@@ -1,4 +1,5 @@
-"""The wire protocol: one msgpack header frame per message, then the payload frames of `data`.
+"""The wire protocol: one msgpack header frame per message, then the payload frames of an
+`offer` or a `data`.
 
 Every header is a msgpack map with a type `t` and exactly the fields `MESSAGES` lists for it,
 each of the listed types. Anything else (not msgpack, extension types, unknown or missing
@@ -16,7 +17,8 @@ import msgpack
 
 from kvtier.transport.base import MalformedMessageError
 
-PROTOCOL_VERSION = 1
+# 2: eager offers and transfers cut into several data messages.
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 # Regions of one side of a transfer: their sizes must fit in one header.
 MAX_REGIONS = 4096
@@ -34,11 +36,14 @@ MESSAGES: dict[str, dict[str, tuple[type, ...]]] = {
     "proof": {"proof": _OPTIONAL_BYTES},
     "welcome": {},
     "refused": {"code": _STR, "reason": _STR},
-    # A transfer: sender offers, receiver accepts once its recv is posted, sender sends the
-    # data frames, receiver says done; either side may fail it.
-    "offer": {"id": _STR, "sizes": _SIZES},
-    "accept": {"id": _STR},
-    "data": {"id": _STR},
+    # A transfer: the sender offers it (within `ttl_ms`, its time left), with the first bytes
+    # as payload frames when it is small enough (eager); the receiver, once its recv is posted,
+    # accepts from `offset` (the bytes it kept); the sender sends the rest as `data` messages
+    # of a few MiB, each saying where its payload starts; the receiver says done once it has
+    # every byte. Either side may fail it.
+    "offer": {"id": _STR, "sizes": _SIZES, "ttl_ms": (int,)},
+    "accept": {"id": _STR, "offset": (int,)},
+    "data": {"id": _STR, "offset": (int,)},
     "done": {"id": _STR},
     "fail": {"id": _STR, "error": _STR},
     # A one-sided backend's offer: the receiver reads `sizes` bytes at `addrs` of the sender's
@@ -86,8 +91,12 @@ def decode(frame: bytes | memoryview,
             raise MalformedMessageError(f"{kind}.{name} has type {type(message[name]).__name__}")
     if kind in ("offer", "pull"):
         _check_sizes(message["sizes"])
+        if message["ttl_ms"] <= 0:
+            raise MalformedMessageError(f"{kind}.ttl_ms must be > 0")
     if kind == "pull":
         _check_pull(message)
+    if kind in ("accept", "data") and message["offset"] < 0:
+        raise MalformedMessageError(f"{kind}.offset must be >= 0")
     message["t"] = kind
     return message
 
@@ -102,8 +111,6 @@ def _check_pull(message: dict[str, Any]) -> None:
     if len(addrs) != len(message["sizes"]) or not all(
             type(addr) is int and addr >= 0 for addr in addrs):
         raise MalformedMessageError("pull.addrs must hold one address per size")
-    if message["ttl_ms"] <= 0:
-        raise MalformedMessageError("pull.ttl_ms must be > 0")
 
 
 def prove(secret: bytes, role: str, my_nonce: bytes, their_nonce: bytes, namespace: str,

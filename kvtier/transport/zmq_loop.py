@@ -1,13 +1,15 @@
-"""The zmq engine's I/O thread: it alone owns the sockets, the handshakes and the transfers.
+"""The zmq engine's I/O thread: it alone owns the sockets, the handshakes and the transfers
+(both ends of a transfer: `zmq_transfer.py`).
 
 Sockets: one ROUTER bound at the engine's address takes every connection peers dialed to us
 (handshakes, offers and data frames arrive there); one DEALER per peer we dialed carries our
 offers and data frames out and that peer's accepts, dones and fails back.
 
-A zero-copy data frame is read by zmq's own I/O thread after `send` returns, so a send is
-reported finished only when its MessageTracker says zmq let go of the memory. A send past its
-deadline whose frames are still queued closes its connection (linger 0), which makes zmq drop
-them; the send (and every other on that connection) is reported failed once released.
+A zero-copy payload frame is read by zmq's own I/O thread after `send` returns, so a send is
+reported finished only when the MessageTrackers of all its messages say zmq let go of the
+memory. A send past its deadline whose frames are still queued closes its connection (linger
+0), which makes zmq drop them; the send (and every other on that connection) is reported
+failed once released.
 """
 
 from __future__ import annotations
@@ -38,22 +40,22 @@ from kvtier.transport.zmq_state import (
     Stop,
     direction_of,
     make_socket,
-    scatter,
 )
+from kvtier.transport.zmq_transfer import ReceiverSide, SenderSide
 
 logger = logging.getLogger(__name__)
 
-# Offers that wait for a matching recv; beyond this a peer is told the receiver is busy.
-MAX_UNMATCHED_OFFERS = 4096
 MAX_HANDSHAKES = 1024
 # Deadlines are checked this often at most: a transfer fails at most this late.
 _EXPIRY_INTERVAL_S = 0.01
 _IDLE_POLL_MS = 200
+# A send the receiver confirmed waits for zmq to free its frames, which no socket announces.
+_RELEASE_POLL_MS = 1
 # Lets a refusal we send reach the peer before our side of the connection goes.
 _REFUSAL_LINGER_MS = 200
 
 
-class IOLoop:
+class IOLoop(SenderSide, ReceiverSide):
     """Runs in one thread (`run`); talks to the caller through `state` and `wake`."""
     TRANSFER_KINDS = ("offer", "data", "fail")  # from a welcomed peer, each to its `_on_<kind>`
 
@@ -75,6 +77,7 @@ class IOLoop:
         self.releasing: list[Sending] = []
         self.recvs: dict[TransferId, Receiving] = {}
         self.offers: dict[TransferId, Offer] = {}
+        self.num_kept_bytes = 0
         self.malformed_logged: set[bytes] = set()
         self.stop: Stop | None = None
         self._next_expiry = 0.0
@@ -84,7 +87,8 @@ class IOLoop:
     def run(self) -> None:
         try:
             while not self._finished():
-                timeout = _IDLE_POLL_MS if self._idle() else int(_EXPIRY_INTERVAL_S * 1000)
+                timeout = (_IDLE_POLL_MS if self._idle() else _RELEASE_POLL_MS if self.releasing
+                           else int(_EXPIRY_INTERVAL_S * 1000))
                 for socket, _ in self.poller.poll(timeout):
                     self._drain(socket)
                 now = time.monotonic()
@@ -181,16 +185,7 @@ class IOLoop:
             return
         sending.conn = conn
         self.sends[sending.transfer_id] = sending
-        self._send(conn, [self._offer(sending)])
-
-    def _offer(self, sending: Sending) -> bytes:
-        return protocol.encode("offer", id=sending.transfer_id, sizes=list(map(len, sending.views)))
-
-    def _start_recv(self, receiving: Receiving) -> None:
-        self.recvs[receiving.transfer_id] = receiving
-        offer = self.offers.pop(receiving.transfer_id, None)
-        if offer is not None:
-            self._match(receiving, offer)
+        self._send_offer(sending)
 
     # ---- the connection peers dialed to us (receiving side) ----------------------------------
 
@@ -236,57 +231,6 @@ class IOLoop:
             del self.accepting[source]
         self._reply(source, frame)
 
-    def _on_offer(self, source: bytes, msg: dict, _frames) -> None:
-        self._take_offer(TransferId(msg["id"]), Offer(source, msg["sizes"]))
-
-    def _take_offer(self, tid: TransferId, offer: Offer) -> None:
-        receiving = self.recvs.get(tid)
-        if tid in self.offers or (receiving is not None and receiving.source is not None):
-            self._fail_to(offer.source, tid, "a transfer with this id is already in progress")
-        elif receiving is not None:
-            self._match(receiving, offer)
-        elif len(self.offers) >= MAX_UNMATCHED_OFFERS:
-            self._fail_to(offer.source, tid, "receiver has too many offers waiting for a recv")
-        else:
-            self.offers[tid] = offer
-
-    def _match(self, receiving: Receiving, offer: Offer) -> None:
-        offered, wanted = sum(offer.sizes), sum(len(v) for v in receiving.views)
-        if offered != wanted:
-            error = f"sender offers {offered} bytes, receiver expects {wanted}"
-            self._fail_to(offer.source, receiving.transfer_id, error)
-            self._end_recv(receiving, error)
-            return
-        receiving.source = offer.source
-        self._reply(offer.source, protocol.encode("accept", id=receiving.transfer_id))
-
-    def _on_data(self, source: bytes, msg: dict, frames: list[zmq.Frame]) -> None:
-        receiving = self.recvs.get(TransferId(msg["id"]))
-        if receiving is None or receiving.source != source:
-            self.counts["late_messages"] += 1  # its recv already failed (deadline) or never was
-            return
-        payload = [frame.buffer for frame in frames]
-        if sum(len(p) for p in payload) != sum(len(v) for v in receiving.views):
-            error = "data frames do not add up to the offered size"
-            self._fail_to(source, receiving.transfer_id, error)
-            self._end_recv(receiving, error)
-            return
-        scatter(payload, receiving.views)
-        self.counts["bytes_received"] += sum(len(v) for v in receiving.views)
-        self._reply(source, protocol.encode("done", id=receiving.transfer_id))
-        self._end_recv(receiving, None)
-
-    def _on_fail(self, source: bytes, msg: dict, _frames) -> None:
-        tid = TransferId(msg["id"])
-        receiving = self.recvs.get(tid)
-        if receiving is not None and receiving.source == source:
-            self._end_recv(receiving, f"sender failed: {msg['error']}")
-        elif tid in self.offers and self.offers[tid].source == source:
-            del self.offers[tid]
-
-    def _fail_to(self, source: bytes, tid: TransferId, error: str) -> None:
-        self._reply(source, protocol.encode("fail", id=tid, error=error))
-
     def _reply(self, source: bytes, frame: bytes) -> None:
         # ROUTER drops what a gone or stuck peer cannot take; it never blocks this thread.
         try:
@@ -299,10 +243,6 @@ class IOLoop:
         if source not in self.malformed_logged:
             self.malformed_logged.add(source)
             logger.warning("transport: dropped a malformed message from a peer: %s", exc)
-
-    def _end_recv(self, receiving: Receiving, error: str | None) -> None:
-        del self.recvs[receiving.transfer_id]
-        self._report(receiving.transfer_id, Direction.RECV, error)
 
     # ---- connections we dialed (sending side) ------------------------------------------------
 
@@ -321,8 +261,9 @@ class IOLoop:
             sending = self.sends.get(TransferId(msg["id"]))
             if sending is None or sending.conn is not conn or sending.ended:
                 self.counts["late_messages"] += 1
-            elif kind == "accept" and sending.tracker is None:
-                self._send_data(sending)
+            elif kind == "accept" and not sending.accepted:
+                sending.accepted = True
+                self._on_accept(sending, msg["offset"])
             elif kind != "accept":
                 self._end_send(sending, msg["error"] if kind == "fail" else None)
         else:
@@ -352,10 +293,6 @@ class IOLoop:
         self.refusals.record(refusal, conn.dialing.address)
         self._close(conn, refusal.error())
 
-    def _send_data(self, sending: Sending) -> None:
-        header = protocol.encode("data", id=sending.transfer_id)
-        sending.tracker = self._send(sending.conn, [header, *sending.views], track=True)
-
     def _send(self, conn: Connection, frames: list, track: bool = False):
         """Send on a dialed connection without ever blocking this thread: a peer that does not
         read (queue full) loses its connection, which fails its transfers."""
@@ -377,7 +314,7 @@ class IOLoop:
             return
         waiting = []
         for sending in self.releasing:
-            if sending.tracker is None or sending.tracker.done:
+            if sending.released:
                 if sending.error is None:
                     self.counts["bytes_sent"] += sum(len(v) for v in sending.views)
                 self._report(sending.transfer_id, Direction.SEND, sending.error)
@@ -391,17 +328,18 @@ class IOLoop:
         for sending in [s for s in self.sends.values() if now >= s.deadline]:
             if sending.transfer_id not in self.sends:
                 continue  # ended by the close of its connection just before
-            if sending.tracker is not None and not sending.tracker.done:
+            if not sending.released:
                 self._close(sending.conn, None)  # the only way to make zmq drop queued frames
             else:
-                self._send(sending.conn, [protocol.encode(
-                    "fail", id=sending.transfer_id, error="sender deadline passed")])
-                if sending.transfer_id in self.sends:
-                    self._end_send(sending, "deadline passed before the receiver confirmed")
+                self._fail_send(sending, "deadline passed before the receiver confirmed")
+        for sending in [s for s in self.releasing if now >= s.deadline and not s.released]:
+            self._close(sending.conn, None)  # ended (e.g. failed by its receiver), frames stuck
         for receiving in [r for r in self.recvs.values() if now >= r.deadline]:
             if receiving.source is not None:
                 self._fail_to(receiving.source, receiving.transfer_id, "receiver deadline passed")
             self._end_recv(receiving, "deadline passed before the data arrived")
+        for tid in [tid for tid, offer in self.offers.items() if now >= offer.deadline]:
+            self._pop_offer(tid)  # its sender gave up (and may be gone)
         for conn in [c for c in self.conns.values() if c.peer is None and now >= c.deadline]:
             self._close(conn, TimeoutError(f"no handshake with {conn.dialing.address} in time"))
         self._forget_stale_handshakes(now, force=False)

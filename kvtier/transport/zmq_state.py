@@ -37,12 +37,20 @@ class Sending:
     views: list[memoryview]
     deadline: float
     conn: Connection | None = None
-    # Set by a one-sided backend when the receiver accepted, i.e. started reading the regions.
+    # Bytes that went out with the offer; the receiver's accept asks for the rest.
+    num_eager_bytes: int = 0
     accepted: bool = False
-    tracker: zmq.MessageTracker | None = None
+    # One per message whose frames zmq may still read from `views`.
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
     # Set when the result is known but zmq may still hold the frames.
     error: str | None = None
     ended: bool = False
+
+    @property
+    def released(self) -> bool:
+        """Whether zmq let go of every frame of `views` (a frame is freed only once sent or
+        dropped, and a message's frames in order)."""
+        return all(tracker.done for tracker in self.trackers)
 
 
 @dataclass
@@ -52,12 +60,28 @@ class Receiving:
     deadline: float
     # The sender's routing id once its offer was accepted.
     source: bytes | None = None
+    # Bytes of the transfer written into `views` so far, in order.
+    num_received: int = 0
+    num_bytes: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_bytes = sum(len(view) for view in self.views)
 
 
 @dataclass
 class Offer:
+    """An offer waiting for its recv; `payload` holds the first bytes when the sender sent
+    them along and the receiver had room to keep them."""
+
     source: bytes
     sizes: list[int]
+    # The sender gives up then; the offer is forgotten.
+    deadline: float
+    payload: list[memoryview] = field(default_factory=list)
+
+    @property
+    def num_payload_bytes(self) -> int:
+        return sum(len(part) for part in self.payload)
 
 
 @dataclass(frozen=True)
@@ -88,9 +112,24 @@ def direction_of(command: Sending | Receiving) -> Direction:
     return Direction.SEND if isinstance(command, Sending) else Direction.RECV
 
 
-def scatter(payload: list[memoryview], views: list[memoryview]) -> None:
-    """Copy the concatenation of `payload` into the concatenation of `views` (equal totals)."""
-    view_index, view_offset = 0, 0
+def cut(views: list[memoryview], start: int, stop: int) -> list[memoryview]:
+    """Bytes `start:stop` of the concatenation of `views`, as slices of them (no copy)."""
+    parts, view_start = [], 0
+    for view in views:
+        view_stop = view_start + len(view)
+        if view_stop > start and view_start < stop:
+            parts.append(view[max(start - view_start, 0):min(stop, view_stop) - view_start])
+        view_start = view_stop
+    return parts
+
+
+def scatter(payload: list[memoryview], views: list[memoryview], offset: int = 0) -> None:
+    """Copy the concatenation of `payload` into the concatenation of `views`, starting
+    `offset` bytes into it (the payload must fit)."""
+    view_index, view_offset = 0, offset
+    while view_index < len(views) and view_offset >= len(views[view_index]):
+        view_offset -= len(views[view_index])
+        view_index += 1
     for part in payload:
         part_offset = 0
         while part_offset < len(part):

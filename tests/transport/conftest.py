@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import zmq
 
 from kvtier.transport import TransportConfig
 from tests.transport.transport_helpers import BACKENDS, NAMESPACE, UNAVAILABLE
@@ -25,3 +26,21 @@ def make_engine(backend):
     yield make
     for engine in engines:
         engine.shutdown(timeout_s=2.0)
+
+
+@pytest.fixture
+def raw_peer():
+    """A zmq socket that speaks the protocol by hand, as a test's stand-in peer."""
+    ctx = zmq.Context()
+    sockets = []
+
+    def make(kind: int) -> zmq.Socket:
+        sockets.append(ctx.socket(kind))
+        sockets[-1].setsockopt(zmq.LINGER, 0)
+        sockets[-1].setsockopt(zmq.RCVTIMEO, 5000)
+        return sockets[-1]
+
+    yield make
+    for s in sockets:
+        s.close()
+    ctx.term()

@@ -58,6 +58,31 @@ def test_many_chunks_of_different_sizes_arrive_identical(make_engine):
     assert receiver.stats()["bytes_received"] == sender.stats()["bytes_sent"] == len(src)
 
 
+@pytest.mark.parametrize("posted_first", [True, False])
+def test_a_transfer_of_many_mib_arrives_identical_across_unequal_regions(make_engine,
+                                                                        posted_first):
+    # Over 3 of the zmq backend's data messages (4 MiB) and an odd size, cut differently on
+    # each side, both when the recv waits for the offer and when the offer waits for the recv.
+    receiver, sender, peer = _pair(make_engine)
+    size = 13 * (1 << 20) + 12_345
+    src = bytearray(os.urandom(size + 100))
+    dst = bytearray(size + 100)
+    sender.register_buffer("src", memoryview(src))
+    receiver.register_buffer("dst", memoryview(dst))
+    sender_regions, receiver_regions = _split(100, size, 5, "src"), _split(0, size, 7, "dst")
+    if posted_first:
+        receiver.recv(TransferId("big"), receiver_regions, timeout_s=30)
+    sender.send(peer, TransferId("big"), sender_regions, timeout_s=30)
+    if not posted_first:
+        time.sleep(0.2)
+        receiver.recv(TransferId("big"), receiver_regions, timeout_s=30)
+    [received] = wait_results(receiver, 1, timeout_s=30)
+    [sent] = wait_results(sender, 1, timeout_s=10)
+    assert received.ok and sent.ok
+    assert dst[:size] == src[100:] and dst[size:] == bytes(100)
+    assert receiver.stats()["bytes_received"] == sender.stats()["bytes_sent"] == size
+
+
 def test_transfers_complete_out_of_posting_order(make_engine):
     receiver, sender, peer = _pair(make_engine)
     n, size = 6, 100_000

@@ -114,7 +114,9 @@ def test_a_pickle_is_rejected_as_malformed_never_executed(raw_dealer, tmp_path, 
 
 def test_transfer_messages_before_the_handshake_are_refused(raw_dealer):
     receiver, socket = raw_dealer
-    socket.send(protocol.encode("offer", id="sneaky", sizes=[10]))
+    # An offer with its bytes along, as a small transfer's is.
+    socket.send_multipart([protocol.encode("offer", id="sneaky", sizes=[10], ttl_ms=5000),
+                           b"0123456789"])
     reply = protocol.decode(socket.recv())
     assert reply["t"] == "refused" and reply["code"] == protocol.REFUSED_PROTOCOL
     assert receiver.stats()["refused_protocol"] == 1

@@ -9,7 +9,6 @@ import ctypes
 import os
 import socket
 import sys
-import threading
 import time
 
 import pytest
@@ -29,8 +28,10 @@ from tests.transport.transport_helpers import (
     BACKENDS,
     NAMESPACE,
     UNAVAILABLE,
+    greet,
     wait_results,
     wait_until,
+    welcome,
 )
 
 needs_mooncake = pytest.mark.skipif("mooncake" in UNAVAILABLE,
@@ -49,51 +50,6 @@ def engines():
     yield make
     for engine in made:
         engine.shutdown(timeout_s=2.0)
-
-
-@pytest.fixture
-def raw_peer():
-    """A zmq socket that speaks the protocol by hand, as a test's stand-in peer."""
-    ctx = zmq.Context()
-    sockets = []
-
-    def make(kind: int) -> zmq.Socket:
-        sockets.append(ctx.socket(kind))
-        sockets[-1].setsockopt(zmq.LINGER, 0)
-        sockets[-1].setsockopt(zmq.RCVTIMEO, 5000)
-        return sockets[-1]
-
-    yield make
-    for s in sockets:
-        s.close()
-    ctx.term()
-
-
-def _greet(dealer: zmq.Socket, receiver) -> None:
-    """The initiator's side of the handshake, without a secret."""
-    dealer.connect(receiver.address)
-    dealer.send(protocol.encode("hello", v=protocol.PROTOCOL_VERSION, engine="raw",
-                                ns=NAMESPACE.hex(), nonce=os.urandom(32), auth=False))
-    assert protocol.decode(dealer.recv())["t"] == "hello_ack"
-    dealer.send(protocol.encode("proof", proof=None))
-    assert protocol.decode(dealer.recv())["t"] == "welcome"
-
-
-def _welcome(router: zmq.Socket, sender) -> list:
-    """The acceptor's side of the handshake for `sender.connect`; returns [peer id]."""
-    connected: list = []
-    port = router.bind_to_random_port("tcp://127.0.0.1")
-    connecting = threading.Thread(target=lambda: connected.append(
-        sender.connect(f"tcp://127.0.0.1:{port}", timeout_s=5)))
-    connecting.start()
-    source, _ = router.recv_multipart()
-    router.send_multipart([source, protocol.encode(
-        "hello_ack", engine="raw", ns=NAMESPACE.hex(), nonce=os.urandom(32), auth=False,
-        proof=None)])
-    router.recv_multipart()
-    router.send_multipart([source, protocol.encode("welcome")])
-    connecting.join()
-    return connected
 
 
 def _closed_port() -> int:
@@ -124,7 +80,7 @@ def test_the_pull_is_all_a_mooncake_reader_needs_and_the_sender_waits_for_it(eng
     data = os.urandom(300_000)
     sender.register_buffer("src", memoryview(bytearray(data)))
     router = raw_peer(zmq.ROUTER)
-    [peer] = _welcome(router, sender)
+    [peer] = welcome(router, sender)
     timeout_s = 0.5
     start = time.monotonic()
     sender.send(peer, TransferId("t"), [Region("src", 1000, 5000), Region("src", 90_000, 7)],
@@ -133,7 +89,7 @@ def test_the_pull_is_all_a_mooncake_reader_needs_and_the_sender_waits_for_it(eng
     pull = protocol.decode(header)
     assert pull["sizes"] == [5000, 7] and pull["addrs"][1] - pull["addrs"][0] == 89_000
     assert 0 < pull["ttl_ms"] <= timeout_s * 1000
-    router.send_multipart([source, protocol.encode("accept", id="t")])
+    router.send_multipart([source, protocol.encode("accept", id="t", offset=0)])
     # A plain Mooncake engine reads the regions with what the pull says, nothing else.
     reader = TransferEngine()
     assert reader.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -165,7 +121,7 @@ def test_a_pull_that_cannot_be_read_fails_the_receive_at_once_and_others_go_on(e
     receiver.register_buffer("dst", memoryview(dst))
     receiver.recv(TransferId("bad"), [Region("dst", 0, 4096)], timeout_s=20)
     dealer = raw_peer(zmq.DEALER)
-    _greet(dealer, receiver)
+    greet(dealer, receiver)
     start = time.monotonic()
     dealer.send(protocol.encode("pull", id="bad", sizes=[4096],
                                 session=f"127.0.0.1:{_closed_port()}", addrs=[4096],
@@ -218,7 +174,7 @@ def test_a_sender_mooncake_cannot_reach_holds_up_only_its_own_reads(engines, raw
         start = time.monotonic()
         receiver.recv(TransferId("stuck"), [Region("dst", 0, 4096)], timeout_s=1.0)
         dealer = raw_peer(zmq.DEALER)
-        _greet(dealer, receiver)
+        greet(dealer, receiver)
         dealer.send(protocol.encode("pull", id="stuck", sizes=[4096],
                                     session=f"127.0.0.1:{silent.getsockname()[1]}",
                                     addrs=[4096], ttl_ms=20_000))

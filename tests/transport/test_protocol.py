@@ -6,15 +6,18 @@ import msgpack
 import pytest
 
 from kvtier.transport import MalformedMessageError, TransportConfig, load_secret, protocol
-from kvtier.transport.zmq_state import scatter
+from kvtier.transport.zmq_state import cut, scatter
 
 
 def test_every_message_round_trips():
-    msg = protocol.decode(protocol.encode("offer", id="t1", sizes=[1, 2, 3]))
-    assert msg == {"t": "offer", "id": "t1", "sizes": [1, 2, 3]}
+    msg = protocol.decode(protocol.encode("offer", id="t1", sizes=[1, 2, 3], ttl_ms=500))
+    assert msg == {"t": "offer", "id": "t1", "sizes": [1, 2, 3], "ttl_ms": 500}
+    for kind in ("accept", "data"):
+        assert protocol.decode(protocol.encode(kind, id="t1", offset=4 << 20)) == {
+            "t": kind, "id": "t1", "offset": 4 << 20}
     # The largest offer a sender may make fits in one header.
     biggest = ["x" * 200, [(1 << 63) - 1] * protocol.MAX_REGIONS]
-    frame = protocol.encode("offer", id=biggest[0], sizes=biggest[1])
+    frame = protocol.encode("offer", id=biggest[0], sizes=biggest[1], ttl_ms=60_000)
     assert protocol.decode(frame)["sizes"] == biggest[1]
     # So does the largest pull: regions under 4 GiB each, at any 64-bit addresses.
     pull = {"id": "x" * 200, "sizes": [(1 << 32) - 1] * protocol.MAX_REGIONS,
@@ -28,19 +31,22 @@ def test_every_message_round_trips():
     msgpack.packb([1, 2]),                                          # not a map
     msgpack.packb({"t": "launch"}),                                 # unknown type
     msgpack.packb({"t": "accept"}),                                 # missing field
-    msgpack.packb({"t": "accept", "id": "a", "extra": 1}),          # unknown field
-    msgpack.packb({"t": "accept", "id": 5}),                        # wrong type
+    msgpack.packb({"t": "accept", "id": "a", "offset": 0, "x": 1}),  # unknown field
+    msgpack.packb({"t": "accept", "id": 5, "offset": 0}),           # wrong type
+    msgpack.packb({"t": "data", "id": "a", "offset": -1}),          # negative offset
+    msgpack.packb({"t": "data", "id": "a", "offset": 1.5}),         # not a byte count
     msgpack.packb({"t": "hello", "v": True, "engine": "e", "ns": "n", "nonce": b"x",
                    "auth": False}),                                 # a bool is not a version
-    msgpack.packb({"t": "offer", "id": "a", "sizes": []}),          # no regions
-    msgpack.packb({"t": "offer", "id": "a", "sizes": [-1]}),        # negative size
+    msgpack.packb({"t": "offer", "id": "a", "sizes": [], "ttl_ms": 9}),    # no regions
+    msgpack.packb({"t": "offer", "id": "a", "sizes": [-1], "ttl_ms": 9}),  # negative size
+    msgpack.packb({"t": "offer", "id": "a", "sizes": [4], "ttl_ms": 0}),   # the sender gave up
     *[msgpack.packb({"t": "pull", "id": "a", "sizes": [4, 4], "session": "h:1", "addrs": addrs,
                      "ttl_ms": ttl}) for addrs, ttl in [
         ([4096], 10),                                               # an address per size
         ([4096, -1], 10),                                           # negative address
         ([4096, 8192], 0)]],                                        # the sender gave up
-    msgpack.packb({"t": "accept", "id": msgpack.ExtType(1, b"x")}),  # extension type
-    msgpack.packb({"t": "accept", "id": "a"}) + b"trailing",
+    msgpack.packb({"t": "accept", "id": msgpack.ExtType(1, b"x"), "offset": 0}),  # ext type
+    msgpack.packb({"t": "accept", "id": "a", "offset": 0}) + b"trailing",
     b"\x81" + msgpack.packb("t") + b"\xc6" + b"\xff" * 4,          # bin longer than the frame
     b"x" * (protocol.MAX_HEADER_BYTES + 1),
 ])
@@ -89,4 +95,16 @@ def test_scatter_copies_across_unequal_cuts():
     parts = [memoryview(data)[:7], memoryview(data)[7:50], memoryview(data)[50:]]
     out = [bytearray(30), bytearray(0), bytearray(1), bytearray(69)]
     scatter(parts, [memoryview(b) for b in out])
+    assert b"".join(out) == data
+
+
+def test_cut_and_scatter_at_an_offset_move_every_byte_once():
+    data = bytes(range(256)) * 4
+    views = [memoryview(data)[a:b] for a, b in [(0, 100), (100, 100), (100, 613), (613, 1024)]]
+    for start, stop in [(0, 1024), (0, 1), (99, 101), (100, 613), (500, 1024), (1023, 1024)]:
+        assert b"".join(cut(views, start, stop)) == data[start:stop]
+    out = [bytearray(n) for n in (7, 0, 500, 517)]
+    out_views = [memoryview(b) for b in out]
+    for start, stop in [(0, 5), (5, 7), (7, 600), (600, 1024)]:  # pieces in order, as data come
+        scatter(cut(views, start, stop), out_views, start)
     assert b"".join(out) == data

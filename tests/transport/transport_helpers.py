@@ -1,14 +1,25 @@
 """Shared pieces of the transport tests: backends to run every contract test against, engines
-that are shut down after each test, and waiting for results with a deadline."""
+that are shut down after each test, waiting for results with a deadline, and both sides of the
+handshake for a raw zmq socket that stands in for a peer."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import os
+import threading
 import time
 from collections.abc import Callable
 
-from kvtier.transport import TransferEngine, TransferResult, TransportConfig, make_transfer_engine
+import zmq
+
+from kvtier.transport import (
+    TransferEngine,
+    TransferResult,
+    TransportConfig,
+    make_transfer_engine,
+    protocol,
+)
 
 NAMESPACE = hashlib.sha256(b"kvtier transport tests").digest()
 OTHER_NAMESPACE = hashlib.sha256(b"another model").digest()
@@ -56,3 +67,30 @@ def wait_until(condition: Callable[[], bool], timeout_s: float = 3.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.005)
+
+
+def greet(dealer: zmq.Socket, receiver: TransferEngine) -> None:
+    """The initiator's side of the handshake, without a secret."""
+    dealer.connect(receiver.address)
+    dealer.send(protocol.encode("hello", v=protocol.PROTOCOL_VERSION, engine="raw",
+                                ns=NAMESPACE.hex(), nonce=os.urandom(32), auth=False))
+    assert protocol.decode(dealer.recv())["t"] == "hello_ack"
+    dealer.send(protocol.encode("proof", proof=None))
+    assert protocol.decode(dealer.recv())["t"] == "welcome"
+
+
+def welcome(router: zmq.Socket, sender: TransferEngine) -> list:
+    """The acceptor's side of the handshake for `sender.connect`; returns [peer id]."""
+    connected: list = []
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    connecting = threading.Thread(target=lambda: connected.append(
+        sender.connect(f"tcp://127.0.0.1:{port}", timeout_s=5)))
+    connecting.start()
+    source, _ = router.recv_multipart()
+    router.send_multipart([source, protocol.encode(
+        "hello_ack", engine="raw", ns=NAMESPACE.hex(), nonce=os.urandom(32), auth=False,
+        proof=None)])
+    router.recv_multipart()
+    router.send_multipart([source, protocol.encode("welcome")])
+    connecting.join()
+    return connected
