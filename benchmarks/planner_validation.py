@@ -32,6 +32,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,6 +61,9 @@ from kvtier.planner.simulator import SchedulerLimits  # noqa: E402
 
 HIT_RATE_GOAL_POINTS = 5.0
 TTFT_GOAL_SHARE = 0.25
+# A run busy this share of its time or more is taken as overloaded: its queue grows and its
+# TTFT is mostly the backlog, which magnifies any step cost error without bound.
+OVERLOAD_BUSY_SHARE = 0.9
 DTYPE = "bfloat16"
 
 
@@ -95,31 +100,43 @@ def serve_command(config: ValidationConfig, port: int, disk_dir: Path) -> list[s
 
 
 def cost_model(config: ValidationConfig) -> CostModel:
-    """The given cost model, or one measured here now (written beside the reports)."""
+    """The given cost model, or one measured here now as the replay serves (written beside the
+    reports): the engine's steps with the replay's block size and tiers, then the same batches
+    through a `kvtier serve` started as the replay's, for what serving adds."""
     if config.cost_model is not None:
         return load_cost_model(config.cost_model)
     print("calibrating the cost model for the default model ...", file=sys.stderr, flush=True)
-    # The replay's block size: the engine's step costs depend on it.
-    cost, measurements = calibrate(None, dtype=DTYPE, block_size=config.block_size)
-    write_cost_model(cost, config.out_dir / "cost_model.json", measurements)
-    return cost
+    with tempfile.TemporaryDirectory(prefix="kvtier-calibrate-disk-") as disk_dir, \
+            started_server(config, "calibrate_serve.log") as url:
+        result = calibrate(None, dtype=DTYPE, block_size=config.block_size,
+                           kv_offload=config.kv_offload(Path(disk_dir)), served_url=url)
+    write_cost_model(result.cost, config.out_dir / "cost_model.json", result.measurements,
+                     result.served_measurements)
+    return result.cost
 
 
-def replay(config: ValidationConfig, vocab_size: int) -> dict:
-    """Start the server, send one warm-up request, replay the slice; the bench report."""
+@contextmanager
+def started_server(config: ValidationConfig, log_name: str) -> Iterator[str]:
+    """A `kvtier serve` as the replay's (its disk tier in a fresh directory), warmed up; its
+    URL."""
     with tempfile.TemporaryDirectory(prefix="kvtier-validate-disk-") as disk_dir:
         port = free_port()
         command = serve_command(config, port, Path(disk_dir))
-        with ServerProcess(command, dict(os.environ), port, config.out_dir / "serve.log",
+        with ServerProcess(command, dict(os.environ), port, config.out_dir / log_name,
                            config.startup_timeout_s) as server:
             print(f"server up in {server.startup_s:.0f} s: {' '.join(command)}",
                   file=sys.stderr, flush=True)
             warm_up(server.url, config.block_size)
-            target = ServerTarget(url=server.url, api="completions",
-                                  run_timeout_s=config.run_timeout_s)
-            scaling = TraceScaling(**{**asdict(config.scaling), "vocab_size": vocab_size})
-            return asyncio.run(run_trace(TraceReplayConfig(config.trace, scaling), target,
-                                         label="replay"))
+            yield server.url
+
+
+def replay(config: ValidationConfig, vocab_size: int) -> dict:
+    """Start the server, send one warm-up request, replay the slice; the bench report."""
+    with started_server(config, "serve.log") as url:
+        target = ServerTarget(url=url, api="completions", run_timeout_s=config.run_timeout_s)
+        scaling = TraceScaling(**{**asdict(config.scaling), "vocab_size": vocab_size})
+        return asyncio.run(run_trace(TraceReplayConfig(config.trace, scaling), target,
+                                     label="replay"))
 
 
 def warm_up(url: str, block_size: int) -> None:
@@ -166,15 +183,50 @@ def compare(replayed: dict, planned: dict, chunk_tokens: int) -> dict:
         measured, predicted = replayed["ttft_s"][key], planned["ttft_s"][key]
         ttft[key] = {"replay": measured, "plan": predicted,
                      "rel_error": (predicted - measured) / measured if measured else None}
+    load = loads(replayed, planned)
     return {
         "hit_rate": hit_rates,
         "ttft_s": ttft,
+        "load": load,
+        "replay_stable": not load["replay"]["overloaded"],
+        "overload_predicted": load["plan"]["overloaded"] == load["replay"]["overloaded"],
         "hit_rates_within_goal": all(abs(row["diff_points"]) <= HIT_RATE_GOAL_POINTS
                                      for row in hit_rates.values()),
         "ttft_within_goal": all(row["rel_error"] is not None
                                 and abs(row["rel_error"]) <= TTFT_GOAL_SHARE
                                 for row in ttft.values()),
     }
+
+
+def load_summary(intervals: list[tuple[float, float]]) -> dict:
+    """How busy a run was, from each request's (arrival, finish): `busy_share`, the share of
+    the time from the first arrival to the last finish with a request in flight (about the
+    server's utilisation; near 1, a queue that grows), and `drain_s`, the time from the last
+    arrival to the last finish (a backlog left at the end). `overloaded`: busy_share of at
+    least OVERLOAD_BUSY_SHARE."""
+    ordered = sorted(intervals)
+    busy, covered_to = 0.0, ordered[0][0]
+    for start, end in ordered:
+        busy += max(0.0, end - max(start, covered_to))
+        covered_to = max(covered_to, end)
+    span = covered_to - ordered[0][0]
+    share = busy / span if span > 0 else 0.0
+    return {"busy_share": share, "drain_s": covered_to - ordered[-1][0],
+            "overloaded": share >= OVERLOAD_BUSY_SHARE}
+
+
+def loads(replayed: dict, planned: dict) -> dict:
+    """load_summary of the replay (a request in flight from its arrival on the trace's clock
+    to its last token) and of the plan, over the requests both served."""
+    plan_rows = {row["index"]: row for row in planned["requests"]}
+    real, sim = [], []
+    for row in replayed["requests"]:
+        planned_row = plan_rows.get(row["index"])
+        if row["error"] or planned_row is None or planned_row["finished_s"] is None:
+            continue
+        real.append((row["arrival_s"], row["start_s"] + row["latency_s"]))
+        sim.append((planned_row["arrival_s"], planned_row["finished_s"]))
+    return {"replay": load_summary(real), "plan": load_summary(sim)}
 
 
 def per_request(replayed: dict, planned: dict) -> list[dict]:
@@ -223,9 +275,18 @@ def print_table(comparison: dict, replayed: dict) -> None:
         error = "-" if row["rel_error"] is None else f"{row['rel_error']:+.0%}"
         print(f"| {key} TTFT | {row['replay'] * 1000:.0f} ms | {row['plan'] * 1000:.0f} ms | "
               f"{error} |")
+    for side, load in comparison["load"].items():
+        print(f"| {side}: busy share, drain | {load['busy_share']:.0%}, "
+              f"{load['drain_s']:.1f} s | {'overloaded' if load['overloaded'] else 'stable'} | |")
     print(f"\n{replayed['num_requests']} requests ({replayed['num_failed']} failed); hit rates "
           f"within {HIT_RATE_GOAL_POINTS:g} points: {comparison['hit_rates_within_goal']}; "
-          f"TTFT within {TTFT_GOAL_SHARE:.0%}: {comparison['ttft_within_goal']}")
+          f"TTFT within {TTFT_GOAL_SHARE:.0%}: {comparison['ttft_within_goal']}; overload "
+          f"predicted as replayed: {comparison['overload_predicted']}")
+    if not comparison["replay_stable"]:
+        print(f"The replay was overloaded (busy {OVERLOAD_BUSY_SHARE:.0%} of the time or more): "
+              "its TTFT is a backlog that any step cost error magnifies, so the TTFT goal is "
+              "not judged here; a larger --time-scale spreads the arrivals to a load the "
+              "server sustains.")
 
 
 def run(config: ValidationConfig) -> int:
@@ -252,7 +313,9 @@ def run(config: ValidationConfig) -> int:
               "replay": replayed, "plan": planned}
     (config.out_dir / "planner_validation.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"written {config.out_dir / 'planner_validation.json'}", file=sys.stderr)
-    ok = comparison["hit_rates_within_goal"] and comparison["ttft_within_goal"]
+    # The TTFT goal is judged where the replay is stable; an overloaded one fails the run.
+    ok = (comparison["hit_rates_within_goal"] and comparison["ttft_within_goal"]
+          and comparison["replay_stable"])
     return 0 if ok and replayed["num_failed"] == 0 else 1
 
 

@@ -21,7 +21,7 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -52,18 +52,32 @@ class Measurement:
                 self.decode_context]
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration's cost model and the raw timings it was fitted to: the engine's steps
+    (Measurement), and with a server the batches served (calibrate_served.ServedBatch)."""
+
+    cost: CostModel
+    measurements: list[dict]
+    served_measurements: list[dict] | None = None
+
+
 def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
-              disk_dir: str | None = None, repeats: int = 2,
-              block_size: int = 16) -> tuple[CostModel, list[dict]]:
-    """Measure and fit; returns the cost model and the measurements it came from. Measure with
-    the block size the engine will serve with: the attention kernels differ by block size (the
-    vectorised CPU ones take 16-token blocks), and so do the step costs."""
+              disk_dir: str | None = None, repeats: int = 2, block_size: int = 16,
+              kv_offload: str | None = None, served_url: str | None = None) -> Calibration:
+    """Measure and fit. Measure with the block size the engine will serve with: the attention
+    kernels differ by block size (the vectorised CPU ones take 16-token blocks), and so do the
+    step costs. With `kv_offload` (the engine's flag) the engine runs with those tiers and
+    prefix caching on, as it serves: every computed chunk is stored to them, and the steps pay
+    for it. With `served_url`, a `kvtier serve` of the same model and flags, the batches are
+    served too and the cost of serving them is fitted (calibrate_served)."""
     from kvtier.engine.llm import LLM
 
     llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
-              enable_prefix_caching=False)
+              enable_prefix_caching=kv_offload is not None, kv_offload=kv_offload)
     try:
-        measurements = _measure_steps(llm.engine, repeats)
+        vocab_size = llm.engine.model_config.vocab_size
+        measurements, batch_steps = _measure_steps(llm.engine, repeats)
     finally:
         llm.engine.shutdown()
     base, per_token, per_seq, per_pair, per_context = _fit(measurements)
@@ -71,9 +85,18 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
     loads["fs"] = loads["disk"]
     cost = CostModel(base, per_token, per_seq, loads, model=model or "SmolLM2-135M-Instruct",
                      machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {dtype}, "
-                             f"device {device or 'default'}",
+                             f"device {device or 'default'}, kv_offload {kv_offload}",
                      prefill_s_per_pair=per_pair, decode_s_per_context_token=per_context)
-    return cost, [m.__dict__ for m in measurements]
+    if served_url is None:
+        return Calibration(cost, [m.__dict__ for m in measurements])
+    from kvtier.planner.calibrate_served import fit_served, measure_served
+
+    served = measure_served(served_url, batch_steps, cost, vocab_size, repeats)
+    per_step, per_streamed = fit_served(served)
+    cost = replace(cost, server_s_per_step=per_step, server_s_per_token=per_streamed,
+                   machine=f"{cost.machine}, served at {served_url}")
+    return Calibration(cost, [m.__dict__ for m in measurements],
+                       [b.__dict__ for b in served])
 
 
 def calibration_batches(max_model_len: int) -> list[tuple[int, int, int]]:
@@ -87,9 +110,9 @@ def calibration_batches(max_model_len: int) -> list[tuple[int, int, int]]:
     return batches
 
 
-def _measure_steps(engine, repeats: int) -> list[Measurement]:
+def _measure_steps(engine, repeats: int) -> tuple[list[Measurement], dict[tuple, list]]:
     """Every step of every batch, `repeats` times; of steps that did the same work, the
-    fastest (the others met the machine's other jobs)."""
+    fastest (the others met the machine's other jobs). Also each batch's steps in its last run."""
     from kvtier.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
@@ -97,14 +120,16 @@ def _measure_steps(engine, repeats: int) -> list[Measurement]:
     batches = calibration_batches(engine.max_model_len)
     _run_batch(engine, rng, vocab, (1, 32, 2), SamplingParams)  # first-call costs are no step's
     fastest: dict[tuple[int, int, int, int], float] = {}
+    batch_steps: dict[tuple, list[Measurement]] = {}
     for _ in range(repeats):
         for batch in batches:
-            for step in _run_batch(engine, rng, vocab, batch, SamplingParams):
+            batch_steps[batch] = _run_batch(engine, rng, vocab, batch, SamplingParams)
+            for step in batch_steps[batch]:
                 work = (step.prefill_tokens, step.decode_seqs, step.prefill_pairs,
                         step.decode_context)
                 fastest[work] = min(step.step_s, fastest.get(work, step.step_s))
     return [Measurement(tokens, seqs, seconds, pairs, context)
-            for (tokens, seqs, pairs, context), seconds in fastest.items()]
+            for (tokens, seqs, pairs, context), seconds in fastest.items()], batch_steps
 
 
 def _run_batch(engine, rng, vocab: int, batch: tuple[int, int, int],
@@ -140,14 +165,21 @@ def _step_measurement(before: list, step_s: float) -> Measurement:
 
 
 def _fit(measurements: list[Measurement]) -> tuple[float, ...]:
-    """Least squares of step seconds on Measurement.features, relative to each step's time,
-    every coefficient >= 0: one that comes out negative is held at 0 and the others fitted
-    again. A coefficient the measurements cannot tell from the ones before it (a model too
-    short for the long-context decode) is held at 0 too."""
-    # Divided by its own time, each row counts by its relative error.
-    weights = np.array([1.0 / max(m.step_s, 1e-9) for m in measurements])
-    rows = np.array([m.features() for m in measurements]) * weights[:, None]
-    seconds = np.array([m.step_s for m in measurements]) * weights
+    """The step costs: nonnegative_fit of step seconds on Measurement.features."""
+    seconds = np.array([m.step_s for m in measurements])
+    return nonnegative_fit(np.array([m.features() for m in measurements]), seconds, seconds)
+
+
+def nonnegative_fit(features: np.ndarray, target: np.ndarray,
+                    scale: np.ndarray) -> tuple[float, ...]:
+    """Least squares of `target` on the columns of `features` (one row per measurement),
+    relative to each row's `scale`, every coefficient >= 0: one that comes out negative is held
+    at 0 and the others fitted again. A coefficient the rows cannot tell from the ones before
+    it (a model too short for the long-context decode) is held at 0 too."""
+    # Divided by its own scale, each row counts by its relative error.
+    weights = 1.0 / np.maximum(scale, 1e-9)
+    rows = features * weights[:, None]
+    seconds = target * weights
     free: list[int] = []
     for column in range(rows.shape[1]):
         if np.linalg.matrix_rank(rows[:, free + [column]]) > len(free):

@@ -16,7 +16,8 @@ and output at admission (so it is never preempted, and its prompt blocks can be 
 on, not chunk by chunk); a request that did not fit is looked up again only once a request has
 finished (the engine asks every step, to the same answer but for the promotions a lookup
 starts); tier loads are synchronous and add their cost to the step that admits the request;
-stores to the tiers cost nothing (they run beside the steps).
+stores to the tiers (which run on threads beside the steps) add theirs to the step that
+computed the chunk, as on a machine whose cores the steps already use.
 """
 
 from __future__ import annotations
@@ -243,12 +244,15 @@ class Simulation:
     # ---- running a step --------------------------------------------------------------------
 
     def _advance(self, step: _Step, running: list[SimRequest]) -> None:
-        if self.cost is not None:
-            self.now += self._step_s(step)
-        self.num_steps += 1
+        seconds = 0.0 if self.cost is None else self._step_s(step)
+        stored_before = None if self.offload is None else list(self.offload.num_stored)
         for request, num_tokens in step.prefill:
             request.num_prefilled += num_tokens
             self._store(request)
+        if self.cost is not None:
+            self.now += seconds + self._store_s(stored_before)
+        self.num_steps += 1
+        for request, _ in step.prefill:
             if not request.in_prefill:
                 request.first_token_s = self.now
                 request.num_output = 1
@@ -269,7 +273,20 @@ class Simulation:
                     for request, num_tokens in step.prefill)
         # A decoding sequence's new token attends to the prompt and every output so far.
         context = sum(r.num_prompt_tokens + r.num_output for r in step.decode)
-        return self.cost.step_s(num_prefill, len(step.decode), pairs, context) + step.load_s
+        # Streamed: a token per decode, and the first token of each prefill this step ends.
+        num_streamed = len(step.decode) + sum(
+            num_tokens == request.num_prompt_tokens - request.num_prefilled
+            for request, num_tokens in step.prefill)
+        return (self.cost.step_s(num_prefill, len(step.decode), pairs, context) + step.load_s
+                + self.cost.served_s(num_streamed))
+
+    def _store_s(self, stored_before: list[int] | None) -> float:
+        """The seconds of the chunks stored to each tier since `stored_before` (its counts)."""
+        if stored_before is None:
+            return 0.0
+        return sum(self.cost.store_s(tier.kind, (now - before) * self.chunk_bytes)
+                   for tier, now, before in zip(self.offload.all_tiers, self.offload.num_stored,
+                                                stored_before))
 
     def _store(self, request: SimRequest) -> None:
         """Offload the prompt chunks the request has computed since its last step. (The engine

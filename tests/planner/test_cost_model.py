@@ -7,6 +7,7 @@ import torch
 
 from kvtier.entrypoints import cli
 from kvtier.planner.calibrate import Measurement, _fit
+from kvtier.planner.calibrate_served import ServedBatch, fit_served
 from kvtier.planner.cost_model import (
     CostModel,
     default_cost_model_path,
@@ -90,8 +91,10 @@ def test_calibrate_measures_a_real_model(tmp_path, capsys):
     directory = tmp_path / "model"
     make_hf_model("llama", directory)
     out = tmp_path / "cost.json"
+    # As served with a host tier: every chunk computed is stored to it.
     code = cli.main(["plan", "calibrate", "--model", str(directory), "--dtype", "float32",
-                     "--disk-dir", str(tmp_path), "--output", str(out)])
+                     "--disk-dir", str(tmp_path), "--kv-offload", "host=16MiB",
+                     "--output", str(out)])
     assert code == 0, capsys.readouterr().err
     cost = load_cost_model(out)
     steps = {(m["prefill_tokens"], m["decode_seqs"], m["prefill_pairs"], m["decode_context"])
@@ -109,4 +112,36 @@ def test_calibrate_measures_a_real_model(tmp_path, capsys):
     assert (0, 4, 0, 4 * 121) in steps
     assert all(m["step_s"] > 0 for m in json.loads(out.read_text())["measurements"])
     assert cost.step_s(128, 0) > 0 and cost.load_s("host", 10**6) > 0
+    assert "kv_offload host=16MiB" in cost.machine
     assert cost.load_s("disk", 10**6) > 0 and cost.model == str(directory)
+
+
+def test_store_and_server_terms_round_trip_and_default_to_zero(tmp_path):
+    cost = CostModel(0.01, 1e-4, 2e-3, {"host": 1e-9}, store_s_per_byte={"disk": 3e-9},
+                     server_s_per_step=0.004, server_s_per_token=5e-4)
+    assert cost.store_s("disk", 10**6) == pytest.approx(3e-3)
+    assert cost.store_s("host", 10**6) == 0.0  # a kind it leaves out stores for free
+    assert cost.served_s(10) == pytest.approx(0.004 + 10 * 5e-4)
+    path = tmp_path / "cost.json"
+    write_cost_model(cost, path, [{"prefill_tokens": 1}], served_measurements=[{"num_steps": 1}])
+    assert load_cost_model(path) == cost
+    # A file from before these terms loads with them at 0.
+    raw = json.loads(path.read_text())
+    for key in ("store_s_per_byte", "server_s_per_step", "server_s_per_token",
+                "served_measurements"):
+        del raw[key]
+    path.write_text(json.dumps(raw))
+    old = load_cost_model(path)
+    assert (old.store_s_per_byte, old.server_s_per_step, old.server_s_per_token) == ({}, 0, 0)
+    path.write_text(json.dumps({**raw, "store_s_per_byte": {"disk": -1}}))
+    with pytest.raises(ValueError, match=r"store_s_per_byte\['disk'\] must be a number >= 0"):
+        load_cost_model(path)
+
+
+def test_fit_served_recovers_what_serving_adds():
+    per_step, per_token = 0.006, 4e-4
+    batches = [ServedBatch(n, 32, out, steps, n * out, engine_s,
+                           engine_s + per_step * steps + per_token * n * out)
+               for n, out, steps, engine_s in ((1, 1, 1, 0.2), (1, 1, 1, 0.9), (128, 8, 10, 3.0),
+                                               (16, 8, 12, 2.5), (4, 8, 11, 1.7))]
+    assert fit_served(batches) == pytest.approx((per_step, per_token))
