@@ -328,9 +328,11 @@ def parse_args(argv: list[str] | None = None) -> ValidationConfig:
                    help="compare with the replay.json an earlier run kept (same options) "
                         "instead of replaying again")
     p.add_argument("--first-request", type=int, default=3500)
-    p.add_argument("--max-requests", type=int, default=300)
+    p.add_argument("--max-requests", type=int, default=200)
     p.add_argument("--tokens-per-block", type=int, default=8, help="tokens per hash id")
-    p.add_argument("--time-scale", type=float, default=2.0)
+    p.add_argument("--time-scale", type=float, default=6.0,
+                   help="spread the arrivals this many times wider than the trace (default 6: a "
+                        "load the server sustains on a 2-core VM)")
     p.add_argument("--max-output-tokens", type=int, default=8)
     p.add_argument("--block-size", type=int, default=8, help="engine block size (tokens)")
     p.add_argument("--num-device-blocks", type=int, default=600)

@@ -25,7 +25,9 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvtier.offload.config import OffloadConfig, parse_kv_offload
 from kvtier.planner.cost_model import CostModel, prefill_pairs
+from kvtier.planner.model_kv import model_kv
 
 # (sequences, prompt tokens of each, output tokens of each), queued at once. Prompts longer
 # than half the model's context are cut to fit it.
@@ -67,19 +69,13 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
               kv_offload: str | None = None, served_url: str | None = None) -> Calibration:
     """Measure and fit. Measure with the block size the engine will serve with: the attention
     kernels differ by block size (the vectorised CPU ones take 16-token blocks), and so do the
-    step costs. With `kv_offload` (the engine's flag) the engine runs with those tiers and
-    prefix caching on, as it serves: every computed chunk is stored to them, and the steps pay
-    for it. With `served_url`, a `kvtier serve` of the same model and flags, the batches are
-    served too and the cost of serving them is fitted (calibrate_served)."""
-    from kvtier.engine.llm import LLM
-
-    llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
-              enable_prefix_caching=kv_offload is not None, kv_offload=kv_offload)
-    try:
-        vocab_size = llm.engine.model_config.vocab_size
-        measurements, batch_steps = _measure_steps(llm.engine, repeats)
-    finally:
-        llm.engine.shutdown()
+    step costs. With `kv_offload` (the engine's flag) the batches run once more in an engine
+    with those tiers and prefix caching on, as it serves: every chunk it computes is stored,
+    and what that run took beyond the fitted steps is the stores' cost (store_costs). With
+    `served_url`, a `kvtier serve` of the same model and flags, the batches are served too and
+    what serving adds is fitted (calibrate_served)."""
+    measurements, batch_steps, vocab_size = _engine_steps(model, dtype, device, block_size,
+                                                          None, repeats)
     base, per_token, per_seq, per_pair, per_context = _fit(measurements)
     loads = {"host": _host_copy_s_per_byte(), "disk": _disk_read_s_per_byte(disk_dir)}
     loads["fs"] = loads["disk"]
@@ -87,16 +83,72 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
                      machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {dtype}, "
                              f"device {device or 'default'}, kv_offload {kv_offload}",
                      prefill_s_per_pair=per_pair, decode_s_per_context_token=per_context)
+    store_s = {batch: 0.0 for batch in batch_steps}  # each batch's stores, in seconds
+    if kv_offload is not None:
+        offload = OffloadConfig.from_extra_config(parse_kv_offload(kv_offload))
+        per_block = model_kv(model, block_size, "bfloat16" if dtype == "auto" else dtype)
+        stored = {batch: stored_bytes(batch, offload, block_size, per_block.bytes_per_block)
+                  for batch in batch_steps}
+        _, offload_steps, _ = _engine_steps(model, dtype, device, block_size, kv_offload, 1)
+        cost = replace(cost, store_s_per_byte=store_costs(cost, offload_steps, stored, offload))
+        # Every chunk is stored in host memory and in every secondary tier.
+        per_byte = cost.store_s("host", 1) + sum(cost.store_s(spec.type, 1)
+                                                 for spec in offload.secondary_tiers)
+        store_s = {batch: num_bytes * per_byte for batch, num_bytes in stored.items()}
     if served_url is None:
         return Calibration(cost, [m.__dict__ for m in measurements])
     from kvtier.planner.calibrate_served import fit_served, measure_served
 
-    served = measure_served(served_url, batch_steps, cost, vocab_size, repeats)
+    served = measure_served(served_url, batch_steps, cost, vocab_size, store_s)
     per_step, per_streamed = fit_served(served)
     cost = replace(cost, server_s_per_step=per_step, server_s_per_token=per_streamed,
                    machine=f"{cost.machine}, served at {served_url}")
     return Calibration(cost, [m.__dict__ for m in measurements],
                        [b.__dict__ for b in served])
+
+
+def _engine_steps(model: str | None, dtype: str, device: str | None, block_size: int,
+                  kv_offload: str | None, repeats: int) -> tuple[list, dict, int]:
+    """_measure_steps in an engine of these options, and its model's vocabulary size."""
+    from kvtier.engine.llm import LLM
+
+    llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
+              enable_prefix_caching=kv_offload is not None, kv_offload=kv_offload)
+    try:
+        return (*_measure_steps(llm.engine, repeats), llm.engine.model_config.vocab_size)
+    finally:
+        llm.engine.shutdown()
+
+
+def store_costs(cost: CostModel, batch_steps: dict[tuple, list], stored: dict[tuple, int],
+                offload: OffloadConfig) -> dict[str, float]:
+    """`store_s_per_byte` from the batches run with `offload`'s tiers, each storing
+    `stored[batch]` bytes: the seconds their steps took beyond what `cost` says, per byte
+    stored. The stores run beside the steps and the next step waits for the copies, so the
+    whole run is compared, not step by step. Host memory is charged its copy cost
+    (load_s_per_byte["host"]) of that, the secondary tiers share the rest."""
+    measured = predicted = 0.0
+    for steps in batch_steps.values():
+        for step in steps:
+            measured += step.step_s
+            predicted += cost.step_s(step.prefill_tokens, step.decode_seqs, step.prefill_pairs,
+                                     step.decode_context)
+    per_byte = max(0.0, measured - predicted) / max(sum(stored.values()), 1)
+    kinds = [spec.type for spec in offload.secondary_tiers]
+    if not kinds:
+        return {"host": per_byte}
+    host = min(per_byte, cost.load_s_per_byte.get("host", 0.0))
+    return {"host": host, **{kind: (per_byte - host) / len(kinds) for kind in kinds}}
+
+
+def stored_bytes(batch: tuple[int, int, int], offload: OffloadConfig, block_size: int,
+                 bytes_per_block: int) -> int:
+    """The bytes of the full prompt chunks a calibration batch stores (its prompts are random:
+    every chunk is new)."""
+    num_seqs, prompt_tokens, _ = batch
+    chunk_blocks = offload.blocks_per_chunk
+    return num_seqs * (prompt_tokens // (block_size * chunk_blocks)) * chunk_blocks \
+        * bytes_per_block
 
 
 def calibration_batches(max_model_len: int) -> list[tuple[int, int, int]]:

@@ -5,9 +5,9 @@ output streams and the client itself share the machine with the engine thread. S
 calibration batch is sent again, as streaming completions all at once, to a server of the same
 model, block size, scheduler limits and tiers, and timed from the first request sent to the
 last stream closed. What that takes beyond the engine's own steps for the same batch (the
-fitted step costs over the steps the batch took in the engine) is fitted as
+fitted step costs over the steps the batch took in the engine, and its stores) is fitted as
 `server_s_per_step` x steps + `server_s_per_token` x tokens streamed, every coefficient >= 0.
-Each batch runs twice and keeps its faster time, as the steps do.
+The engine's time for a batch counts its stores (store_s_per_byte) when the server has tiers.
 """
 
 from __future__ import annotations
@@ -40,14 +40,17 @@ class ServedBatch:
 
 
 def measure_served(url: str, batches: dict[tuple[int, int, int], list], cost: CostModel,
-                   vocab_size: int, repeats: int = 2) -> list[ServedBatch]:
+                   vocab_size: int, store_s: dict[tuple[int, int, int], float],
+                   repeats: int = 1) -> list[ServedBatch]:
     """Each batch (num_seqs, prompt tokens, output tokens) of `batches`, whose value is the
-    engine's steps for it (calibrate.Measurement), served by the server at `url`."""
-    return asyncio.run(_measure(url, batches, cost, vocab_size, repeats))
+    engine's steps for it (calibrate.Measurement) and `store_s` its stores' seconds, served by
+    the server at `url`."""
+    return asyncio.run(_measure(url, batches, cost, vocab_size, store_s, repeats))
 
 
 async def _measure(url: str, batches: dict[tuple[int, int, int], list], cost: CostModel,
-                   vocab_size: int, repeats: int) -> list[ServedBatch]:
+                   vocab_size: int, store_s: dict[tuple[int, int, int], float],
+                   repeats: int) -> list[ServedBatch]:
     rng = np.random.default_rng(1)
     limits = httpx.Limits(max_connections=max(b[0] for b in batches) + 1)
     async with httpx.AsyncClient(base_url=url, limits=limits,
@@ -61,8 +64,9 @@ async def _measure(url: str, batches: dict[tuple[int, int, int], list], cost: Co
                 fastest[batch] = min(seconds, fastest.get(batch, seconds))
     results = []
     for batch, steps in batches.items():
-        engine_s = sum(cost.step_s(s.prefill_tokens, s.decode_seqs, s.prefill_pairs,
-                                   s.decode_context) for s in steps)
+        engine_s = store_s[batch] + sum(cost.step_s(s.prefill_tokens, s.decode_seqs,
+                                                    s.prefill_pairs, s.decode_context)
+                                        for s in steps)
         results.append(ServedBatch(*batch, len(steps), batch[0] * batch[2], engine_s,
                                    fastest[batch]))
     return results

@@ -16,8 +16,9 @@ and output at admission (so it is never preempted, and its prompt blocks can be 
 on, not chunk by chunk); a request that did not fit is looked up again only once a request has
 finished (the engine asks every step, to the same answer but for the promotions a lookup
 starts); tier loads are synchronous and add their cost to the step that admits the request;
-stores to the tiers (which run on threads beside the steps) add theirs to the step that
-computed the chunk, as on a machine whose cores the steps already use.
+stores to the tiers run beside the steps, so the chunks a step computes add their store cost
+to the next step (as the engine's next step waits for the device copies, and tier writes take
+the cores the steps use), less the time the engine spends idle before it.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ class Simulation:
             for tier in self.offload.all_tiers:
                 cost.load_s(tier.kind, 0)  # a tier the cost model has no price for: fail now
         self.now = 0.0
+        # Seconds of tier stores not done yet: they run beside the steps (the engine's next
+        # step waits for its device copies; tier writes take the cores the steps would).
+        self.store_backlog_s = 0.0
         self.num_steps = 0
         self.num_finished = 0
         # num_finished when the head of the queue last did not fit; blocks are only freed when
@@ -114,6 +118,9 @@ class Simulation:
             while pending and pending[0].arrival_s <= self.now:
                 waiting.append(pending.popleft())
             if not waiting and not running:
+                # The stores go on while the engine is idle.
+                self.store_backlog_s = max(0.0, self.store_backlog_s
+                                           - (pending[0].arrival_s - self.now))
                 self.now = pending[0].arrival_s
                 continue
             step = self._schedule(waiting, running)
@@ -250,7 +257,9 @@ class Simulation:
             request.num_prefilled += num_tokens
             self._store(request)
         if self.cost is not None:
-            self.now += seconds + self._store_s(stored_before)
+            # This step waits for the stores still running; its own run beside the next one.
+            self.now += seconds + self.store_backlog_s
+            self.store_backlog_s = self._store_s(stored_before)
         self.num_steps += 1
         for request, _ in step.prefill:
             if not request.in_prefill:

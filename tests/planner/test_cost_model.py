@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvtier.entrypoints import cli
-from kvtier.planner.calibrate import Measurement, _fit
+from kvtier.offload.config import OffloadConfig, parse_kv_offload
+from kvtier.planner.calibrate import Measurement, _fit, store_costs, stored_bytes
 from kvtier.planner.calibrate_served import ServedBatch, fit_served
 from kvtier.planner.cost_model import (
     CostModel,
@@ -112,7 +113,7 @@ def test_calibrate_measures_a_real_model(tmp_path, capsys):
     assert (0, 4, 0, 4 * 121) in steps
     assert all(m["step_s"] > 0 for m in json.loads(out.read_text())["measurements"])
     assert cost.step_s(128, 0) > 0 and cost.load_s("host", 10**6) > 0
-    assert "kv_offload host=16MiB" in cost.machine
+    assert "kv_offload host=16MiB" in cost.machine and set(cost.store_s_per_byte) == {"host"}
     assert cost.load_s("disk", 10**6) > 0 and cost.model == str(directory)
 
 
@@ -145,3 +146,15 @@ def test_fit_served_recovers_what_serving_adds():
                for n, out, steps, engine_s in ((1, 1, 1, 0.2), (1, 1, 1, 0.9), (128, 8, 10, 3.0),
                                                (16, 8, 12, 2.5), (4, 8, 11, 1.7))]
     assert fit_served(batches) == pytest.approx((per_step, per_token))
+
+
+def test_store_costs_are_the_run_beyond_the_steps_per_byte_stored():
+    cost = CostModel(0.01, 1e-4, 2e-3, {"host": 1e-10})
+    steps = [Measurement(512, 0, 0.0612 + 0.5), Measurement(0, 4, 0.018 + 0.1)]
+    offload = OffloadConfig.from_extra_config(parse_kv_offload("host=1GiB,disk=/d:2GiB"))
+    # 4 prompts of 100 tokens in 16-token blocks: 6 full blocks each are stored.
+    stored = {(4, 100, 2): stored_bytes((4, 100, 2), offload, 16, 1000)}
+    assert stored == {(4, 100, 2): 24 * 1000}
+    per_byte = 0.6 / 24000
+    costs = store_costs(cost, {(4, 100, 2): steps}, stored, offload)
+    assert costs == pytest.approx({"host": 1e-10, "disk": per_byte - 1e-10})

@@ -107,10 +107,22 @@ def test_stores_and_serving_cost_what_the_model_says(tmp_path):
     served = run(CostModel(BASE, PER_TOKEN, PER_SEQ, {"host": 1e-9, "disk": 1e-9},
                            store_s_per_byte={"host": host_store, "disk": disk_store},
                            server_s_per_step=per_step, server_s_per_token=per_token))
-    # The prefill step stores its 4 chunks to host memory and on to the disk (write-through),
-    # and streams the first token; each of the two decode steps streams one.
+    # The prefill step streams the first token and stores its 4 chunks to host memory and on
+    # to the disk (write-through), beside the next step: the first decode waits for them.
+    # Each decode step streams one token.
     stores = 4 * model.bytes_per_block * (host_store + disk_store)
-    assert served.first_token_s - plain.first_token_s == pytest.approx(
-        stores + per_step + per_token)
+    assert served.first_token_s - plain.first_token_s == pytest.approx(per_step + per_token)
     assert served.finished_s - plain.finished_s == pytest.approx(
         stores + 3 * (per_step + per_token))
+    # Idle time absorbs stores: a one-token request, then a second one (other blocks) that
+    # arrives when half of the first one's stores are done, and pays the other half.
+    cost = CostModel(BASE, PER_TOKEN, PER_SEQ, {"host": 1e-9, "disk": 1e-9},
+                     store_s_per_byte={"host": host_store, "disk": disk_store})
+    prefill = cost.step_s(16, 0)
+    first, second = plan_requests([ScaledRequest(0, 0.0, (0, 1), 16, 1),
+                                   ScaledRequest(1, prefill + stores / 2, (2, 3), 16, 1)],
+                                  BlockKeys(8, 4))
+    Simulation(model, 64 * model.bytes_per_block, offload, cost,
+               SchedulerLimits(max_num_batched_tokens=64)).run([first, second])
+    assert first.first_token_s == pytest.approx(prefill)
+    assert second.first_token_s - second.arrival_s == pytest.approx(prefill + stores / 2)
