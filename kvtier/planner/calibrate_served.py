@@ -2,12 +2,11 @@
 
 The engine's steps alone (calibrate.py) are not what a client sees: the server's HTTP loop, the
 output streams and the client itself share the machine with the engine thread. So each
-calibration batch is sent again, as streaming completions all at once, to a server of the same
-model, block size, scheduler limits and tiers, and timed from the first request sent to the
-last stream closed. What that takes beyond the engine's own steps for the same batch (the
-fitted step costs over the steps the batch took in the engine, and its stores) is fitted as
-`server_s_per_step` x steps + `server_s_per_token` x tokens streamed, every coefficient >= 0.
-The engine's time for a batch counts its stores (store_s_per_byte) when the server has tiers.
+calibration batch, right after it ran in the engine with the server's tiers (or alone, if it
+has none), is sent as streaming completions all at once to a server of the same model, block
+size, scheduler limits and tiers, and timed from the first request sent to the last stream
+closed. What that takes beyond the batch in the engine is fitted as `server_s_per_step` x the
+batch's steps + `server_s_per_token` x its tokens streamed, every coefficient >= 0.
 """
 
 from __future__ import annotations
@@ -19,16 +18,16 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
-from kvtier.planner.calibrate import nonnegative_fit
-from kvtier.planner.cost_model import CostModel
+from kvtier.planner.fit import nonnegative_fit
 
 _REQUEST_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
 class ServedBatch:
-    """One calibration batch: as served (`served_s`), and what the engine did for it alone:
-    `num_steps` steps whose fitted costs sum to `engine_s`, streaming `num_tokens` tokens."""
+    """One calibration batch: as served (`served_s`, the mean of its runs), and in the engine
+    right before (`engine_s`, with the server's tiers): `num_steps` steps streaming
+    `num_tokens` tokens."""
 
     num_seqs: int
     prompt_tokens: int
@@ -39,46 +38,33 @@ class ServedBatch:
     served_s: float
 
 
-def measure_served(url: str, batches: dict[tuple[int, int, int], list], cost: CostModel,
-                   vocab_size: int, store_s: dict[tuple[int, int, int], float],
-                   repeats: int = 1) -> list[ServedBatch]:
-    """Each batch (num_seqs, prompt tokens, output tokens) of `batches`, whose value is the
-    engine's steps for it (calibrate.Measurement) and `store_s` its stores' seconds, served by
-    the server at `url`."""
-    return asyncio.run(_measure(url, batches, cost, vocab_size, store_s, repeats))
+class ServedClient:
+    """Serves calibration batches on the `kvtier serve` at `url` and times them."""
 
+    def __init__(self, url: str, vocab_size: int) -> None:
+        self.url = url
+        self.vocab_size = vocab_size
+        response = httpx.get(f"{url}/v1/models", timeout=_REQUEST_TIMEOUT_S)
+        response.raise_for_status()
+        self.model = response.json()["data"][0]["id"]
+        self.serve(np.random.default_rng(1), (1, 16, 2))  # first-call costs
 
-async def _measure(url: str, batches: dict[tuple[int, int, int], list], cost: CostModel,
-                   vocab_size: int, store_s: dict[tuple[int, int, int], float],
-                   repeats: int) -> list[ServedBatch]:
-    rng = np.random.default_rng(1)
-    limits = httpx.Limits(max_connections=max(b[0] for b in batches) + 1)
-    async with httpx.AsyncClient(base_url=url, limits=limits,
-                                 timeout=_REQUEST_TIMEOUT_S) as http:
-        model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        await _serve_batch(http, model, rng, vocab_size, (1, 16, 2))  # first-call costs
-        fastest: dict[tuple[int, int, int], float] = {}
-        for _ in range(repeats):
-            for batch in batches:
-                seconds = await _serve_batch(http, model, rng, vocab_size, batch)
-                fastest[batch] = min(seconds, fastest.get(batch, seconds))
-    results = []
-    for batch, steps in batches.items():
-        engine_s = store_s[batch] + sum(cost.step_s(s.prefill_tokens, s.decode_seqs,
-                                                    s.prefill_pairs, s.decode_context)
-                                        for s in steps)
-        results.append(ServedBatch(*batch, len(steps), batch[0] * batch[2], engine_s,
-                                   fastest[batch]))
-    return results
+    def serve(self, rng: np.random.Generator, batch: tuple[int, int, int]) -> float:
+        """Seconds from sending `batch`'s (num_seqs, prompt tokens, output tokens) random
+        prompts at once to the end of the last stream."""
+        num_seqs, prompt_tokens, output_tokens = batch
+        prompts = [rng.integers(0, self.vocab_size, prompt_tokens).tolist()
+                   for _ in range(num_seqs)]
+        return asyncio.run(self._serve(prompts, output_tokens))
 
-
-async def _serve_batch(http: httpx.AsyncClient, model: str, rng: np.random.Generator,
-                       vocab_size: int, batch: tuple[int, int, int]) -> float:
-    num_seqs, prompt_tokens, output_tokens = batch
-    prompts = [rng.integers(0, vocab_size, prompt_tokens).tolist() for _ in range(num_seqs)]
-    started = time.perf_counter()
-    await asyncio.gather(*(_stream(http, model, prompt, output_tokens) for prompt in prompts))
-    return time.perf_counter() - started
+    async def _serve(self, prompts: list[list[int]], output_tokens: int) -> float:
+        limits = httpx.Limits(max_connections=len(prompts))
+        async with httpx.AsyncClient(base_url=self.url, limits=limits,
+                                     timeout=_REQUEST_TIMEOUT_S) as http:
+            started = time.perf_counter()
+            await asyncio.gather(*(_stream(http, self.model, prompt, output_tokens)
+                                   for prompt in prompts))
+            return time.perf_counter() - started
 
 
 async def _stream(http: httpx.AsyncClient, model: str, prompt: list[int],

@@ -7,7 +7,7 @@ import torch
 
 from kvtier.entrypoints import cli
 from kvtier.offload.config import OffloadConfig, parse_kv_offload
-from kvtier.planner.calibrate import Measurement, _fit, store_costs, stored_bytes
+from kvtier.planner.calibrate import BatchRuns, Measurement, _fit, store_costs, stored_bytes
 from kvtier.planner.calibrate_served import ServedBatch, fit_served
 from kvtier.planner.cost_model import (
     CostModel,
@@ -17,6 +17,7 @@ from kvtier.planner.cost_model import (
     write_cost_model,
 )
 
+from ..entrypoints.server_process import ServerProcess
 from ..tiny_models import make_hf_model
 
 torch.set_num_threads(1)
@@ -92,10 +93,14 @@ def test_calibrate_measures_a_real_model(tmp_path, capsys):
     directory = tmp_path / "model"
     make_hf_model("llama", directory)
     out = tmp_path / "cost.json"
-    # As served with a host tier: every chunk computed is stored to it.
-    code = cli.main(["plan", "calibrate", "--model", str(directory), "--dtype", "float32",
-                     "--disk-dir", str(tmp_path), "--kv-offload", "host=16MiB",
-                     "--output", str(out)])
+    # As served with a host tier (every chunk computed is stored to it), and through a server.
+    server = ServerProcess(str(directory), "--dtype", "float32", "--kv-offload", "host=16MiB")
+    try:
+        code = cli.main(["plan", "calibrate", "--model", str(directory), "--dtype", "float32",
+                         "--disk-dir", str(tmp_path), "--kv-offload", "host=16MiB",
+                         "--served-url", server.url, "--output", str(out)])
+    finally:
+        server.stop()
     assert code == 0, capsys.readouterr().err
     cost = load_cost_model(out)
     steps = {(m["prefill_tokens"], m["decode_seqs"], m["prefill_pairs"], m["decode_context"])
@@ -114,6 +119,13 @@ def test_calibrate_measures_a_real_model(tmp_path, capsys):
     assert all(m["step_s"] > 0 for m in json.loads(out.read_text())["measurements"])
     assert cost.step_s(128, 0) > 0 and cost.load_s("host", 10**6) > 0
     assert "kv_offload host=16MiB" in cost.machine and set(cost.store_s_per_byte) == {"host"}
+    # Every batch was served too, once a repeat: its mean time there and in the engine.
+    served = json.loads(out.read_text())["served_measurements"]
+    assert {(b["num_seqs"], b["prompt_tokens"], b["output_tokens"]) for b in served} == {
+        (1, 127, 1), (128, 32, 8), (16, 120, 8), (4, 120, 8)}
+    assert all(b["served_s"] > 0 and b["engine_s"] > 0 for b in served)
+    assert {b["num_tokens"] for b in served} == {1, 1024, 128, 32}
+    assert cost.server_s_per_step >= 0 and cost.server_s_per_token >= 0
     assert cost.load_s("disk", 10**6) > 0 and cost.model == str(directory)
 
 
@@ -148,13 +160,24 @@ def test_fit_served_recovers_what_serving_adds():
     assert fit_served(batches) == pytest.approx((per_step, per_token))
 
 
-def test_store_costs_are_the_run_beyond_the_steps_per_byte_stored():
-    cost = CostModel(0.01, 1e-4, 2e-3, {"host": 1e-10})
-    steps = [Measurement(512, 0, 0.0612 + 0.5), Measurement(0, 4, 0.018 + 0.1)]
+def test_store_costs_are_the_batches_beyond_the_engine_alone_per_byte_stored():
     offload = OffloadConfig.from_extra_config(parse_kv_offload("host=1GiB,disk=/d:2GiB"))
     # 4 prompts of 100 tokens in 16-token blocks: 6 full blocks each are stored.
-    stored = {(4, 100, 2): stored_bytes((4, 100, 2), offload, 16, 1000)}
-    assert stored == {(4, 100, 2): 24 * 1000}
-    per_byte = 0.6 / 24000
-    costs = store_costs(cost, {(4, 100, 2): steps}, stored, offload)
-    assert costs == pytest.approx({"host": 1e-10, "disk": per_byte - 1e-10})
+    assert stored_bytes((4, 100, 2), offload, 16, 1000) == 24 * 1000
+    runs = {(4, 100, 2): BatchRuns([], plain_s=2.0, offload_s=2.5),
+            (1, 64, 1): BatchRuns([], plain_s=1.0, offload_s=1.1)}
+    stored = {(4, 100, 2): 24_000, (1, 64, 1): 4_000}
+    per_byte = 0.6 / 28_000
+    assert store_costs(runs, stored, offload, 1e-7) == pytest.approx(
+        {"host": 1e-7, "disk": per_byte - 1e-7})
+    # Host memory alone takes it all; a run no slower than the engine alone stores for free.
+    host_only = OffloadConfig.from_extra_config(parse_kv_offload("host=1GiB"))
+    assert store_costs(runs, stored, host_only, 1e-7) == pytest.approx({"host": per_byte})
+    runs[(4, 100, 2)].offload_s = 1.0
+    assert store_costs(runs, stored, host_only, 1e-7) == {"host": 0.0}
+
+
+def test_fit_served_holds_at_zero_what_serving_did_not_add():
+    # Served faster than the engine's steps say (a noisy machine): no negative cost.
+    batches = [ServedBatch(1, 32, 1, 1, 1, 0.5, 0.4), ServedBatch(16, 32, 8, 10, 128, 3.0, 2.0)]
+    assert fit_served(batches) == (0.0, 0.0)
