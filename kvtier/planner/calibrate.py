@@ -12,7 +12,9 @@ them that mix prefill chunks with decodes. One least-squares fit of seconds per 
 against) gives the step costs, each step weighted by its own time so that a 20 ms decode step
 is fitted as closely as a 2 s prefill. Host loads are timed as a copy of a buffer in memory,
 disk loads as a read of a file written, synced and dropped from the page cache first (where the
-OS allows), so both are per-byte costs of this machine.
+OS allows), so both are per-byte costs of this machine. Given the tiers served with, and a
+server, each batch also runs with those tiers and through that server, right after it ran
+alone, for the cost of the stores and of serving (see `calibrate`).
 """
 
 from __future__ import annotations

@@ -167,9 +167,12 @@ class SimulatedOffload:
     def _store_on(self, index: int, key: Hashable) -> None:
         tier = self.tiers[index]
         if tier.cache is None:
+            if key in self._unbounded[index]:
+                return
             self._unbounded[index].add(key)
         elif tier.cache.is_ready(key):
             tier.cache.policy.touch(key)  # the disk tier's index: a rewrite is a recent use
+            return  # and no write (the tier finds the chunk there)
         elif tier.cache.prepare_store(key, self.chunk_bytes) is not None:
             tier.cache.complete_store(key, ok=True)
             tier.cache.take_evicted()
