@@ -18,8 +18,9 @@ the replay stable; the exit status is 1 when a goal is missed or the replay was 
 
 The defaults are a slice of the Mooncake synthetic trace late enough to reuse prefixes within
 itself (from request 3500, its conversations come back within it), 8 tokens per hash id, six
-times the trace's inter-arrival times (a load a 2-core VM sustains: the TTFT goal is judged
-only where the replay is stable, and the report says whether each side was overloaded) and
+times the trace's inter-arrival times (a third of the load that overloaded a quiet 2-core VM
+at twice: the TTFT goal is judged only where the replay is stable, and the report says
+whether each side was overloaded) and
 outputs capped at 8 tokens: about 264 s of arrivals. The device pool (600 blocks of 8 tokens)
 holds the longest prompt of the slice, host memory 256 MiB and the disk tier 2 GiB, so each
 level serves hits. Run it from the repository root on a quiet machine: the replay's TTFT is
@@ -344,8 +345,8 @@ def parse_args(argv: list[str] | None = None) -> ValidationConfig:
     p.add_argument("--max-requests", type=int, default=200)
     p.add_argument("--tokens-per-block", type=int, default=8, help="tokens per hash id")
     p.add_argument("--time-scale", type=float, default=6.0,
-                   help="spread the arrivals this many times wider than the trace (default 6: a "
-                        "load the server sustains on a 2-core VM)")
+                   help="spread the arrivals this many times wider than the trace (default 6: "
+                        "a third of the load that overloaded a quiet 2-core VM at 2)")
     p.add_argument("--max-output-tokens", type=int, default=8)
     p.add_argument("--block-size", type=int, default=8, help="engine block size (tokens)")
     p.add_argument("--num-device-blocks", type=int, default=600)
