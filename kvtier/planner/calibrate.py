@@ -12,7 +12,9 @@ them that mix prefill chunks with decodes. One least-squares fit of seconds per 
 against) gives the step costs, each step weighted by its own time so that a 20 ms decode step
 is fitted as closely as a 2 s prefill. Host loads are timed as a copy of a buffer in memory,
 disk loads as a read of a file written, synced and dropped from the page cache first (where the
-OS allows), so both are per-byte costs of this machine.
+OS allows), so both are per-byte costs of this machine. Given the tiers served with, and a
+server, each batch also runs with those tiers and through that server, right after it ran
+alone, for the cost of the stores and of serving (see `calibrate`).
 """
 
 from __future__ import annotations
@@ -21,17 +23,24 @@ import os
 import platform
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kvtier.offload.config import OffloadConfig, parse_kv_offload
+from kvtier.planner.calibrate_served import ServedBatch, ServedClient, fit_served
 from kvtier.planner.cost_model import CostModel, prefill_pairs
+from kvtier.planner.fit import nonnegative_fit
+from kvtier.planner.model_kv import model_kv
 
 # (sequences, prompt tokens of each, output tokens of each), queued at once. Prompts longer
 # than half the model's context are cut to fit it.
 BATCHES = ((1, 128, 1), (1, 512, 1), (1, 1024, 1), (1, 2048, 1), (128, 32, 8), (16, 512, 8),
            (4, 2048, 8))
 _COPY_BYTES = 64 * 1024 * 1024
+# After a batch with tiers or a served one, the stores still running finish before the next
+# batch is timed; a batch's own steps wait for most of them.
+_SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -52,28 +61,98 @@ class Measurement:
                 self.decode_context]
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """A calibration's cost model and the raw timings it was fitted to: the engine's steps
+    (Measurement), and with a server the batches served (calibrate_served.ServedBatch)."""
+
+    cost: CostModel
+    measurements: list[dict]
+    served_measurements: list[dict] | None = None
+
+
+@dataclass
+class BatchRuns:
+    """One calibration batch's seconds, summed over its runs: in the engine alone (`steps`:
+    the steps of its last run there), with the tiers, and served."""
+
+    steps: list[Measurement]
+    plain_s: float = 0.0
+    offload_s: float = 0.0
+    served_s: float = 0.0
+
+
 def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
-              disk_dir: str | None = None, repeats: int = 2,
-              block_size: int = 16) -> tuple[CostModel, list[dict]]:
-    """Measure and fit; returns the cost model and the measurements it came from. Measure with
-    the block size the engine will serve with: the attention kernels differ by block size (the
-    vectorised CPU ones take 16-token blocks), and so do the step costs."""
+              disk_dir: str | None = None, repeats: int = 2, block_size: int = 16,
+              kv_offload: str | None = None, served_url: str | None = None) -> Calibration:
+    """Measure and fit. Measure with the block size the engine will serve with: the attention
+    kernels differ by block size (the vectorised CPU ones take 16-token blocks), and so do the
+    step costs. With `kv_offload` (the engine's flag) each batch also runs, right after, in a
+    second engine with those tiers and prefix caching on, as it serves: every chunk it computes
+    is stored, and what that takes beyond the batch in the engine alone is the stores' cost
+    (store_costs). With `served_url`, a `kvtier serve` of the same model and flags, each batch
+    is then served too, and what serving adds is fitted (calibrate_served). Run side by side,
+    batch by batch, the three meet the same load from the machine's other jobs."""
     from kvtier.engine.llm import LLM
 
-    llm = LLM(model, dtype=dtype, device=device, block_size=block_size,
-              enable_prefix_caching=False)
+    engines = [LLM(model, dtype=dtype, device=device, block_size=block_size,
+                   enable_prefix_caching=offload is not None, kv_offload=offload).engine
+               for offload in dict.fromkeys([None, kv_offload])]
     try:
-        measurements = _measure_steps(llm.engine, repeats)
+        measurements, runs = _measure_steps(engines, served_url, repeats)
     finally:
-        llm.engine.shutdown()
+        for engine in engines:
+            engine.shutdown()
     base, per_token, per_seq, per_pair, per_context = _fit(measurements)
     loads = {"host": _host_copy_s_per_byte(), "disk": _disk_read_s_per_byte(disk_dir)}
     loads["fs"] = loads["disk"]
     cost = CostModel(base, per_token, per_seq, loads, model=model or "SmolLM2-135M-Instruct",
                      machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {dtype}, "
-                             f"device {device or 'default'}",
+                             f"device {device or 'default'}, kv_offload {kv_offload}",
                      prefill_s_per_pair=per_pair, decode_s_per_context_token=per_context)
-    return cost, [m.__dict__ for m in measurements]
+    if kv_offload is not None:
+        offload = OffloadConfig.from_extra_config(parse_kv_offload(kv_offload))
+        per_block = model_kv(model, block_size, "bfloat16" if dtype == "auto" else dtype)
+        stored = {batch: repeats * stored_bytes(batch, offload, block_size,
+                                                per_block.bytes_per_block) for batch in runs}
+        cost = replace(cost, store_s_per_byte=store_costs(runs, stored, offload,
+                                                          loads["host"]))
+    if served_url is None:
+        return Calibration(cost, [m.__dict__ for m in measurements])
+    served = [ServedBatch(*batch, len(run.steps), batch[0] * batch[2],
+                          (run.offload_s if kv_offload else run.plain_s) / repeats,
+                          run.served_s / repeats) for batch, run in runs.items()]
+    per_step, per_streamed = fit_served(served)
+    cost = replace(cost, server_s_per_step=per_step, server_s_per_token=per_streamed,
+                   machine=f"{cost.machine}, served at {served_url}")
+    return Calibration(cost, [m.__dict__ for m in measurements],
+                       [b.__dict__ for b in served])
+
+
+def store_costs(runs: dict[tuple, BatchRuns], stored: dict[tuple, int], offload: OffloadConfig,
+                host_copy_s_per_byte: float) -> dict[str, float]:
+    """`store_s_per_byte` from the batches run with `offload`'s tiers, each storing
+    `stored[batch]` bytes in all its runs: the seconds they took beyond the same batches in the
+    engine alone, per byte stored. The stores run beside the steps and the next step waits for
+    the copies, so whole batches are compared, not steps. Host memory is charged its copy cost
+    of that, the secondary tiers share the rest."""
+    extra = sum(run.offload_s - run.plain_s for run in runs.values())
+    per_byte = max(0.0, extra) / max(sum(stored.values()), 1)
+    kinds = [spec.type for spec in offload.secondary_tiers]
+    if not kinds:
+        return {"host": per_byte}
+    host = min(per_byte, host_copy_s_per_byte)
+    return {"host": host, **{kind: (per_byte - host) / len(kinds) for kind in kinds}}
+
+
+def stored_bytes(batch: tuple[int, int, int], offload: OffloadConfig, block_size: int,
+                 bytes_per_block: int) -> int:
+    """The bytes of the full prompt chunks a calibration batch stores (its prompts are random:
+    every chunk is new)."""
+    num_seqs, prompt_tokens, _ = batch
+    chunk_blocks = offload.blocks_per_chunk
+    return num_seqs * (prompt_tokens // (block_size * chunk_blocks)) * chunk_blocks \
+        * bytes_per_block
 
 
 def calibration_batches(max_model_len: int) -> list[tuple[int, int, int]]:
@@ -87,24 +166,40 @@ def calibration_batches(max_model_len: int) -> list[tuple[int, int, int]]:
     return batches
 
 
-def _measure_steps(engine, repeats: int) -> list[Measurement]:
-    """Every step of every batch, `repeats` times; of steps that did the same work, the
+def _measure_steps(engines: list, served_url: str | None,
+                   repeats: int) -> tuple[list[Measurement], dict[tuple, BatchRuns]]:
+    """Every batch `repeats` times in each engine (the first alone, the second with tiers) and
+    served, one after the other. Of the first engine's steps that did the same work, the
     fastest (the others met the machine's other jobs)."""
     from kvtier.sampling_params import SamplingParams
 
     rng = np.random.default_rng(0)
-    vocab = engine.model_config.vocab_size
-    batches = calibration_batches(engine.max_model_len)
-    _run_batch(engine, rng, vocab, (1, 32, 2), SamplingParams)  # first-call costs are no step's
+    vocab = engines[0].model_config.vocab_size
+    batches = calibration_batches(engines[0].max_model_len)
+    server = None if served_url is None else ServedClient(served_url, vocab)
+    for engine in engines:  # first-call costs are no step's
+        _run_batch(engine, rng, vocab, (1, 32, 2), SamplingParams)
     fastest: dict[tuple[int, int, int, int], float] = {}
+    runs: dict[tuple, BatchRuns] = {}
     for _ in range(repeats):
         for batch in batches:
-            for step in _run_batch(engine, rng, vocab, batch, SamplingParams):
+            steps = _run_batch(engines[0], rng, vocab, batch, SamplingParams)
+            run = runs.setdefault(batch, BatchRuns(steps))
+            run.steps = steps
+            run.plain_s += sum(step.step_s for step in steps)
+            for step in steps:
                 work = (step.prefill_tokens, step.decode_seqs, step.prefill_pairs,
                         step.decode_context)
                 fastest[work] = min(step.step_s, fastest.get(work, step.step_s))
+            if len(engines) > 1:
+                offload_steps = _run_batch(engines[1], rng, vocab, batch, SamplingParams)
+                run.offload_s += sum(step.step_s for step in offload_steps)
+                time.sleep(_SETTLE_S)
+            if server is not None:
+                run.served_s += server.serve(rng, batch)
+                time.sleep(_SETTLE_S)
     return [Measurement(tokens, seqs, seconds, pairs, context)
-            for (tokens, seqs, pairs, context), seconds in fastest.items()]
+            for (tokens, seqs, pairs, context), seconds in fastest.items()], runs
 
 
 def _run_batch(engine, rng, vocab: int, batch: tuple[int, int, int],
@@ -140,28 +235,9 @@ def _step_measurement(before: list, step_s: float) -> Measurement:
 
 
 def _fit(measurements: list[Measurement]) -> tuple[float, ...]:
-    """Least squares of step seconds on Measurement.features, relative to each step's time,
-    every coefficient >= 0: one that comes out negative is held at 0 and the others fitted
-    again. A coefficient the measurements cannot tell from the ones before it (a model too
-    short for the long-context decode) is held at 0 too."""
-    # Divided by its own time, each row counts by its relative error.
-    weights = np.array([1.0 / max(m.step_s, 1e-9) for m in measurements])
-    rows = np.array([m.features() for m in measurements]) * weights[:, None]
-    seconds = np.array([m.step_s for m in measurements]) * weights
-    free: list[int] = []
-    for column in range(rows.shape[1]):
-        if np.linalg.matrix_rank(rows[:, free + [column]]) > len(free):
-            free.append(column)
-    coefficients = np.zeros(rows.shape[1])
-    while free:
-        fitted, *_ = np.linalg.lstsq(rows[:, free], seconds, rcond=None)
-        coefficients[:] = 0.0
-        coefficients[free] = fitted
-        negative = [column for column, value in zip(free, fitted) if value < 0]
-        if not negative:
-            break
-        free = [column for column in free if column not in negative]
-    return tuple(float(c) for c in coefficients)
+    """The step costs: nonnegative_fit of step seconds on Measurement.features."""
+    seconds = np.array([m.step_s for m in measurements])
+    return nonnegative_fit(np.array([m.features() for m in measurements]), seconds, seconds)
 
 
 def _host_copy_s_per_byte() -> float:

@@ -47,6 +47,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calibrate.add_argument("--block-size", type=int, default=16,
                            help="engine block size (tokens) to measure with, the one you serve "
                                 "with: step costs depend on it (default 16)")
+    calibrate.add_argument("--kv-offload", default=None,
+                           help="the tiers you serve with (the engine's flag, directories "
+                                "included): the engine is measured storing every chunk it "
+                                "computes to them, with prefix caching on")
+    calibrate.add_argument("--served-url", default=None,
+                           help="a running `kvtier serve` of the same model and flags, e.g. "
+                                "http://127.0.0.1:8000: the batches are served too, and what "
+                                "serving adds is fitted (server_s_per_step, "
+                                "server_s_per_token)")
     calibrate.add_argument("--output", type=Path, required=True, help="cost model JSON path")
     _add_plan_arguments(parser)
 
@@ -164,8 +173,9 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     # Imported here: it loads the engine (torch), which planning never needs.
     from kvtier.planner.calibrate import calibrate
 
-    cost, measurements = calibrate(args.model, args.dtype, args.device, args.disk_dir,
-                                   block_size=args.block_size)
-    write_cost_model(cost, args.output, measurements)
-    print(json.dumps(cost.to_json(), indent=2))
+    result = calibrate(args.model, args.dtype, args.device, args.disk_dir,
+                       block_size=args.block_size, kv_offload=args.kv_offload,
+                       served_url=args.served_url)
+    write_cost_model(result.cost, args.output, result.measurements, result.served_measurements)
+    print(json.dumps(result.cost.to_json(), indent=2))
     return 0

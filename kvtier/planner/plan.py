@@ -73,7 +73,7 @@ def request_row(request: SimRequest, level_names: list[str]) -> dict[str, Any]:
     first_token = request.first_token_s
     return {"index": request.index, "arrival_s": request.arrival_s,
             "prompt_tokens": request.num_prompt_tokens, "admitted_s": request.admitted_s,
-            "first_token_s": first_token,
+            "first_token_s": first_token, "finished_s": request.finished_s,
             "ttft_s": None if first_token is None else first_token - request.arrival_s,
             "hit_tokens": dict(zip(level_names, request.hit_tokens)),
             "rejected": request.rejected}

@@ -16,7 +16,9 @@ and output at admission (so it is never preempted, and its prompt blocks can be 
 on, not chunk by chunk); a request that did not fit is looked up again only once a request has
 finished (the engine asks every step, to the same answer but for the promotions a lookup
 starts); tier loads are synchronous and add their cost to the step that admits the request;
-stores to the tiers cost nothing (they run beside the steps).
+stores to the tiers run beside the steps, so the chunks a step computes add their store cost
+to the next step (as the engine's next step waits for the device copies, and tier writes take
+the cores the steps use), less the time the engine spends idle before it.
 """
 
 from __future__ import annotations
@@ -93,6 +95,9 @@ class Simulation:
             for tier in self.offload.all_tiers:
                 cost.load_s(tier.kind, 0)  # a tier the cost model has no price for: fail now
         self.now = 0.0
+        # Seconds of tier stores not done yet: they run beside the steps (the engine's next
+        # step waits for its device copies; tier writes take the cores the steps would).
+        self.store_backlog_s = 0.0
         self.num_steps = 0
         self.num_finished = 0
         # num_finished when the head of the queue last did not fit; blocks are only freed when
@@ -113,6 +118,9 @@ class Simulation:
             while pending and pending[0].arrival_s <= self.now:
                 waiting.append(pending.popleft())
             if not waiting and not running:
+                # The stores go on while the engine is idle.
+                self.store_backlog_s = max(0.0, self.store_backlog_s
+                                           - (pending[0].arrival_s - self.now))
                 self.now = pending[0].arrival_s
                 continue
             step = self._schedule(waiting, running)
@@ -243,12 +251,17 @@ class Simulation:
     # ---- running a step --------------------------------------------------------------------
 
     def _advance(self, step: _Step, running: list[SimRequest]) -> None:
-        if self.cost is not None:
-            self.now += self._step_s(step)
-        self.num_steps += 1
+        seconds = 0.0 if self.cost is None else self._step_s(step)
+        stored_before = None if self.offload is None else list(self.offload.num_stored)
         for request, num_tokens in step.prefill:
             request.num_prefilled += num_tokens
             self._store(request)
+        if self.cost is not None:
+            # This step waits for the stores still running; its own run beside the next one.
+            self.now += seconds + self.store_backlog_s
+            self.store_backlog_s = self._store_s(stored_before)
+        self.num_steps += 1
+        for request, _ in step.prefill:
             if not request.in_prefill:
                 request.first_token_s = self.now
                 request.num_output = 1
@@ -269,7 +282,20 @@ class Simulation:
                     for request, num_tokens in step.prefill)
         # A decoding sequence's new token attends to the prompt and every output so far.
         context = sum(r.num_prompt_tokens + r.num_output for r in step.decode)
-        return self.cost.step_s(num_prefill, len(step.decode), pairs, context) + step.load_s
+        # Streamed: a token per decode, and the first token of each prefill this step ends.
+        num_streamed = len(step.decode) + sum(
+            num_tokens == request.num_prompt_tokens - request.num_prefilled
+            for request, num_tokens in step.prefill)
+        return (self.cost.step_s(num_prefill, len(step.decode), pairs, context) + step.load_s
+                + self.cost.served_s(num_streamed))
+
+    def _store_s(self, stored_before: list[int] | None) -> float:
+        """The seconds of the chunks stored to each tier since `stored_before` (its counts)."""
+        if stored_before is None:
+            return 0.0
+        return sum(self.cost.store_s(tier.kind, (now - before) * self.chunk_bytes)
+                   for tier, now, before in zip(self.offload.all_tiers, self.offload.num_stored,
+                                                stored_before))
 
     def _store(self, request: SimRequest) -> None:
         """Offload the prompt chunks the request has computed since its last step. (The engine

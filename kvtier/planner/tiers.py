@@ -61,6 +61,9 @@ class SimulatedOffload:
         self._unbounded: list[set[Hashable]] = [set() for _ in self.tiers]
         self._uses: Counter[Hashable] = Counter()
         self._hits: Counter[Hashable] = Counter()
+        # Chunks stored to each tier (all_tiers' order): from the device into host memory, and
+        # from host memory on to a secondary tier. Promotions are loads, not counted here.
+        self.num_stored = [0] * (1 + len(self.tiers))
 
     def _secondary(self, spec: TierSpec) -> SimTier:
         max_bytes = getattr(spec.options, "max_bytes", None)
@@ -145,6 +148,7 @@ class SimulatedOffload:
         threshold = self.config.store_threshold
         if (threshold > 1 and self._uses[key] < threshold) or not self._put_in_host(key):
             return
+        self.num_stored[0] += 1
         for index, tier in enumerate(self.tiers):
             if not tier.write_back and self._hits[key] >= tier.admit_after_hits:
                 self._store_on(index, key)
@@ -163,12 +167,18 @@ class SimulatedOffload:
     def _store_on(self, index: int, key: Hashable) -> None:
         tier = self.tiers[index]
         if tier.cache is None:
+            if key in self._unbounded[index]:
+                return
             self._unbounded[index].add(key)
         elif tier.cache.is_ready(key):
             tier.cache.policy.touch(key)  # the disk tier's index: a rewrite is a recent use
+            return  # and no write (the tier finds the chunk there)
         elif tier.cache.prepare_store(key, self.chunk_bytes) is not None:
             tier.cache.complete_store(key, ok=True)
             tier.cache.take_evicted()
+        else:
+            return
+        self.num_stored[1 + index] += 1
 
 
 def _tier(name: str, kind: str, budget_bytes: int, slot_bytes: int, policy: str,

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from kvtier.entrypoints import cli
-from kvtier.planner.calibrate import Measurement, _fit
+from kvtier.offload.config import OffloadConfig, parse_kv_offload
+from kvtier.planner.calibrate import BatchRuns, Measurement, _fit, store_costs, stored_bytes
+from kvtier.planner.calibrate_served import ServedBatch, fit_served
 from kvtier.planner.cost_model import (
     CostModel,
     default_cost_model_path,
@@ -15,6 +17,7 @@ from kvtier.planner.cost_model import (
     write_cost_model,
 )
 
+from ..entrypoints.server_process import ServerProcess
 from ..tiny_models import make_hf_model
 
 torch.set_num_threads(1)
@@ -90,8 +93,14 @@ def test_calibrate_measures_a_real_model(tmp_path, capsys):
     directory = tmp_path / "model"
     make_hf_model("llama", directory)
     out = tmp_path / "cost.json"
-    code = cli.main(["plan", "calibrate", "--model", str(directory), "--dtype", "float32",
-                     "--disk-dir", str(tmp_path), "--output", str(out)])
+    # As served with a host tier (every chunk computed is stored to it), and through a server.
+    server = ServerProcess(str(directory), "--dtype", "float32", "--kv-offload", "host=16MiB")
+    try:
+        code = cli.main(["plan", "calibrate", "--model", str(directory), "--dtype", "float32",
+                         "--disk-dir", str(tmp_path), "--kv-offload", "host=16MiB",
+                         "--served-url", server.url, "--output", str(out)])
+    finally:
+        server.stop()
     assert code == 0, capsys.readouterr().err
     cost = load_cost_model(out)
     steps = {(m["prefill_tokens"], m["decode_seqs"], m["prefill_pairs"], m["decode_context"])
@@ -109,4 +118,66 @@ def test_calibrate_measures_a_real_model(tmp_path, capsys):
     assert (0, 4, 0, 4 * 121) in steps
     assert all(m["step_s"] > 0 for m in json.loads(out.read_text())["measurements"])
     assert cost.step_s(128, 0) > 0 and cost.load_s("host", 10**6) > 0
+    assert "kv_offload host=16MiB" in cost.machine and set(cost.store_s_per_byte) == {"host"}
+    # Every batch was served too, once a repeat: its mean time there and in the engine.
+    served = json.loads(out.read_text())["served_measurements"]
+    assert {(b["num_seqs"], b["prompt_tokens"], b["output_tokens"]) for b in served} == {
+        (1, 127, 1), (128, 32, 8), (16, 120, 8), (4, 120, 8)}
+    assert all(b["served_s"] > 0 and b["engine_s"] > 0 for b in served)
+    assert {b["num_tokens"] for b in served} == {1, 1024, 128, 32}
+    assert cost.server_s_per_step >= 0 and cost.server_s_per_token >= 0
     assert cost.load_s("disk", 10**6) > 0 and cost.model == str(directory)
+
+
+def test_store_and_server_terms_round_trip_and_default_to_zero(tmp_path):
+    cost = CostModel(0.01, 1e-4, 2e-3, {"host": 1e-9}, store_s_per_byte={"disk": 3e-9},
+                     server_s_per_step=0.004, server_s_per_token=5e-4)
+    assert cost.store_s("disk", 10**6) == pytest.approx(3e-3)
+    assert cost.store_s("host", 10**6) == 0.0  # a kind it leaves out stores for free
+    assert cost.served_s(10) == pytest.approx(0.004 + 10 * 5e-4)
+    path = tmp_path / "cost.json"
+    write_cost_model(cost, path, [{"prefill_tokens": 1}], served_measurements=[{"num_steps": 1}])
+    assert load_cost_model(path) == cost
+    # A file from before these terms loads with them at 0.
+    raw = json.loads(path.read_text())
+    for key in ("store_s_per_byte", "server_s_per_step", "server_s_per_token",
+                "served_measurements"):
+        del raw[key]
+    path.write_text(json.dumps(raw))
+    old = load_cost_model(path)
+    assert (old.store_s_per_byte, old.server_s_per_step, old.server_s_per_token) == ({}, 0, 0)
+    path.write_text(json.dumps({**raw, "store_s_per_byte": {"disk": -1}}))
+    with pytest.raises(ValueError, match=r"store_s_per_byte\['disk'\] must be a number >= 0"):
+        load_cost_model(path)
+
+
+def test_fit_served_recovers_what_serving_adds():
+    per_step, per_token = 0.006, 4e-4
+    batches = [ServedBatch(n, 32, out, steps, n * out, engine_s,
+                           engine_s + per_step * steps + per_token * n * out)
+               for n, out, steps, engine_s in ((1, 1, 1, 0.2), (1, 1, 1, 0.9), (128, 8, 10, 3.0),
+                                               (16, 8, 12, 2.5), (4, 8, 11, 1.7))]
+    assert fit_served(batches) == pytest.approx((per_step, per_token))
+
+
+def test_store_costs_are_the_batches_beyond_the_engine_alone_per_byte_stored():
+    offload = OffloadConfig.from_extra_config(parse_kv_offload("host=1GiB,disk=/d:2GiB"))
+    # 4 prompts of 100 tokens in 16-token blocks: 6 full blocks each are stored.
+    assert stored_bytes((4, 100, 2), offload, 16, 1000) == 24 * 1000
+    runs = {(4, 100, 2): BatchRuns([], plain_s=2.0, offload_s=2.5),
+            (1, 64, 1): BatchRuns([], plain_s=1.0, offload_s=1.1)}
+    stored = {(4, 100, 2): 24_000, (1, 64, 1): 4_000}
+    per_byte = 0.6 / 28_000
+    assert store_costs(runs, stored, offload, 1e-7) == pytest.approx(
+        {"host": 1e-7, "disk": per_byte - 1e-7})
+    # Host memory alone takes it all; a run no slower than the engine alone stores for free.
+    host_only = OffloadConfig.from_extra_config(parse_kv_offload("host=1GiB"))
+    assert store_costs(runs, stored, host_only, 1e-7) == pytest.approx({"host": per_byte})
+    runs[(4, 100, 2)].offload_s = 1.0
+    assert store_costs(runs, stored, host_only, 1e-7) == {"host": 0.0}
+
+
+def test_fit_served_holds_at_zero_what_serving_did_not_add():
+    # Served faster than the engine's steps say (a noisy machine): no negative cost.
+    batches = [ServedBatch(1, 32, 1, 1, 1, 0.5, 0.4), ServedBatch(16, 32, 8, 10, 128, 3.0, 2.0)]
+    assert fit_served(batches) == (0.0, 0.0)

@@ -3,11 +3,12 @@
 import pytest
 
 from kvtier.entrypoints.bench.trace import ScaledRequest
+from kvtier.offload.config import OffloadConfig, parse_kv_offload
 from kvtier.planner.blocks import BlockKeys
 from kvtier.planner.cost_model import CostModel, prefill_pairs
 from kvtier.planner.model_kv import model_kv
 from kvtier.planner.plan import plan_requests, request_row
-from kvtier.planner.simulator import SchedulerLimits, Simulation
+from kvtier.planner.simulator import SchedulerLimits, SimRequest, Simulation
 
 from ..tiny_models import make_hf_model
 
@@ -86,3 +87,42 @@ def test_arrivals_faster_than_the_steps_queue(tmp_path):
     _simulation(tmp_path / "spread", cost, SchedulerLimits(max_num_batched_tokens=16)).run(
         requests)
     assert [r.first_token_s - r.arrival_s for r in requests] == pytest.approx([service] * 6)
+
+
+def test_stores_and_serving_cost_what_the_model_says(tmp_path):
+    make_hf_model("llama", tmp_path)
+    model = model_kv(str(tmp_path), 4, "float32")
+    offload = OffloadConfig.from_extra_config(parse_kv_offload("host=1MiB,disk=unused:4MiB"))
+    # One 16-token prompt (4 blocks of 4, one chunk each), three output tokens, alone.
+    scaled = [ScaledRequest(0, 0.0, (0, 1), 16, 3)]
+
+    def run(cost: CostModel) -> SimRequest:
+        (request,) = plan_requests(scaled, BlockKeys(8, 4))
+        Simulation(model, 64 * model.bytes_per_block, offload, cost,
+                   SchedulerLimits(max_num_batched_tokens=64)).run([request])
+        return request
+
+    plain = run(CostModel(BASE, PER_TOKEN, PER_SEQ, {"host": 1e-9, "disk": 1e-9}))
+    host_store, disk_store, per_step, per_token = 2e-7, 5e-7, 0.03, 0.007
+    served = run(CostModel(BASE, PER_TOKEN, PER_SEQ, {"host": 1e-9, "disk": 1e-9},
+                           store_s_per_byte={"host": host_store, "disk": disk_store},
+                           server_s_per_step=per_step, server_s_per_token=per_token))
+    # The prefill step streams the first token and stores its 4 chunks to host memory and on
+    # to the disk (write-through), beside the next step: the first decode waits for them.
+    # Each decode step streams one token.
+    stores = 4 * model.bytes_per_block * (host_store + disk_store)
+    assert served.first_token_s - plain.first_token_s == pytest.approx(per_step + per_token)
+    assert served.finished_s - plain.finished_s == pytest.approx(
+        stores + 3 * (per_step + per_token))
+    # Idle time absorbs stores: a one-token request, then a second one (other blocks) that
+    # arrives when half of the first one's stores are done, and pays the other half.
+    cost = CostModel(BASE, PER_TOKEN, PER_SEQ, {"host": 1e-9, "disk": 1e-9},
+                     store_s_per_byte={"host": host_store, "disk": disk_store})
+    prefill = cost.step_s(16, 0)
+    first, second = plan_requests([ScaledRequest(0, 0.0, (0, 1), 16, 1),
+                                   ScaledRequest(1, prefill + stores / 2, (2, 3), 16, 1)],
+                                  BlockKeys(8, 4))
+    Simulation(model, 64 * model.bytes_per_block, offload, cost,
+               SchedulerLimits(max_num_batched_tokens=64)).run([first, second])
+    assert first.first_token_s == pytest.approx(prefill)
+    assert second.first_token_s - second.arrival_s == pytest.approx(prefill + stores / 2)

@@ -1,6 +1,6 @@
 """The offload tiers on simulated time, on the engine's HostCache and eviction policies."""
 
-from kvtier.offload.config import OffloadConfig
+from kvtier.offload.config import OffloadConfig, parse_kv_offload
 from kvtier.planner.tiers import SimulatedOffload
 
 CHUNK = 4096  # the disk tier's slot: a page of header and one page of chunk
@@ -52,3 +52,13 @@ def test_store_threshold_counts_uses():
     offload.record_use("a")
     offload.store("a")
     assert offload.find("a") == 0
+
+
+def test_stores_count_only_chunks_written():
+    offload = OffloadConfig.from_extra_config(parse_kv_offload("host=1MiB,disk=unused:4MiB"))
+    tiers = SimulatedOffload(offload, 1024)
+    tiers.store("a")
+    tiers.store("b")
+    assert tiers.num_stored == [2, 2]  # host memory, and on to the disk (write-through)
+    tiers.store("a")  # already in both: nothing is written again
+    assert tiers.num_stored == [2, 2]
