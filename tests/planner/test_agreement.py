@@ -24,7 +24,11 @@ torch.set_num_threads(1)
 
 TRACE = Path(__file__).parent / "data" / "agree_trace.jsonl"
 BLOCK_SIZE = 4
-SCALING = TraceScaling(tokens_per_block=8, time_scale=0.0)
+# Requests 200 ms apart (the trace's are 10 ms): each one's tier stores end before the next
+# arrives, as the planner's stores, which take no time without a cost model. Back to back, a
+# chunk still on its way to the disk tier is held in host memory and another one is evicted
+# in its place.
+SCALING = TraceScaling(tokens_per_block=8, time_scale=20.0)
 
 
 @pytest.fixture(scope="module")
