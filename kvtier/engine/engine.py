@@ -200,6 +200,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One engine step; returns the requests with new tokens or finished in it."""
+        started = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.runner.execute_model(scheduler_output)
         core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
@@ -211,7 +212,9 @@ class Engine:
             self.scheduler.finish_requests(processed.failed_req_ids,
                                            RequestStatus.FINISHED_ERROR)
         self.stats.record_scheduler(self.scheduler.make_stats())
-        self.stats.record_step(processed, sum(len(c.new_token_ids) for c in core_outputs))
+        seconds = None if scheduler_output.is_empty else time.monotonic() - started
+        self.stats.record_step(processed, sum(len(c.new_token_ids) for c in core_outputs),
+                               seconds)
         if scheduler_output.is_empty:
             # Nothing to compute: every live request waits on a KV transfer. A short sleep hands
             # the cores and the GIL to the transfer threads instead of spinning on them.

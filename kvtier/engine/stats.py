@@ -11,6 +11,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Seconds; engine steps. A running request gets at most one token a step, so its time between
+# tokens is the step's, the prefill chunks scheduled beside it included.
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class EngineStats:
@@ -43,6 +46,11 @@ class EngineStats:
             "kvtier:connector_lookup_timeouts",
             "Requests admitted without the connector after it answered 'not yet' past "
             "kv_load_timeout_s.")
+        self.step_seconds = metrics.histogram(
+            "kvtier:engine_step_seconds",
+            "Duration of engine steps that computed tokens (schedule, forward, sampling, "
+            "bookkeeping): a decoding request waits one step for each token.",
+            buckets=STEP_BUCKETS)
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -54,8 +62,12 @@ class EngineStats:
         self.kv_load_failures.inc(stats.num_kv_load_failures + stats.num_kv_load_timeouts)
         self.lookup_timeouts.inc(stats.num_connector_lookup_timeouts)
 
-    def record_step(self, step: ProcessedStep, num_new_tokens: int) -> None:
+    def record_step(self, step: ProcessedStep, num_new_tokens: int,
+                    seconds: float | None) -> None:
+        """`seconds`: how long the step took; None for a step that computed nothing."""
         self.generation_tokens.inc(num_new_tokens)
+        if seconds is not None:
+            self.step_seconds.observe(seconds)
         for parent in step.first_tokens:
             self.prompt_tokens.inc(len(parent.prompt_token_ids))
             self.ttft.observe(parent.metrics.first_token_time - parent.metrics.arrival_time)

@@ -186,3 +186,15 @@ def test_a_refused_prompt_in_a_batch_leaves_no_request_behind(llm):
     assert not llm.engine.has_unfinished_requests()
     outputs = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)
     assert [len(o.outputs[0].token_ids) for o in outputs] == [6]
+
+
+def test_every_step_that_computed_is_timed_once(llm):
+    # One request whose prompt fits one step: the first token comes with its prefill, each
+    # other token with one decode step, so 6 tokens are 6 steps.
+    llm.generate([{"prompt_token_ids": PROMPT}], GREEDY)
+    metrics = llm.get_metrics()
+    assert metrics["kvtier:engine_step_seconds_count"] == GREEDY.max_tokens
+    assert metrics["kvtier:engine_step_seconds_sum"] > 0
+    llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:5]}], GREEDY)
+    # Both start in the same step and decode side by side: 6 more steps, not 12.
+    assert llm.get_metrics()["kvtier:engine_step_seconds_count"] == 2 * GREEDY.max_tokens
