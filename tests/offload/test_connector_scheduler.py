@@ -163,6 +163,30 @@ def test_secondary_hit_answers_retry_until_promoted(make_connector):
     assert stats['kvtier:offload_tier_queries_total{tier="host"}'] == 14
 
 
+def test_a_request_is_not_looked_up_again_until_its_promotions_end(make_connector):
+    # An 8k-token prompt's lookup takes ~2 ms of the engine thread, which the tier's read
+    # threads wait on: re-asking for a request whose chunks are still on their way is free.
+    connector = make_connector(secondary_tiers=[{"type": "StuckTier",
+                                                  "module_path": FAULTY_TIERS}])
+    stuck, manager, request = connector.manager.tiers[0], connector.manager, _request()
+    asked = []
+    lookup = manager.lookup
+    manager.lookup = lambda key, *args, **kwargs: asked.append(key) or lookup(key, *args,
+                                                                               **kwargs)
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(asked) == 7
+    # Every chunk but the first has arrived: still waiting, and nothing is asked again.
+    first, *rest = stuck.held
+    stuck.held, stuck._released = [first], [JobResult(job.job_id, ok=True) for job in rest]
+    _empty_step(connector)
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(asked) == 7
+    stuck.release(ok=True)
+    _empty_step(connector)
+    assert connector.get_num_new_matched_tokens(request, 0) == (28, False)
+    assert len(asked) == 14 and len(set(asked)) == 7
+
+
 def test_failed_promotion_ends_the_hit_there(make_connector):
     connector = make_connector(secondary_tiers=[{"type": "StuckTier",
                                                   "module_path": FAULTY_TIERS}])
