@@ -80,6 +80,9 @@ class _RequestState:
     retrying_since: float | None = None
     # Chunks the last lookup started (or found) on their way up from a tier, in scan order.
     promoting: list[ChunkKey] = field(default_factory=list)
+    # The last lookup also answered RETRY for a chunk not on its way up (a tier that cannot
+    # tell yet, no host slot free): ask again next step, whatever `promoting` holds.
+    rescan: bool = False
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
@@ -149,8 +152,11 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         key = self.chunk_key(request, group_id, chunk)
         answer = self.manager.lookup(key, self.layouts[group_id].chunk_bytes,
                                      request.request_id, record=first)
-        if answer is Lookup.RETRY and self.manager.is_promoting(key):
-            state.promoting.append(key)
+        if answer is Lookup.RETRY:
+            if self.manager.is_promoting(key):
+                state.promoting.append(key)
+            else:
+                state.rescan = True
         return answer
 
     def get_num_new_matched_tokens(self, request: Any,
@@ -168,7 +174,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         settle = self._waited_too_long(state)
         if not settle and self._still_promoting(state):
             return None, False
-        state.promoting = []
+        state.promoting, state.rescan = [], False
         scan = self._scan_groups()
         for chunk in range(start, num_chunks):
             # Past a RETRY the scan goes on, so every chunk on a tier is promoted at once.
@@ -209,6 +215,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         engine thread (and the GIL the tier's read threads need between their reads) for ~2
         ms each step, which made its promotions ~4x slower. Most recent first: promotions end
         about in the order they started, so each chunk is checked about once in all."""
+        if state.rescan:
+            return False
         promoting = state.promoting
         while promoting and not self.manager.is_promoting(promoting[-1]):
             promoting.pop()
