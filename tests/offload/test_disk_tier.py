@@ -219,29 +219,6 @@ def test_torn_slot_after_a_crash_is_dropped_at_load(make_tier, tmp_path):
     assert tier_load(again, 1) == (True, chunk_bytes(1))
 
 
-def test_neighbouring_slots_are_read_at_once_and_each_chunk_is_checked(make_tier, tmp_path,
-                                                                       monkeypatch):
-    tier = make_tier(tmp_path, num_slots=8)
-    for n in range(6):
-        assert tier_store(tier, n)
-    assert [tier._index[key(n)] for n in range(6)] == list(range(6))
-    _flip(tier.path, PAGE + 2 * STRIDE + PAGE)  # chunk 2's payload
-    reads = []
-    preadv = os.preadv
-    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: reads.append(offset) or
-                        preadv(fd, buffers, offset))
-    order = [4, 9, 0, 2, 1, 5, 3]  # 9 was never stored
-    jobs = [tier_job(n, memoryview(bytearray(CHUNK))) for n in order]
-    errors = tier._load_batch(jobs)
-    assert reads == [PAGE]  # slots 0..5 in one read, from slot 0
-    assert [error is None for error in errors] == [n not in (2, 9) for n in order]
-    assert "checksum mismatch" in str(errors[order.index(2)])
-    assert all(bytes(job.buffer) == chunk_bytes(n)
-               for n, job, error in zip(order, jobs, errors) if error is None)
-    assert _present(tier, range(10)) == [0, 1, 3, 4, 5]  # the damaged slot left the index
-    assert 2 in tier._free and not tier._readers_of and not tier._orphans
-
-
 def test_concurrent_stores_and_loads_never_return_wrong_bytes(make_tier, tmp_path):
     tier = make_tier(tmp_path, num_slots=4, num_read_threads=4, num_write_threads=4)
     # Chunks on disk before the mix starts: reads (not niced) can run ahead of every write

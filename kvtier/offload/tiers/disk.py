@@ -39,7 +39,7 @@ import stat
 import struct
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -60,7 +60,6 @@ from kvtier.offload.keys import ChunkKey
 from kvtier.offload.safe_dir import DIR_MODE, FILE_MODE
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
-from kvtier.offload.tiers.vectored_io import pread_all, pwrite_all
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +71,6 @@ _PAGE = 4096  # the file header and each slot header take one page; payloads sta
 _SEQUENCE_AT = _PAGE - _SEQUENCE.size
 _MAX_KEY_BYTES = _SEQUENCE_AT - HEADER_BYTES - MAC_BYTES
 _SUFFIX = ".kvslots"
-# Most slots one read covers: three buffers each, well under the 1024 a vectored read takes.
-_MAX_RUN = 256
 
 
 class DiskTierError(Exception):
@@ -206,7 +203,7 @@ class DiskTier(ThreadedTier):
             chunk_header = encode_header(job.key, job.buffer, self._secret)
             header[:len(chunk_header)] = chunk_header
             _SEQUENCE.pack_into(header, _SEQUENCE_AT, sequence)
-            pwrite_all(self._fd, [header, job.buffer], self._offset(slot))
+            _pwrite_all(self._fd, [header, job.buffer], self._offset(slot))
         except BaseException:
             with self._lock:
                 self._free.append(slot)
@@ -219,72 +216,21 @@ class DiskTier(ThreadedTier):
             self._set_used_gauge()
 
     def _load(self, job: TransferJob) -> None:
-        (error,) = self._load_batch([job])
-        if error is not None:
-            raise error
-
-    def _load_batch(self, jobs: Sequence[TransferJob]) -> list[Exception | None]:
-        """Read the jobs' slots, one read per run of neighbouring slots: a prompt's chunks
-        were stored one after another, so its promotions are a few long reads."""
-        slots = self._pin_slots(jobs)
-        errors: list[Exception | None] = [
-            None if slot is not None else
-            DiskTierError("chunk not in the disk tier (overwritten since its lookup)")
-            for slot in slots]
-        problems: list[str | None] = [None] * len(jobs)
+        with self._lock:
+            slot = self._index.get(job.key)
+            if slot is None:
+                raise DiskTierError("chunk not in the disk tier (overwritten since its lookup)")
+            self._index.move_to_end(job.key)
+            self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
+        problem = None
         try:
-            for run in _runs_of_neighbours(slots):
-                headers = [bytearray(_PAGE) for _ in run]
-                try:
-                    pread_all(self._fd, self._run_buffers(jobs, run, headers),
-                               self._offset(slots[run[0]]))
-                except Exception as exc:
-                    for i in run:
-                        errors[i] = exc
-                    continue
-                for i, header in zip(run, headers):
-                    problems[i] = _slot_problem(header, jobs[i].key, jobs[i].buffer,
-                                                self._secret)
-                    if problems[i] is not None:
-                        errors[i] = DiskTierError(f"slot {slots[i]}: {problems[i]}")
+            header = bytearray(_PAGE)
+            _pread_all(self._fd, [header, job.buffer], self._offset(slot))
+            problem = _slot_problem(header, job.key, job.buffer, self._secret)
         finally:
-            self._unpin_slots(jobs, slots, problems)
-        return errors
-
-    def _run_buffers(self, jobs: Sequence[TransferJob], run: list[int],
-                     headers: list[bytearray]) -> list[Any]:
-        """What one read of the neighbouring slots of `run` fills: per slot its header page and
-        the job's buffer, and between slots the rest of the slot (read and dropped)."""
-        buffers: list[Any] = []
-        for position, (i, header) in enumerate(zip(run, headers)):
-            buffers += [header, jobs[i].buffer]
-            gap = self.stride - _PAGE - len(jobs[i].buffer)
-            if gap and position < len(run) - 1:
-                buffers.append(bytearray(gap))
-        return buffers
-
-    def _pin_slots(self, jobs: Sequence[TransferJob]) -> list[int | None]:
-        """Each job's slot (None: not in the index), counted as being read."""
-        slots: list[int | None] = []
-        with self._lock:
-            for job in jobs:
-                slot = self._index.get(job.key)
-                if slot is not None:
-                    self._index.move_to_end(job.key)
-                    self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
-                slots.append(slot)
-        return slots
-
-    def _unpin_slots(self, jobs: Sequence[TransferJob], slots: list[int | None],
-                     problems: list[str | None]) -> None:
-        """The reads of `slots` ended; a slot that did not hold its job's chunk leaves the
-        index, and is free once no load reads it."""
-        with self._lock:
-            for job, slot, problem in zip(jobs, slots, problems):
-                if slot is None:
-                    continue
+            with self._lock:
                 if problem is not None and self._index.get(job.key) == slot:
-                    del self._index[job.key]
+                    del self._index[job.key]  # a bad slot: free it once no load reads it
                     self._orphans.add(slot)
                     self._set_used_gauge()
                 self._readers_of[slot] -= 1
@@ -293,6 +239,8 @@ class DiskTier(ThreadedTier):
                     if slot in self._orphans:
                         self._orphans.discard(slot)
                         self._free.append(slot)
+        if problem is not None:
+            raise DiskTierError(f"slot {slot}: {problem}")
 
     def _take_slot(self) -> int:
         """A slot to write into; the least recently used chunk not being read gives way."""
@@ -320,7 +268,7 @@ class DiskTier(ThreadedTier):
         header = _FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, self.stride)
         if os.pread(self._fd, _FILE_HEADER.size, 0) != header:
             os.ftruncate(self._fd, 0)  # new, or of another format or stride: start afresh
-            pwrite_all(self._fd, [header], 0)
+            _pwrite_all(self._fd, [header], 0)
         try:
             if os.fstat(self._fd).st_size != size:
                 os.ftruncate(self._fd, size)  # a smaller budget drops the slots past its end
@@ -412,19 +360,34 @@ def _open_locked(path: str) -> int:
     return fd
 
 
-def _runs_of_neighbours(slots: Sequence[int | None]) -> list[list[int]]:
-    """Indices into `slots` (None left out), grouped into runs of consecutive slot numbers in
-    ascending order, each run at most one read's worth of buffers (IOV_MAX is 1024)."""
-    order = sorted((slot, i) for i, slot in enumerate(slots) if slot is not None)
-    runs: list[list[int]] = []
-    previous = None
-    for slot, i in order:
-        if previous is not None and slot == previous + 1 and len(runs[-1]) < _MAX_RUN:
-            runs[-1].append(i)
-        else:
-            runs.append([i])
-        previous = slot
-    return runs
+def _pwrite_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
+    _whole(os.pwritev, fd, buffers, offset, OSError)
+
+
+def _pread_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
+    _whole(os.preadv, fd, buffers, offset, DiskTierError)
+
+
+def _whole(io: Callable[[int, list[memoryview], int], int], fd: int, buffers: Sequence[Any],
+           offset: int, error: type[Exception]) -> None:
+    """Repeat a vectored read or write (`io`) until every byte of `buffers` is moved."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        moved = io(fd, views, offset)
+        if moved == 0:
+            raise error(f"{io.__name__} moved nothing at offset {offset} of the slot file")
+        offset += moved
+        views = _advance(views, moved)
+
+
+def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
+    """`views` less their first `num_bytes` bytes."""
+    while views and num_bytes >= len(views[0]):
+        num_bytes -= len(views[0])
+        views = views[1:]
+    if views and num_bytes:
+        views = [views[0][num_bytes:]] + views[1:]
+    return views
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -5,12 +5,6 @@ write threads are niced: stores are background work and run in the CPU time the 
 leaves idle instead of taking turns with it; reads keep the engine's priority (a request waits
 for them). A subclass implements `_store` and `_load`, which raise on any failure.
 
-Loads wait in one queue that each read thread drains a batch at a time (`_load_batch`, by
-default `_load` per job): a tier that can read several chunks in one call (the disk tier's
-neighbouring slots) overrides it. A prompt's lookup submits its loads one by one while the
-engine thread holds the GIL, so by the time a read thread runs, most of them are queued: one
-batch instead of a GIL hand-over per chunk.
-
 The pools' threads are daemon threads: a job stuck in I/O past its deadline is abandoned at
 shutdown and never holds the process.
 """
@@ -20,11 +14,9 @@ from __future__ import annotations
 import os
 import queue
 import sys
-import threading
 import time
 from abc import abstractmethod
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvtier.common.daemon_threads import DaemonThreadPool
@@ -33,8 +25,6 @@ from kvtier.offload.tiers.base import JobResult, SecondaryTier, TierContext, Tra
 
 # Seconds shutdown waits for the pools' threads even when every job's deadline has passed.
 _SHUTDOWN_GRACE_S = 0.5
-# Most loads one read thread takes from the queue at once (bounds the chunks a batch holds up).
-MAX_LOAD_BATCH = 32
 
 
 def check_thread_options(options: Any, where: str) -> None:
@@ -62,11 +52,6 @@ class ThreadedTier(SecondaryTier):
                                          initargs=(options.write_nice,))
         # The latest deadline of any job submitted: shutdown waits for running jobs until then.
         self._last_deadline = 0.0
-        # Loads not yet taken by a read thread, and the read threads asked to drain them;
-        # under the lock, so that no load is left queued with no thread coming for it.
-        self._loads: deque[TransferJob] = deque()
-        self._num_draining = 0
-        self._loads_lock = threading.Lock()
 
     def submit_store(self, job: TransferJob) -> None:
         self._last_deadline = max(self._last_deadline, job.deadline)
@@ -74,12 +59,7 @@ class ThreadedTier(SecondaryTier):
 
     def submit_load(self, job: TransferJob) -> None:
         self._last_deadline = max(self._last_deadline, job.deadline)
-        with self._loads_lock:
-            self._loads.append(job)
-            if self._num_draining == self.options.num_read_threads:
-                return
-            self._num_draining += 1
-        self._readers.submit(self._drain_loads)
+        self._readers.submit(self._run, job, self._load)
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
         finished = []
@@ -105,42 +85,6 @@ class ThreadedTier(SecondaryTier):
     @abstractmethod
     def _load(self, job: TransferJob) -> None: ...
 
-    def _load_batch(self, jobs: Sequence[TransferJob]) -> list[Exception | None]:
-        """Run `jobs`' loads; per job, the failure or None. Override to read them together."""
-        errors: list[Exception | None] = []
-        for job in jobs:
-            try:
-                self._load(job)
-                errors.append(None)
-            except Exception as exc:  # any tier failure is a failed job, never a lost one
-                errors.append(exc)
-        return errors
-
-    def _drain_loads(self) -> None:
-        """On a read thread: run the queued loads, a batch at a time, until none is left."""
-        while True:
-            with self._loads_lock:
-                if not self._loads:
-                    self._num_draining -= 1
-                    return
-                batch = [self._loads.popleft()
-                         for _ in range(min(MAX_LOAD_BATCH, len(self._loads)))]
-            now = time.monotonic()
-            late = [job for job in batch if now > job.deadline]
-            for job in late:
-                self._finished.put(JobResult(job.job_id, ok=False,
-                                             error="deadline passed in queue"))
-            jobs = [job for job in batch if now <= job.deadline]
-            if not jobs:
-                continue
-            try:
-                errors = self._load_batch(jobs)
-            except Exception as exc:  # a broken batch fails its jobs, never loses them
-                errors = [exc] * len(jobs)
-            ended = time.monotonic()
-            for job, error in zip(jobs, errors):
-                self._report(job, error, now, ended)
-
     def _run(self, job: TransferJob, action: Callable[[TransferJob], None]) -> None:
         """Run one job on a pool thread; every outcome becomes exactly one JobResult."""
         if time.monotonic() > job.deadline:
@@ -151,19 +95,12 @@ class ThreadedTier(SecondaryTier):
             action(job)
         except StoreSkipped as skipped:
             self._finished.put(JobResult(job.job_id, ok=False, skipped=skipped.args[0]))
-            return
         except Exception as exc:  # any tier failure is a failed job, never a lost one
-            self._report(job, exc, start, time.monotonic())
-            return
-        self._report(job, None, start, time.monotonic())
-
-    def _report(self, job: TransferJob, error: Exception | None, start: float,
-                ended: float) -> None:
-        if error is None:
-            self._finished.put(JobResult(job.job_id, ok=True, seconds=ended - start, ended=ended))
+            self._finished.put(JobResult(job.job_id, ok=False, error=f"{type(exc).__name__}: "
+                                                                     f"{exc}"))
         else:
-            self._finished.put(JobResult(job.job_id, ok=False,
-                                         error=f"{type(error).__name__}: {error}"))
+            ended = time.monotonic()
+            self._finished.put(JobResult(job.job_id, ok=True, seconds=ended - start, ended=ended))
 
 
 def _lower_priority(nice: int) -> None:
