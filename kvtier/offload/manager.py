@@ -147,6 +147,10 @@ class TieringManager:
                 return Lookup.RETRY
         return Lookup.MISS
 
+    def is_promoting(self, key: ChunkKey) -> bool:
+        """`key` is on its way up from a secondary tier (a lookup would answer RETRY)."""
+        return key in self._promoting
+
     def _ask_tier(self, index: int, tier: SecondaryTier, key: ChunkKey,
                   req_context: Any, record: bool) -> LookupResult:
         failed_at = self._failed.get((index, key))

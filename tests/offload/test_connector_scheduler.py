@@ -24,7 +24,7 @@ from kvtier.kv import (
     Request,
     make_block_hasher,
 )
-from kvtier.offload.tiers.base import JobResult
+from kvtier.offload.tiers.base import JobResult, LookupResult
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import NewRequestData, SchedulerOutput
 
@@ -161,6 +161,50 @@ def test_secondary_hit_answers_retry_until_promoted(make_connector):
     stats = connector.manager.metrics.snapshot()
     assert stats['kvtier:offload_tier_hits_total{tier="host"}'] == 7
     assert stats['kvtier:offload_tier_queries_total{tier="host"}'] == 14
+
+
+def test_a_request_is_not_looked_up_again_until_its_promotions_end(make_connector):
+    # An 8k-token prompt's lookup takes ~2 ms of the engine thread, which the tier's read
+    # threads wait on: re-asking for a request whose chunks are still on their way is free.
+    connector = make_connector(secondary_tiers=[{"type": "StuckTier",
+                                                  "module_path": FAULTY_TIERS}])
+    stuck, manager, request = connector.manager.tiers[0], connector.manager, _request()
+    asked = []
+    lookup = manager.lookup
+    manager.lookup = lambda key, *args, **kwargs: asked.append(key) or lookup(key, *args,
+                                                                               **kwargs)
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(asked) == 7
+    # Every chunk but the first has arrived: still waiting, and nothing is asked again.
+    first, *rest = stuck.held
+    stuck.held, stuck._released = [first], [JobResult(job.job_id, ok=True) for job in rest]
+    _empty_step(connector)
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(asked) == 7
+    stuck.release(ok=True)
+    _empty_step(connector)
+    assert connector.get_num_new_matched_tokens(request, 0) == (28, False)
+    assert len(asked) == 14 and len(set(asked)) == 7
+
+
+def test_a_chunk_a_tier_cannot_tell_yet_is_asked_again_next_step(make_connector):
+    # Chunk 3 is on a tier still finding out (UNKNOWN); the others are on their way up. The
+    # next step asks again rather than wait for the promotions first.
+    connector = make_connector(secondary_tiers=[{"type": "StuckTier",
+                                                  "module_path": FAULTY_TIERS}])
+    stuck, manager, request = connector.manager.tiers[0], connector.manager, _request()
+    undecided = connector.chunk_key(request, 0, 3)
+    lookup = stuck.lookup
+    stuck.lookup = lambda key, *args: (LookupResult.UNKNOWN if key == undecided
+                                       else lookup(key, *args))
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(stuck.held) == 6
+    stuck.lookup = lookup  # it found out: the tier has it
+    assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
+    assert len(stuck.held) == 7 and manager.is_promoting(undecided)
+    stuck.release(ok=True)
+    _empty_step(connector)
+    assert connector.get_num_new_matched_tokens(request, 0) == (28, False)
 
 
 def test_failed_promotion_ends_the_hit_there(make_connector):
