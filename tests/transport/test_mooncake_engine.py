@@ -133,12 +133,7 @@ def test_a_pull_that_cannot_be_read_fails_the_receive_at_once_and_others_go_on(e
     assert result.error == reply["error"] and time.monotonic() - start < 10
     assert dst == bytes(4096)
     # The same receiver takes an honest sender's transfer into the same buffer.
-    sender = engines("mooncake")
-    data = os.urandom(4096)
-    sender.register_buffer("src", memoryview(bytearray(data)))
-    receiver.recv(TransferId("good"), [Region("dst", 0, 4096)], timeout_s=20)
-    sender.send(sender.connect(receiver.address, timeout_s=5), TransferId("good"),
-                [Region("src", 0, 4096)], timeout_s=20)
+    data = _honest_transfer(engines, receiver, 0)
     assert wait_results(receiver, 1, timeout_s=20)[0].ok and dst == data
 
 
@@ -180,15 +175,22 @@ def test_a_sender_mooncake_cannot_reach_holds_up_only_its_own_reads(engines, raw
                                     addrs=[4096], ttl_ms=20_000))
         assert protocol.decode(dealer.recv())["t"] == "accept"
         # Another sender's transfer to the same receiver goes through meanwhile.
-        sender = engines("mooncake")
-        data = os.urandom(4096)
-        sender.register_buffer("src", memoryview(bytearray(data)))
-        receiver.recv(TransferId("good"), [Region("dst", 4096, 4096)], timeout_s=20)
-        sender.send(sender.connect(receiver.address, timeout_s=5), TransferId("good"),
-                    [Region("src", 0, 4096)], timeout_s=20)
+        data = _honest_transfer(engines, receiver, 4096)
         results = {r.transfer_id: r for r in wait_results(receiver, 2, timeout_s=10)}
         assert results["good"].ok and dst[4096:] == data
         assert "deadline" in results["stuck"].error and time.monotonic() - start < 3.0
         assert dst[:4096] == bytes(4096)
     finally:
         silent.close()
+
+
+def _honest_transfer(engines, receiver, offset: int) -> bytes:
+    """4096 random bytes sent by a new Mooncake sender as transfer "good" into the receiver's
+    "dst" at `offset`; the bytes (the caller waits for the result)."""
+    sender = engines("mooncake")
+    data = os.urandom(4096)
+    sender.register_buffer("src", memoryview(bytearray(data)))
+    receiver.recv(TransferId("good"), [Region("dst", offset, 4096)], timeout_s=20)
+    sender.send(sender.connect(receiver.address, timeout_s=5), TransferId("good"),
+                [Region("src", 0, 4096)], timeout_s=20)
+    return data
