@@ -28,7 +28,8 @@ _SOURCES = tuple(_CSRC / name
                  for name in ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp"))
 # Included by the sources: part of the build's digest, not compiled on their own.
 _HEADERS = tuple(_CSRC / name
-                 for name in ("paged_prefill.h", "paged_prefill_bf16.h", "softmax_span.h"))
+                 for name in ("paged_prefill.h", "paged_prefill_bf16.h",
+                              "paged_prefill_amx.h", "softmax_span.h"))
 # -ffast-math lets expf vectorize; it is a compile flag only, so the process's floating-point
 # mode is untouched. -march=native: the cache is per machine. -fopenmp: at::parallel_for is
 # inline OpenMP; the extension links libgomp.so.1, which resolves to the copy torch has loaded,

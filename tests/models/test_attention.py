@@ -31,6 +31,22 @@ def attention_path(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture(params=["amx", "vdpbf16ps"])
+def bf16_tiles(request):
+    """The bf16 prefill tests run on both tile kinds: AMX tile multiplies where the CPU and the
+    OS allow them, then the vdpbf16ps tiles on the same CPU."""
+    kernels = cpu_kernels.ops()
+    if kernels is None:
+        pytest.skip("no C++ kernels: no bf16 tiles")
+    uses_amx = kernels.paged_prefill_use_amx(request.param == "amx")
+    try:
+        if request.param == "amx" and not uses_amx:
+            pytest.skip("no AMX tiles on this CPU")
+        yield request.param
+    finally:
+        kernels.paged_prefill_use_amx(True)
+
+
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: torch path only")
 def test_cpu_kernels_build_where_a_compiler_exists():
     """A kernel that silently failed to build would cost a third of the decode speed."""
@@ -211,6 +227,7 @@ def test_long_prefills_take_the_flash_path_beside_kernel_prefills(monkeypatch):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.usefixtures("bf16_tiles")
 def test_bf16_prefills_of_any_length_stay_in_the_kernel_where_it_has_bf16_tiles(monkeypatch):
     """The vdpbf16ps tiles beat the flash kernel at every length, so the query limit applies to
     the other dtypes only; the long prefill's rows still equal the fp32 reference."""
@@ -227,6 +244,7 @@ def test_bf16_prefills_of_any_length_stay_in_the_kernel_where_it_has_bf16_tiles(
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.usefixtures("bf16_tiles")
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 2)])

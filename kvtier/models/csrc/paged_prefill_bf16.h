@@ -1,5 +1,6 @@
-// The vdpbf16ps tiles of paged prefill attention (bf16 caches, head dim 64 or 128, 16-slot
-// pages), on CPUs with AVX512-BF16. Included by paged_prefill.cpp only.
+// The bf16 tiles of paged prefill attention (bf16 caches, head dim 64 or 128, 16-slot pages),
+// on CPUs with AVX512-BF16: vdpbf16ps tiles here, AMX tiles in paged_prefill_amx.h over the same
+// packed pages. Included by paged_prefill.cpp only.
 
 #pragma once
 
@@ -150,14 +151,21 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
   }
 }
 
+}  // namespace
+
+#include "paged_prefill_amx.h"
+
+namespace {
+
 // The bf16 tiles: each (sequence, kv head)'s pages packed once (in page runs, in parallel), then
-// the tiles over them.
+// the tiles over them, as AMX tiles where the CPU and the OS allow them.
 template <int64_t kDim>
 void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Batch& b,
                     const Shape& s, c10::BFloat16* out) {
   constexpr int64_t kPageWords = 8 * kDim, kPagesPerTask = 32;
   const int64_t num_seqs = b.items.empty() ? 0 : b.items.back().seq + 1;
-  struct SeqPages { int64_t first_page, num_pages, offset; };
+  // stride: num_pages plus one zero page, which the AMX tiles read to make a page pair.
+  struct SeqPages { int64_t first_page, num_pages, stride, offset; };
   std::vector<SeqPages> seqs(num_seqs);
   std::vector<std::array<int64_t, 3>> tasks;  // (sequence, kv head, first page of the run)
   int64_t words = 0;
@@ -167,20 +175,20 @@ void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Ba
     const int64_t end_pos = b.computed[seq] + b.lens[seq];
     const int64_t first_page = first_key / 16;
     const int64_t num_pages = b.lens[seq] > 0 ? (end_pos + 15) / 16 - first_page : 0;
-    seqs[seq] = {first_page, num_pages, words};
-    words += 2 * num_pages * kPageWords * s.num_kv_heads;
+    seqs[seq] = {first_page, num_pages, num_pages + 1, words};
+    words += 2 * (num_pages + 1) * kPageWords * s.num_kv_heads;
     for (int64_t h = 0; h < s.num_kv_heads; ++h) {
       for (int64_t page = 0; page < num_pages; page += kPagesPerTask) tasks.push_back({seq, h, page});
     }
   }
-  std::vector<uint32_t> packed(words);
+  std::vector<uint32_t> packed(words);  // zeros: the pages after each sequence's stay so
   // A (sequence, kv head)'s K pages, then its V pages.
   auto k_words = [&](int64_t seq, int64_t h) {
-    return packed.data() + seqs[seq].offset + 2 * h * seqs[seq].num_pages * kPageWords;
+    return packed.data() + seqs[seq].offset + 2 * h * seqs[seq].stride * kPageWords;
   };
   auto pages_of = [&](int64_t seq, int64_t h) {
     const uint32_t* k = k_words(seq, h);
-    return PackedPages{k, k + seqs[seq].num_pages * kPageWords, seqs[seq].first_page};
+    return PackedPages{k, k + seqs[seq].stride * kPageWords, seqs[seq].first_page};
   };
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -190,19 +198,30 @@ void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Ba
       uint32_t* k = k_words(seq, h) + page * kPageWords;
       pack_pages_bf16<kDim>(cache, b.table + seq * s.max_blocks, p.first_page + page,
                             p.first_page + page_end, b.computed[seq] + b.lens[seq], h, s, k,
-                            k + p.num_pages * kPageWords);
+                            k + p.stride * kPageWords);
     }
   });
   const int64_t num_items = static_cast<int64_t>(b.items.size()) * s.num_kv_heads;
+  auto attend = attend_tile_bf16<kDim>;
+#if defined(KVTIER_HAS_AMX)
+  const bool amx = use_amx();
+  if (amx) attend = attend_tile_amx<kDim>;
+#endif
   at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
+#if defined(KVTIER_HAS_AMX)
+    if (amx) load_amx_config();
+#endif
     for (int64_t n = begin; n < end; ++n) {
       const Item& item = b.items[n / s.num_kv_heads];
       const int64_t seq = item.seq, h = n % s.num_kv_heads, row0 = b.starts[seq] * s.num_heads * kDim;
       const int64_t tile_end = std::min(b.lens[seq], item.first_query + kTileTokens);
-      attend_tile_bf16<kDim>(q + row0, pages_of(seq, h), b.computed[seq], item.first_query,
-                             tile_end, h, b.window, s, b.scale, out + row0, scratch);
+      attend(q + row0, pages_of(seq, h), b.computed[seq], item.first_query, tile_end, h,
+             b.window, s, b.scale, out + row0, scratch);
     }
+#if defined(KVTIER_HAS_AMX)
+    if (amx) _tile_release();
+#endif
   });
 }
 
