@@ -265,9 +265,13 @@ def write_plot(reports: list[dict], path: Path) -> None:
         ax.set_xlabel("concurrent conversations")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.suptitle("Multi-turn conversations, SmolLM2-135M, same device KV budget")
-    fig.tight_layout()
+    # One legend under both plots, where it hides no point.
+    handles, labels = tput_ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=2)
+    full_kv = any(r["config"].endswith("-full") for r in reports)
+    fig.suptitle("Multi-turn conversations, SmolLM2-135M, "
+                 + ("device KV as labelled" if full_kv else "same device KV budget"))
+    fig.tight_layout(rect=(0, 0.08 * -(-len(labels) // 2), 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
