@@ -7,7 +7,9 @@ to hold every conversation (`--device-kv-bytes`, by default ~7 of the 24 convers
 through the router. Reported per policy: the cache hit rate (share of prompt tokens the
 instances served from cache, from their usage through the router's metrics), TTFT p50/p90,
 output tokens/s, the routing decisions by reason, and each instance's requests in flight and
-queued prefill tokens as the router saw them every 0.5 s; one JSON and one PNG.
+queued prefill tokens as the router saw them every 0.5 s; one JSON and one PNG. Each instance
+gets `--threads-per-instance` torch threads (default: the cores shared out, at least one), so
+the instances do not spin against each other at OpenMP barriers.
 
     python benchmarks/router_bench.py                                   # the full comparison
     python benchmarks/router_bench.py --conversations 4 --num-turns 2 --policies kv-aware
@@ -59,6 +61,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device-kv-bytes", default="128MiB",
                         help="device KV per instance (SmolLM2 bf16: ~23 KB a token)")
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--threads-per-instance", type=int,
+                        default=max(1, (os.cpu_count() or 1) // NUM_INSTANCES),
+                        help="torch threads of each instance (default: the cores shared out, at "
+                             "least 1; more instances' threads than cores spin against each "
+                             "other at OpenMP barriers)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument("--output-json", type=Path, default=DEFAULT_JSON)
@@ -104,12 +111,14 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
         user_tokens=args.user_tokens, output_tokens=args.output_tokens,
         start_interval_s=args.start_interval, seed=args.seed)
     name = policy.replace("-", "_")
+    threads = str(args.threads_per_instance)
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     with ExitStack() as stack:
         instances = []
         for i in range(NUM_INSTANCES):
             port = free_port()
             instances.append(stack.enter_context(ServerProcess(
-                serve_command(args, port), dict(os.environ), port,
+                serve_command(args, port), env, port,
                 args.log_dir / f"{name}-instance{i}.log", args.startup_timeout)))
         port = free_port()
         router = stack.enter_context(ServerProcess(
@@ -121,7 +130,8 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
     prompt = counters.get("prompt_tokens", 0.0)
     cached = counters.get("actual_cached_tokens", 0.0)
     predicted = counters.get("predicted_cached_tokens", 0.0)
-    return {"policy": policy, "hit_rate": cached / prompt if prompt else None,
+    return {"policy": policy, "threads_per_instance": args.threads_per_instance,
+            "hit_rate": cached / prompt if prompt else None,
             "predicted_cached_tokens": predicted, "cached_tokens": cached,
             "prompt_tokens": prompt, "ttft_p50_s": report["ttft_s"]["p50"],
             "ttft_p90_s": report["ttft_s"]["p90"],
@@ -185,6 +195,8 @@ def main() -> None:
     args = parse_args()
     policies = [p for p in args.policies.split(",") if p]
     unknown = sorted(set(policies) - set(POLICIES))
+    if args.threads_per_instance < 1:
+        raise SystemExit("router_bench: --threads-per-instance must be at least 1")
     if unknown:
         raise SystemExit(f"router_bench: unknown policies {unknown}; use {', '.join(POLICIES)}")
     results = [run_policy(args, policy) for policy in policies]
