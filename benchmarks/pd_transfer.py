@@ -3,9 +3,9 @@ push, all on loopback in one run.
 
 (a) transport  ZmqTransferEngine between two processes (one transfer of SIZE bytes from a
     registered buffer into another, send() -> the sender's result, which waits for the
-    receiver's done) against a plain socket loop moving the same bytes between two processes
-    (sendall, recv_into, a one-byte ack), each the median of --repeats rounds; GB/s and the
-    ratio (target >= 0.70).
+    receiver's done; both sides wait in get_finished(timeout_s)) against a plain socket loop
+    moving the same bytes between two processes (sendall, recv_into, a one-byte ack), each the
+    median of --repeats rounds; GB/s and the ratio (target >= 0.70).
 (b) push       a producer engine here and a consumer engine in a second process, both on the
     default model (SmolLM2-135M) unless --model: the producer prefills a fresh random prompt
     (max_tokens=1) with P2PConnector push "layer" or "request", the consumer is then given the
@@ -56,9 +56,7 @@ def _transport_receiver(conn, max_bytes: int) -> None:
         transfer_id, size = command
         engine.recv(TransferId(transfer_id), [Region(BufferId("in"), 0, size)], TIMEOUT_S)
         conn.send("posted")
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (results := engine.get_finished()) and time.monotonic() < deadline:
-            time.sleep(0.0002)
+        results = engine.get_finished(timeout_s=TIMEOUT_S)
         conn.send(results[0].error if results else "no result in time")
     engine.shutdown(timeout_s=2.0)
 
@@ -83,11 +81,11 @@ def transport_seconds(sizes: list[int], repeats: int) -> dict[int, float]:
             start = time.perf_counter()
             engine.send(peer, TransferId(transfer_id), [Region(BufferId("out"), 0, size)],
                         TIMEOUT_S)
-            while not (results := engine.get_finished()):
-                time.sleep(0.0002)
+            results = engine.get_finished(timeout_s=TIMEOUT_S)
             rounds.append(time.perf_counter() - start)
-            if results[0].error or (error := here.recv()):
-                raise RuntimeError(f"transfer of {size} bytes failed: {results[0].error or error}")
+            error = results[0].error if results else "no result in time"
+            if error or (error := here.recv()):
+                raise RuntimeError(f"transfer of {size} bytes failed: {error}")
         seconds[size] = statistics.median(rounds[1:])
     here.send(None)
     child.join(10.0)
