@@ -98,14 +98,16 @@ class State:
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     commands: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    _results: deque[TransferResult] = field(default_factory=deque)
+    _results: deque[TransferResult] = field(default_factory=deque, init=False)
     # Signalled by the I/O thread with each result, so that a waiting caller wakes at once.
-    _results_ready: threading.Condition = field(default_factory=threading.Condition)
+    _results_ready: threading.Condition = field(
+        default_factory=lambda: threading.Condition(threading.Lock()), init=False)
 
     def add_result(self, result: TransferResult) -> None:
         with self._results_ready:
             self._results.append(result)
-            self._results_ready.notify_all()
+            # One waiter takes every result there is: waking one per result is enough.
+            self._results_ready.notify()
 
     def take_results(self, timeout_s: float) -> list[TransferResult]:
         """Every result so far; when there is none, waits up to `timeout_s` for one."""
