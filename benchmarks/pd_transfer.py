@@ -3,9 +3,10 @@ push, all on loopback in one run.
 
 (a) transport  ZmqTransferEngine between two processes (one transfer of SIZE bytes from a
     registered buffer into another, send() -> the sender's result, which waits for the
-    receiver's done) against a plain socket loop moving the same bytes between two processes
-    (sendall, recv_into, a one-byte ack), each the median of --repeats rounds; GB/s and the
-    ratio (target >= 0.70).
+    receiver's done; both sides wait in get_finished(timeout_s)) against a plain socket loop
+    moving the same bytes between two processes (sendall, recv_into, a one-byte ack), taking
+    turns round by round, each the median of --repeats rounds; GB/s and the ratio (target
+    >= 0.70).
 (b) push       a producer engine here and a consumer engine in a second process, both on the
     default model (SmolLM2-135M) unless --model: the producer prefills a fresh random prompt
     (max_tokens=1) with P2PConnector push "layer" or "request", the consumer is then given the
@@ -56,43 +57,44 @@ def _transport_receiver(conn, max_bytes: int) -> None:
         transfer_id, size = command
         engine.recv(TransferId(transfer_id), [Region(BufferId("in"), 0, size)], TIMEOUT_S)
         conn.send("posted")
-        deadline = time.monotonic() + TIMEOUT_S
-        while not (results := engine.get_finished()) and time.monotonic() < deadline:
-            time.sleep(0.0002)
+        results = engine.get_finished(timeout_s=TIMEOUT_S)
         conn.send(results[0].error if results else "no result in time")
     engine.shutdown(timeout_s=2.0)
 
 
-def transport_seconds(sizes: list[int], repeats: int) -> dict[int, float]:
-    """Median seconds per transfer of each size, sender to receiver in another process."""
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_transport_receiver, args=(there, max(sizes)), daemon=True)
-    child.start()
-    engine = ZmqTransferEngine(TransportConfig(namespace=NAMESPACE))
-    source = bytearray(os.urandom(max(sizes)))
-    engine.register_buffer(BufferId("out"), memoryview(source))
-    peer = engine.connect(here.recv(), 10.0)
-    seconds = {}
-    for size in sizes:
-        rounds = []
-        for _ in range(repeats + 1):  # the first round warms the connection up
-            transfer_id = uuid.uuid4().hex
-            here.send((transfer_id, size))
-            here.recv()
-            start = time.perf_counter()
-            engine.send(peer, TransferId(transfer_id), [Region(BufferId("out"), 0, size)],
-                        TIMEOUT_S)
-            while not (results := engine.get_finished()):
-                time.sleep(0.0002)
-            rounds.append(time.perf_counter() - start)
-            if results[0].error or (error := here.recv()):
-                raise RuntimeError(f"transfer of {size} bytes failed: {results[0].error or error}")
-        seconds[size] = statistics.median(rounds[1:])
-    here.send(None)
-    child.join(10.0)
-    engine.shutdown(timeout_s=2.0)
-    return seconds
+class TransportPair:
+    """A sender engine here, connected to a receiver engine in another process."""
+
+    def __init__(self, max_bytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipe, there = ctx.Pipe()
+        self.child = ctx.Process(target=_transport_receiver, args=(there, max_bytes), daemon=True)
+        self.child.start()
+        self.engine = ZmqTransferEngine(TransportConfig(namespace=NAMESPACE))
+        self.source = bytearray(os.urandom(max_bytes))
+        self.engine.register_buffer(BufferId("out"), memoryview(self.source))
+        self.peer = self.engine.connect(self.pipe.recv(), 10.0)
+
+    def seconds(self, size: int) -> float:
+        """One transfer of `size` bytes, send() to the sender's result; the receiver posted
+        its recv before."""
+        transfer_id = uuid.uuid4().hex
+        self.pipe.send((transfer_id, size))
+        self.pipe.recv()
+        start = time.perf_counter()
+        self.engine.send(self.peer, TransferId(transfer_id),
+                         [Region(BufferId("out"), 0, size)], TIMEOUT_S)
+        results = self.engine.get_finished(timeout_s=TIMEOUT_S)
+        seconds = time.perf_counter() - start
+        error = results[0].error if results else "no result in time"
+        if error or (error := self.pipe.recv()):
+            raise RuntimeError(f"transfer of {size} bytes failed: {error}")
+        return seconds
+
+    def close(self) -> None:
+        self.pipe.send(None)
+        self.child.join(10.0)
+        self.engine.shutdown(timeout_s=2.0)
 
 
 def _tcp_receiver(conn_to_parent, max_bytes: int) -> None:
@@ -109,35 +111,48 @@ def _tcp_receiver(conn_to_parent, max_bytes: int) -> None:
             conn.sendall(b"k")
 
 
-def tcp_seconds(sizes: list[int], repeats: int) -> dict[int, float]:
-    """Median seconds per round of a plain socket loop moving the same sizes."""
-    ctx = mp.get_context("spawn")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_tcp_receiver, args=(there, max(sizes)), daemon=True)
-    child.start()
-    source = memoryview(bytearray(os.urandom(max(sizes))))
-    seconds = {}
-    with socket.create_connection(here.recv(), timeout=TIMEOUT_S) as conn:
-        for size in sizes:
-            rounds = []
-            for _ in range(repeats + 1):
-                start = time.perf_counter()
-                conn.sendall(size.to_bytes(8, "little"))
-                conn.sendall(source[:size])
-                if conn.recv(1) != b"k":
-                    raise RuntimeError("the raw TCP receiver went away")
-                rounds.append(time.perf_counter() - start)
-            seconds[size] = statistics.median(rounds[1:])
-    child.join(10.0)
-    return seconds
+class TcpPair:
+    """A plain socket here, connected to a receiver loop in another process."""
+
+    def __init__(self, max_bytes: int) -> None:
+        ctx = mp.get_context("spawn")
+        pipe, there = ctx.Pipe()
+        self.child = ctx.Process(target=_tcp_receiver, args=(there, max_bytes), daemon=True)
+        self.child.start()
+        self.source = memoryview(bytearray(os.urandom(max_bytes)))
+        self.conn = socket.create_connection(pipe.recv(), timeout=TIMEOUT_S)
+
+    def seconds(self, size: int) -> float:
+        """One round: `size` bytes there, a one-byte ack back."""
+        start = time.perf_counter()
+        self.conn.sendall(size.to_bytes(8, "little"))
+        self.conn.sendall(self.source[:size])
+        if self.conn.recv(1) != b"k":
+            raise RuntimeError("the raw TCP receiver went away")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.conn.close()
+        self.child.join(10.0)
 
 
 def measure_transport(sizes_mib: list[int], repeats: int) -> list[dict]:
+    """The median seconds of each size, transport and raw TCP taking turns round by round so
+    that a change in the machine's load touches both alike."""
     sizes = [n * MiB for n in sizes_mib]
-    zmq_s, tcp_s = transport_seconds(sizes, repeats), tcp_seconds(sizes, repeats)
-    return [{"size_mib": size // MiB, "transport_gb_s": size / zmq_s[size] / 1e9,
-             "raw_tcp_gb_s": size / tcp_s[size] / 1e9, "ratio": tcp_s[size] / zmq_s[size]}
-            for size in sizes]
+    pairs = {"transport": TransportPair(max(sizes)), "raw_tcp": TcpPair(max(sizes))}
+    rows = []
+    for size in sizes:
+        rounds: dict[str, list[float]] = {name: [] for name in pairs}
+        for _ in range(repeats + 1):  # the first round of each size warms up
+            for name, pair in pairs.items():
+                rounds[name].append(pair.seconds(size))
+        zmq_s, tcp_s = (statistics.median(rounds[name][1:]) for name in pairs)
+        rows.append({"size_mib": size // MiB, "transport_gb_s": size / zmq_s / 1e9,
+                     "raw_tcp_gb_s": size / tcp_s / 1e9, "ratio": tcp_s / zmq_s})
+    for pair in pairs.values():
+        pair.close()
+    return rows
 
 
 # ---- (b) layer-wise vs whole-request push --------------------------------------------------------

@@ -19,6 +19,7 @@ A connector is named by a `KVConnectorBase` subclass that points at its two halv
 from __future__ import annotations
 
 import enum
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -177,6 +178,13 @@ class KVConnectorWorker(ABC):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         """(finished_sending, finished_recving) request ids since the last call."""
         return set(), set()
+
+    def wait_for_transfers(self, timeout_s: float) -> None:
+        """Called after a step with nothing to compute (every live request waits on a
+        transfer): return once a transfer may have ended, `timeout_s` at the latest; the next
+        step's `get_finished` reports it. The default sleeps, handing the cores to the
+        transfer threads rather than spinning on them."""
+        time.sleep(timeout_s)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()

@@ -32,7 +32,7 @@ from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.sched.scheduler import Scheduler
 from kvtier.worker.model_runner import ModelRunner
 
-# How long a step with nothing to compute waits before returning (see Engine.step).
+# How long a step with nothing to compute waits at most before returning (see Engine.step).
 IDLE_STEP_SLEEP_S = 0.0005
 
 
@@ -216,9 +216,10 @@ class Engine:
         self.stats.record_step(processed, sum(len(c.new_token_ids) for c in core_outputs),
                                seconds)
         if scheduler_output.is_empty:
-            # Nothing to compute: every live request waits on a KV transfer. A short sleep hands
-            # the cores and the GIL to the transfer threads instead of spinning on them.
-            time.sleep(IDLE_STEP_SLEEP_S)
+            # Nothing to compute: every live request waits on a KV transfer. A short wait hands
+            # the cores and the GIL to the transfer threads instead of spinning on them, and
+            # ends early when the connector sees a transfer end.
+            self.runner.wait_for_kv_transfers(IDLE_STEP_SLEEP_S)
         return processed.outputs
 
     def has_unfinished_requests(self) -> bool:

@@ -10,12 +10,16 @@ sides name the transfer by the same `TransferId`; the receiver never needs to kn
     recv(tid, [Region("kv", 0, n)], timeout_s)  send(peer, tid, [Region("kv", 4096, n)], timeout_s)
     ... get_finished() -> [TransferResult(tid, RECV, error=None)]   ... (tid, SEND, None)
 
-Every call returns at once; completions (success or failure) come from `get_finished()`, each
-transfer exactly once. Every transfer has a deadline: one not complete by then is reported
-failed, on both sides. Until a transfer's result is reported its regions belong to the engine:
-the sender must not reuse its source memory (the engine may still read it) and the receiver must
-not read its destination. After the result is reported the engine never touches them again,
-whatever the peer does later.
+Every call but `connect` returns at once; completions (success or failure) come from
+`get_finished()`, each transfer exactly once. `get_finished(timeout_s)` waits up to `timeout_s`
+for a completion when none is there yet, and returns as soon as one is (empty at its deadline):
+a caller that has nothing else to do waits for its transfer without polling.
+
+Every transfer has a deadline: one not complete by then is reported failed, on both sides.
+Until a transfer's result is reported its regions belong to the engine: the sender must not
+reuse its source memory (the engine may still read it) and the receiver must not read its
+destination. After the result is reported the engine never touches them again, whatever the
+peer does later.
 
 Before any KV moves, `connect` runs a handshake: both sides show the digest of their
 `KVIdentity` (KV bytes are only interchangeable between equal digests) and, with a shared secret,
@@ -148,8 +152,9 @@ class TransferEngine(ABC):
         """Start receiving `transfer_id` into `regions`; completes via get_finished."""
 
     @abstractmethod
-    def get_finished(self) -> list[TransferResult]:
-        """Transfers finished since the last call (never blocks)."""
+    def get_finished(self, timeout_s: float = 0.0) -> list[TransferResult]:
+        """Transfers finished since the last call. When there are none, waits up to
+        `timeout_s` for one and returns as soon as it is reported; 0 never blocks."""
 
     @abstractmethod
     def stats(self) -> dict[str, int]:

@@ -183,9 +183,8 @@ class ZmqTransferEngine(TransferEngine):
             except zmq.Again:
                 pass  # the loop has wake-ups queued already; it reads every command on each
 
-    def get_finished(self) -> list[TransferResult]:
-        results = self._state.results
-        return [results.popleft() for _ in range(len(results))]
+    def get_finished(self, timeout_s: float = 0.0) -> list[TransferResult]:
+        return self._state.take_results(timeout_s)
 
     def stats(self) -> dict[str, int]:
         return dict(self._state.counts)

@@ -385,4 +385,4 @@ class IOLoop(SenderSide, ReceiverSide):
         self.counts[ok_key if error is None else failed_key] += 1
         result = TransferResult(tid, direction, error)
         self.on_result(result)
-        self.state.results.append(result)
+        self.state.add_result(result)

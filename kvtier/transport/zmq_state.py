@@ -4,6 +4,8 @@ callers queue for it."""
 from __future__ import annotations
 
 import queue
+import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -92,9 +94,31 @@ class Stop:
 
 @dataclass
 class State:
+    """What the I/O thread and the callers share: counters, results, commands."""
+
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
-    results: deque[TransferResult] = field(default_factory=deque)
     commands: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _results: deque[TransferResult] = field(default_factory=deque, init=False)
+    # Signalled by the I/O thread with each result, so that a waiting caller wakes at once.
+    _results_ready: threading.Condition = field(
+        default_factory=lambda: threading.Condition(threading.Lock()), init=False)
+
+    def add_result(self, result: TransferResult) -> None:
+        with self._results_ready:
+            self._results.append(result)
+            # One waiter takes every result there is: waking one per result is enough.
+            self._results_ready.notify()
+
+    def take_results(self, timeout_s: float) -> list[TransferResult]:
+        """Every result so far; when there is none, waits up to `timeout_s` for one."""
+        with self._results_ready:
+            if not self._results and timeout_s > 0:
+                deadline = time.monotonic() + timeout_s
+                while not self._results and (left := deadline - time.monotonic()) > 0:
+                    self._results_ready.wait(left)
+            results = list(self._results)
+            self._results.clear()
+        return results
 
 
 def make_socket(ctx: zmq.Context, kind: int, max_frame_bytes: int) -> zmq.Socket:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +54,14 @@ class ModelRunner:
         if self.connector is None:
             return self._forward_and_sample(scheduler_output, self._prepare(scheduler_output))
         return self._execute_with_connector(scheduler_output)
+
+    def wait_for_kv_transfers(self, timeout_s: float) -> None:
+        """After a step with nothing to compute: wait at most `timeout_s` for the connector's
+        transfers, whose end the next step collects."""
+        if self.connector is None:
+            time.sleep(timeout_s)
+        else:
+            self.connector.wait_for_transfers(timeout_s)
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> BatchInputs | None:
         if scheduler_output.is_empty:

@@ -9,6 +9,7 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,6 +101,58 @@ def test_transfers_complete_out_of_posting_order(make_engine):
     assert order == [f"t{i}" for i in reversed(range(n))]
     assert dst == src
     assert all(r.ok for r in wait_results(sender, n, timeout_s=5))
+
+
+def test_get_finished_waits_for_a_result_and_returns_as_soon_as_it_lands(make_engine):
+    receiver, sender, peer = _pair(make_engine)
+    src, dst = bytearray(os.urandom(1 << 20)), bytearray(1 << 20)
+    sender.register_buffer("src", memoryview(src))
+    receiver.register_buffer("dst", memoryview(dst))
+    receiver.recv(TransferId("late"), [Region("dst", 0, 1 << 20)], timeout_s=20)
+    send = threading.Timer(0.3, sender.send, (peer, TransferId("late"),
+                                              [Region("src", 0, 1 << 20)], 20))
+    start = time.monotonic()
+    send.start()
+    received = receiver.get_finished(timeout_s=10)
+    elapsed = time.monotonic() - start
+    send.join()
+    assert [(r.transfer_id, r.direction, r.error) for r in received] == \
+        [("late", Direction.RECV, None)]
+    assert 0.3 <= elapsed < 2.0  # woken by the result, not by its 10 s deadline
+    assert dst == src
+    [sent] = sender.get_finished(timeout_s=10)
+    assert (sent.transfer_id, sent.direction, sent.error) == ("late", Direction.SEND, None)
+
+
+def test_get_finished_returns_empty_at_its_deadline_and_never_blocks_by_default(make_engine):
+    engine = make_engine()
+    engine.register_buffer("dst", memoryview(bytearray(64)))
+    engine.recv(TransferId("never"), [Region("dst", 0, 64)], timeout_s=5)
+    start = time.monotonic()
+    assert engine.get_finished() == []
+    assert time.monotonic() - start < 0.05
+    assert engine.get_finished(timeout_s=0.2) == []
+    assert 0.2 <= time.monotonic() - start < 1.5
+
+
+def test_each_result_goes_to_one_of_several_waiters(make_engine):
+    engine = make_engine()
+    engine.register_buffer("dst", memoryview(bytearray(64)))
+    taken: list[list] = []
+
+    def wait() -> None:
+        taken.append(engine.get_finished(timeout_s=3))
+
+    waiters = [threading.Thread(target=wait) for _ in range(3)]
+    for waiter in waiters:
+        waiter.start()
+    engine.recv(TransferId("one"), [Region("dst", 0, 64)], timeout_s=0.2)
+    for waiter in waiters:
+        waiter.join(5)
+    results = [r for batch in taken for r in batch]
+    assert [(r.transfer_id, r.direction) for r in results] == [("one", Direction.RECV)]
+    assert "deadline" in results[0].error
+    assert engine.get_finished() == []
 
 
 def test_recv_without_sender_fails_by_its_deadline(make_engine):

@@ -4,6 +4,7 @@ pushing the whole request once it finished or each layer as the forward pass com
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -97,6 +98,32 @@ def test_lost_transfer_is_recomputed_and_frees_the_producer(model, engines):
     assert 4.0 < time.monotonic() - start < 8.0  # send_timeout_s is 5
     assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
     assert producer.get_metrics()["kvtier:p2p_connector_send_errors"] == 1
+
+
+def test_an_idle_consumer_waits_for_its_load_rather_than_a_fixed_sleep(model, engines):
+    _, prompts, expected = model
+    producer, consumer = engines
+    address = consumer.engine.runner.connector.address
+    prefill = _run(producer, "p0", prompts[0], PREFILL,
+                   {"transfer_id": "t0", "consumer_address": address})
+    consumer.engine.add_request("c0", prompts[0], GREEDY,
+                                kv_transfer_params=prefill.kv_transfer_params)
+    consumer.engine.step()  # posts the loads; nothing to compute yet
+    push = threading.Timer(0.3, producer.engine.step)  # sends the request's layers
+    start = time.monotonic()
+    push.start()
+    consumer.engine.runner.connector.wait_for_transfers(timeout_s=10.0)
+    elapsed = time.monotonic() - start
+    push.join()
+    assert 0.3 <= elapsed < 2.0  # woken by the first layer that landed, not by the timeout
+    finished = []
+    for _ in range(10_000):
+        finished += [o for o in consumer.engine.step() if o.finished]
+        if finished:
+            break
+    assert [o.outputs[0].token_ids for o in finished] == [expected[0]]
+    assert finished[0].num_cached_tokens == loaded_tokens(prompts[0])
+    _drain(producer)
 
 
 def test_kv_transfer_params_and_options_are_checked():

@@ -56,9 +56,9 @@ def wait_results(engine: TransferEngine, count: int, timeout_s: float) -> list[T
     results: list[TransferResult] = []
     deadline = time.monotonic() + timeout_s
     while len(results) < count:
-        assert time.monotonic() < deadline, f"only {len(results)} of {count} results: {results}"
-        results += engine.get_finished()
-        time.sleep(0.002)
+        left = deadline - time.monotonic()
+        assert left > 0, f"only {len(results)} of {count} results: {results}"
+        results += engine.get_finished(timeout_s=left)
     return results
 
 

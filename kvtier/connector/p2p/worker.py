@@ -31,6 +31,7 @@ from kvtier.transport import (
     Direction,
     HandshakeError,
     PeerId,
+    TransferResult,
     TransportConfig,
     TransportError,
     load_secret,
@@ -86,6 +87,8 @@ class P2PConnectorWorker(KVConnectorWorker):
         self._load_errors: set[int] = set()
         self._finished_sending: set[str] = set()
         self._finished_recving: set[str] = set()
+        # Transport results taken while waiting, for the next get_finished.
+        self._landed: list[TransferResult] = []
         self._counts = ConnectorCounters("p2p_connector", "P2PConnector", _COUNTED,
                                          context.metrics)
 
@@ -218,8 +221,13 @@ class P2PConnectorWorker(KVConnectorWorker):
 
     # ---- ending transfers -----------------------------------------------------------------------
 
+    def wait_for_transfers(self, timeout_s: float) -> None:
+        # Woken by the transport's first result rather than after the whole timeout.
+        self._landed += self.transport.get_finished(timeout_s)
+
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
-        for result in self.transport.get_finished():
+        landed, self._landed = self._landed + self.transport.get_finished(), []
+        for result in landed:
             transfer_id, _ = split_layer_transfer_id(result.transfer_id)
             self._end_layer(self._open[(result.direction, transfer_id)], result.error)
         self._unfinished -= finished_req_ids
