@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 DISABLE_ENV = "KVTIER_CPU_KERNELS"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
-                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp"))
+                 for name in ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
+                              "page_copy.cpp"))
 # Included by the sources: part of the build's digest, not compiled on their own.
 _HEADERS = tuple(_CSRC / name
                  for name in ("paged_prefill.h", "paged_prefill_bf16.h",
@@ -49,6 +50,9 @@ def ops():
         -> (B, Hq, D): sequence b attends keys [first_key[b], seq_lens[b]).
     rms_norm(x, weight, eps), silu_and_mul(x), rotary(x (T, H, D), cos (T, D), sin (T, D)):
         see kvtier/models/fused_ops.py.
+    load_pages(host (bytes,) uint8, host_offsets (n,) int64, block_ids (n,) int64, caches):
+        copies host block i (its layers' pages in the standard layout, from host_offsets[i]) into
+        block block_ids[i] of every layer's cache (parts, num_blocks, ...), in place.
     All tensors contiguous, on the CPU.
     """
     with _lock:

@@ -7,6 +7,7 @@ import torch
 from kvtier.connector.offloading import transfer as transfer_module
 from kvtier.connector.offloading.metadata import ChunkTransfer
 from kvtier.connector.offloading.transfer import ChunkCopier
+from kvtier.models import cpu_kernels
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.layout import ChunkLayout
 
@@ -17,12 +18,13 @@ def _transfer(slot, offsets, block_ids):
     return ChunkTransfer(0, "req", 0, slot, tuple(offsets), tuple(block_ids))
 
 
-def _setup(dtype=torch.float32, use_numpy=None):
+def _setup(dtype=torch.float32, use_numpy=None, use_kernel=None):
     caches = [torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM).to(dtype) for _ in range(LAYERS)]
     layout = ChunkLayout.for_attention(BLOCK, HEADS, HEAD_DIM, caches[0].element_size(), LAYERS,
                                        PER_CHUNK)
     area = HostArea(3 * layout.chunk_bytes, layout.chunk_bytes)
-    copier = ChunkCopier(area.buffer, area.slot_bytes, [caches], [layout], use_numpy=use_numpy)
+    copier = ChunkCopier(area.buffer, area.slot_bytes, [caches], [layout], use_numpy=use_numpy,
+                         use_kernel=use_kernel)
     return caches, layout, area, copier
 
 
@@ -63,6 +65,22 @@ def test_one_batch_copies_blocks_of_several_chunks(use_numpy):
         assert torch.equal(caches[layer][:, 4], before[layer][:, 3])
         assert torch.equal(caches[layer][:, 5], before[layer][:, 1])
         assert torch.equal(caches[layer][:, 1], before[layer][:, 2])
+
+
+@pytest.mark.skipif(cpu_kernels.ops() is None, reason="the C++ CPU kernels are not built")
+def test_the_load_kernel_writes_what_numpy_writes():
+    torch.manual_seed(6)
+    kernel_caches, layout, area, kernel = _setup(torch.bfloat16, use_kernel=True)
+    assert kernel.page_loaders == [cpu_kernels.ops().load_pages]
+    numpy_caches = [cache.clone() for cache in kernel_caches]
+    plain = ChunkCopier(area.buffer, area.slot_bytes, [numpy_caches], [layout], use_kernel=False)
+    area.buffer[:] = np.random.default_rng(6).integers(0, 256, len(area.buffer), dtype=np.uint8)
+    # Scattered blocks, one run of two, slots out of order.
+    transfers = [_transfer(2, [1, 0], [5, 0]), _transfer(0, [0, 1], [2, 3]), _transfer(1, [1], [1])]
+    assert kernel.host_to_device(transfers) == plain.host_to_device(transfers)
+    for ours, reference in zip(kernel_caches, numpy_caches, strict=True):
+        assert torch.equal(ours.view(torch.int16), reference.view(torch.int16))
+    assert not torch.equal(kernel_caches[0][:, 4], kernel_caches[0][:, 5])  # 4 is untouched
 
 
 def test_numpy_and_torch_paths_write_the_same_bytes():
