@@ -44,7 +44,12 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the server launcher
 
-from server_process import ServerProcess, ServerStartError, free_port  # noqa: E402
+from server_process import (  # noqa: E402
+    ServerProcess,
+    ServerStartError,
+    free_port,
+    threads_env,
+)
 
 from kvtier.entrypoints.bench.client import (  # noqa: E402
     OpenAIStreamClient,
@@ -185,8 +190,7 @@ def wait_router_ready(url: str, setup: str, deadline_s: float) -> None:
 
 def start_setup(args: argparse.Namespace, setup: str, stack: ExitStack) -> str:
     """Start the setup's two instances and its router; the router's URL."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads_per_instance),
-               MKL_NUM_THREADS=str(args.threads_per_instance))
+    env = threads_env(args.threads_per_instance)
     roles = ("kv_producer", "kv_consumer") if setup.startswith("1p1d") \
         else (None, None)
     urls = []

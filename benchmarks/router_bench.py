@@ -34,7 +34,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the server launcher
 
-from server_process import ServerProcess, free_port  # noqa: E402
+from server_process import ServerProcess, free_port, threads_env  # noqa: E402
 
 from kvtier.entrypoints.bench import MultiTurnConfig, ServerTarget, run_multi_turn  # noqa: E402
 from kvtier.entrypoints.bench.metrics_scrape import parse_samples  # noqa: E402
@@ -111,8 +111,7 @@ def run_policy(args: argparse.Namespace, policy: str) -> dict:
         user_tokens=args.user_tokens, output_tokens=args.output_tokens,
         start_interval_s=args.start_interval, seed=args.seed)
     name = policy.replace("-", "_")
-    threads = str(args.threads_per_instance)
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    env = threads_env(args.threads_per_instance)
     with ExitStack() as stack:
         instances = []
         for i in range(NUM_INSTANCES):

@@ -27,6 +27,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def threads_env(num_threads: int) -> dict[str, str]:
+    """This process's environment with torch's CPU threads of a child server set to
+    `num_threads` (several servers sharing the cores must not each take them all)."""
+    return dict(os.environ, OMP_NUM_THREADS=str(num_threads), MKL_NUM_THREADS=str(num_threads))
+
+
 class ServerProcess:
     """Context manager around one server process; `url` is its base URL, `startup_s` its start."""
 

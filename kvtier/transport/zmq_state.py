@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -112,10 +111,8 @@ class State:
     def take_results(self, timeout_s: float) -> list[TransferResult]:
         """Every result so far; when there is none, waits up to `timeout_s` for one."""
         with self._results_ready:
-            if not self._results and timeout_s > 0:
-                deadline = time.monotonic() + timeout_s
-                while not self._results and (left := deadline - time.monotonic()) > 0:
-                    self._results_ready.wait(left)
+            if timeout_s > 0:
+                self._results_ready.wait_for(lambda: self._results, timeout_s)
             results = list(self._results)
             self._results.clear()
         return results

@@ -27,7 +27,7 @@ pages of 12 KB) paid 19 ms of, on one thread.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -64,7 +64,8 @@ class ChunkCopier:
         self.layouts = layouts
         device = group_caches[0][0].device
         self.use_numpy = device.type == "cpu" if use_numpy is None else use_numpy
-        self.page_loaders: list = [None] * len(group_caches)  # per group: the kernel, or None
+        # Per group: the load_pages kernel, or None (numpy or torch copies).
+        self.page_loaders: list[Callable[..., None] | None] = [None] * len(group_caches)
         if self.use_numpy:
             self.cache_parts = [[_cache_parts(cache) for cache in caches]
                                 for caches in group_caches]
@@ -129,9 +130,9 @@ class ChunkCopier:
         block_bytes = self.layouts[group_id].block_bytes
         offsets = [run.host_offset + i * block_bytes for run in runs
                    for i in range(run.num_blocks)]
-        self.page_loaders[group_id](self.host_bytes, torch.tensor(offsets, dtype=torch.int64),
-                         _block_ids(runs, torch.device("cpu")),
-                         list(self.group_caches[group_id]))
+        load_pages = self.page_loaders[group_id]
+        load_pages(self.host_bytes, torch.tensor(offsets, dtype=torch.int64),
+                   _block_ids(runs, torch.device("cpu")), list(self.group_caches[group_id]))
 
     def _host_parts(self, group_id: int, run: _Run) -> np.ndarray:
         """The run's host pages as (num_blocks, num_layers, parts, part bytes)."""
