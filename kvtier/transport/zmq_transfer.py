@@ -94,7 +94,9 @@ class ReceiverSide:
     def _start_recv(self, receiving: Receiving) -> None:
         self.recvs[receiving.transfer_id] = receiving
         offer = self._pop_offer(receiving.transfer_id)
-        if offer is not None:
+        # An offer past its deadline is one its sender has given up on (or is about to), even
+        # if the deadline sweep has not dropped it yet: this recv waits for a new one.
+        if offer is not None and time.monotonic() < offer.deadline:
             self._match(receiving, offer)
 
     def _on_offer(self, source: bytes, msg: dict, frames: list[zmq.Frame]) -> None:
