@@ -227,6 +227,40 @@ def test_long_prefills_take_the_flash_path_beside_kernel_prefills(monkeypatch):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("block,head_dim", [(8, 64), (32, 64), (16, 96), (4, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefills_of_shapes_the_kernel_is_not_vectorised_for_take_the_torch_path(block, head_dim,
+                                                                                dtype):
+    """The prefill kernel takes head dim 64 or 128 with 16-token blocks; other caches' prefills
+    (at any length) go to scaled_dot_product_attention, where a generic loop ran 4-10x slower,
+    while their decodes stay in the decode kernel. The kernel itself refuses them by name."""
+    kernels = cpu_kernels.ops()
+    if kernels is None:
+        pytest.skip("no C++ kernels")
+    gen = torch.Generator().manual_seed(6)
+    num_computed, query_lens = [0, 40, 9], [12, 3, 1]
+    counts = [-(-(c + q) // block) for c, q in zip(num_computed, query_lens)]
+    order = (torch.randperm(sum(counts), generator=gen) + 1).tolist()
+    tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
+    kv_cache = torch.randn(2, sum(counts) + 1, block, 2, head_dim, generator=gen).to(dtype)
+    query = torch.randn(sum(query_lens), 4, head_dim, generator=gen).to(dtype)
+    metadata = build_attention_metadata(num_computed, query_lens, [tables], block)
+    plan = attention._group_plan(metadata, 0, None, kv_cache)
+    assert plan.kernel_prefill is None
+    assert [p.query_end - p.query_start for p in plan.prefills] == [12, 3]
+    assert isinstance(plan.decode, attention._KernelDecodePlan)
+    scale = head_dim ** -0.5
+    out = paged_attention(query, kv_cache, metadata, 0, scale, None)
+    reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, scale,
+                                          None)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
+    with pytest.raises(RuntimeError, match="takes head_dim 64 or 128 with 16-slot blocks"):
+        kernels.paged_prefill_attention(
+            query, kv_cache, torch.tensor(tables[:1]), torch.tensor([0]), torch.tensor([0]),
+            torch.tensor([12]), 0, scale, torch.empty_like(query))
+
+
 @pytest.mark.usefixtures("bf16_tiles")
 def test_bf16_prefills_of_any_length_stay_in_the_kernel_where_it_has_bf16_tiles(monkeypatch):
     """The vdpbf16ps tiles beat the flash kernel at every length, so the query limit applies to
