@@ -317,6 +317,7 @@ class TieringManager:
             self._keep_reserve()
             self.metrics.set_dirty(self.host.num_dirty, self.host.num_dropped_dirty)
         self.metrics.set_fill_ratio(self.host.fill_ratio)
+        self.metrics.flush()
 
     def _finish(self, job: _TierJob, result: JobResult) -> None:
         name, ok = self.tier_names[job.tier], result.ok

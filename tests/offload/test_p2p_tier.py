@@ -42,7 +42,7 @@ def _asking(make_manager, *peers, **options):
 
 def _metric(manager, name, **labels):
     label = ",".join(f'{k}="{v}"' for k, v in {"tier": "p2p", **labels}.items())
-    return manager.metrics.values[f"kvtier:{name}_total{{{label}}}"]
+    return manager.metrics.snapshot().get(f"kvtier:{name}_total{{{label}}}", 0.0)
 
 
 def test_a_host_miss_is_promoted_from_the_peers_host_memory(make_manager):

@@ -346,6 +346,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if isinstance(report, OffloadingConnectorReport):
             for done in report.batches:
                 self._complete(done)
+            self.manager.metrics.flush()  # the step's last word on /metrics until the next
 
     def _complete(self, done: BatchDone) -> None:
         """The worker finished a batch of copies: the chunks' host slots are theirs again
