@@ -63,10 +63,12 @@ _DIRECTIONS = ("device_to_host", "host_to_device", "host_to_fs", "fs_to_host")
 
 def main() -> None:
     args = _parse_args()
-    disk_dir = args.disk_dir or tempfile.mkdtemp(prefix="kvtier-offload-ttft-")
-    # The tier behind host memory: by default the fs tier (a file per chunk), or --store.
-    with store_pair(args.store or f"fs={disk_dir}:{args.disk}") as store:
-        results = _measure(args, disk_dir, store)
+    # A scratch directory of our own is removed after the run (its tier files take GiBs).
+    with tempfile.TemporaryDirectory(prefix="kvtier-offload-ttft-") as scratch:
+        disk_dir = args.disk_dir or scratch
+        # The tier behind host memory: by default the fs tier (a file per chunk), or --store.
+        with store_pair(args.store or f"fs={disk_dir}:{args.disk}") as store:
+            results = _measure(args, disk_dir, store)
     _report(results, args.json)
 
 

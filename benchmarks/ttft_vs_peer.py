@@ -118,7 +118,15 @@ def run_engine(name: str, args: argparse.Namespace, prompts: dict[int, list[list
     """TTFT lists per length and phase for one engine, and the tier hits its metrics counted."""
     rng = random.Random(args.seed + 1)
     times = {length: {phase: [] for phase in PHASES} for length in prompts}
-    disk_dir = tempfile.mkdtemp(prefix="kvtier-ttft-vs-peer-")
+    # The disk tier's file (GiBs, reserved up front) goes with the directory after the run.
+    with tempfile.TemporaryDirectory(prefix="kvtier-ttft-vs-peer-") as disk_dir:
+        hits = _run_phases(name, args, prompts, disk_dir, rng, times)
+    return {"ttft_s": times, "hits": hits}
+
+
+def _run_phases(name: str, args: argparse.Namespace, prompts: dict[int, list[list[int]]],
+                disk_dir: str, rng: random.Random, times: dict) -> dict:
+    """Measure every phase into `times`; returns the tier hits kvtier's metrics counted."""
     server = (kvtier_server(args, disk_dir, "kvtier-ttft-a.log") if name == "kvtier" else
               peer_server(PeerServerConfig(kv_cache_memory_bytes=args.device_kv,
                                            max_model_len=max(args.lengths) + 1)))
@@ -136,7 +144,7 @@ def run_engine(name: str, args: argparse.Namespace, prompts: dict[int, list[list
             first_token_seconds(restarted.url, random_prompt(rng, 64))
             measure_prompts(restarted.url, prompts, "restart", times)
             hits["after restart"] = scrape_hits(restarted.url)
-    return {"ttft_s": times, "hits": hits}
+    return hits
 
 
 def medians(results: dict) -> dict[str, dict[int, dict[str, float]]]:

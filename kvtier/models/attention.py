@@ -2,21 +2,22 @@
 reference the tests hold it to.
 
 Fast path on the CPU: the C++ kernels (kvtier/models/csrc) read the pages in place. Every sequence
-with one new token (decode) goes through paged_decode.cpp; every prefill through
-paged_prefill.cpp, all of them in one call per layer, except that in fp32 and fp16 prefills of
-over KERNEL_PREFILL_MAX_QUERIES new tokens, every prefill of a cache shape the prefill kernel
-does not take (it is vectorised for head dim 64 or 128 with 16-token blocks only: on 8- or
-32-token blocks a generic loop ran 4-10x slower than torch, a 747-token bf16 prompt in 71 vs 9 ms
-per layer), and every prefill where the kernels are unavailable (CUDA, no compiler), gather their
-own blocks and run one scaled_dot_product_attention call with the causal offset. In fp32 and
-fp16 torch's flash kernel wins on long square prompts (measured 56 vs 66 ms for 2,048 new
-tokens), the C++ kernel on short chunks over a long context (2-3x: no gather, no per-sequence
-call). In bf16 on a CPU with AVX512-BF16 the kernel's bf16 tiles win at every length: on an AMD
-EPYC (vdpbf16ps) 2.8x on a 2,048-token prompt (31 vs 87 ms per layer), 3.4x on a 2,048-token
-chunk over 6,144 cached tokens (176 vs 597 ms: the flash kernel needs a dense mask for the causal
-offset); on an Intel Sapphire Rapids (AMX tiles) 1.1x on the prompt (7.2 vs 8.0 ms), 1.5x on the
-chunk (48 vs 74 ms). Without the decode kernel, decodes are gathered into one padded batch and
-run through two batched matmuls with a softmax between them.
+with one new token (decode) goes through paged_decode.cpp; every prefill through paged_prefill.cpp,
+all of them in one call per layer, except that in fp32 and fp16 prefills of over
+KERNEL_PREFILL_MAX_QUERIES new tokens, every prefill of a cache shape the prefill kernel does not
+take (outside its bf16 tiles, which take any block size, it is vectorised for head dim 64 or 128
+with 16-token blocks only: on 8- or 32-token blocks a generic loop ran 4-10x slower than torch, a
+747-token prompt in 71 vs 9 ms per layer), and every prefill where the kernels are unavailable
+(CUDA, no compiler), gather their own blocks and run one scaled_dot_product_attention call with the
+causal offset. In fp32 and fp16 torch's flash kernel wins on long square prompts (measured 56 vs 66
+ms for 2,048 new tokens), the C++ kernel on short chunks over a long context (2-3x: no gather, no
+per-sequence call). In bf16 on a CPU with AVX512-BF16 the kernel's bf16 tiles win at every length
+and block size (8, 16 or 32 tokens measured alike): on an AMD EPYC (vdpbf16ps) 2.8x on a
+2,048-token prompt (31 vs 87 ms per layer), 3.4x on a 2,048-token chunk over 6,144 cached tokens
+(176 vs 597 ms: the flash kernel needs a dense mask for the causal offset); on an Intel Sapphire
+Rapids (AMX tiles) 1.1x on the prompt (7.2 vs 8.0 ms), 1.5x on the chunk (48 vs 74 ms). Without the
+decode kernel, decodes are gathered into one padded batch and run through two batched matmuls with
+a softmax between them.
 Sliding window: a query at position p attends keys in (p - window, p]; blocks wholly before the
 window are not read at all.
 
@@ -114,10 +115,10 @@ KERNEL_PREFILL_MAX_QUERIES = 1024
 def _kernel_prefill_max_queries(kv_cache: torch.Tensor) -> float:
     _, _, block_size, _, head_dim = kv_cache.shape
     kernels = cpu_kernels.ops()
-    if not kernels.paged_prefill_supports(head_dim, block_size):
-        return 0
     if kernels.paged_prefill_has_bf16_tiles(kv_cache.dtype, head_dim, block_size):
         return math.inf
+    if not kernels.paged_prefill_supports(head_dim, block_size):
+        return 0
     return KERNEL_PREFILL_MAX_QUERIES
 
 

@@ -227,13 +227,15 @@ def test_long_prefills_take_the_flash_path_beside_kernel_prefills(monkeypatch):
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("block,head_dim", [(8, 64), (32, 64), (16, 96), (4, 16)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block,head_dim,dtype", [
+    (8, 64, torch.float32), (32, 64, torch.float32), (16, 96, torch.float32),
+    (4, 16, torch.float32), (16, 96, torch.bfloat16), (4, 16, torch.bfloat16)])
 def test_prefills_of_shapes_the_kernel_is_not_vectorised_for_take_the_torch_path(block, head_dim,
                                                                                 dtype):
-    """The prefill kernel takes head dim 64 or 128 with 16-token blocks; other caches' prefills
-    (at any length) go to scaled_dot_product_attention, where a generic loop ran 4-10x slower,
-    while their decodes stay in the decode kernel. The kernel itself refuses them by name."""
+    """Outside its bf16 tiles the prefill kernel takes head dim 64 or 128 with 16-token blocks;
+    other caches' prefills (at any length) go to scaled_dot_product_attention, where a generic
+    loop ran 4-10x slower, while their decodes stay in the decode kernel. The kernel itself
+    refuses them by name."""
     kernels = cpu_kernels.ops()
     if kernels is None:
         pytest.skip("no C++ kernels")
@@ -282,27 +284,33 @@ def test_bf16_prefills_of_any_length_stay_in_the_kernel_where_it_has_bf16_tiles(
 @pytest.mark.parametrize("window", [None, 100])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 2)])
-def test_bf16_prefill_tiles_share_packed_pages_and_ignore_stale_slots(num_heads, num_kv_heads,
-                                                                      head_dim, window):
-    """The bf16 tiles pack each sequence's pages once, in runs of 32 pages, for all its tiles:
-    chunks over prefixes longer than a run, a fresh prompt, a window starting inside a page;
-    slots past a sequence's last token hold NaN (another request's leftovers) and change
-    nothing."""
+@pytest.mark.parametrize("block", [16, 8, 32])
+def test_bf16_prefill_tiles_share_packed_pages_and_ignore_stale_slots(block, num_heads,
+                                                                      num_kv_heads, head_dim,
+                                                                      window):
+    """The bf16 tiles pack each sequence's keys once into 16-key pages, in runs of 32 pages, for
+    all its tiles, whatever the cache's block size (a packed page is half of a 32-token block or
+    two 8-token ones): chunks over prefixes longer than a run, a fresh prompt, a window starting
+    inside a page; slots past a sequence's last token hold NaN (another request's leftovers) and
+    change nothing."""
     kernels = cpu_kernels.ops()
-    if kernels is None or not kernels.paged_prefill_has_bf16_tiles(torch.bfloat16, head_dim, 16):
+    if kernels is None or not kernels.paged_prefill_has_bf16_tiles(torch.bfloat16, head_dim,
+                                                                    block):
         pytest.skip("no vdpbf16ps prefill tiles on this CPU")
     gen = torch.Generator().manual_seed(5)
     num_computed, query_lens = [600, 0, 517, 21], [37, 45, 70, 3]
-    counts = [-(-(c + n) // 16) for c, n in zip(num_computed, query_lens)]
+    counts = [-(-(c + n) // block) for c, n in zip(num_computed, query_lens)]
     order = (torch.randperm(sum(counts), generator=gen) + 1).tolist()
-    kv_cache = torch.randn(2, sum(counts) + 1, 16, num_kv_heads, head_dim, generator=gen)
+    kv_cache = torch.randn(2, sum(counts) + 1, block, num_kv_heads, head_dim, generator=gen)
     tables, used = [], 0
     for computed, length, count in zip(num_computed, query_lens, counts):
         tables.append(order[used:used + count])
         used += count
-        kv_cache[:, tables[-1][-1], (computed + length) % 16 or 16:] = float("nan")
+        kv_cache[:, tables[-1][-1], (computed + length) % block or block:] = float("nan")
     kv_cache = kv_cache.to(torch.bfloat16)
-    metadata = build_attention_metadata(num_computed, query_lens, [tables], 16)
+    metadata = build_attention_metadata(num_computed, query_lens, [tables], block)
+    plan = attention._group_plan(metadata, 0, window, kv_cache)
+    assert plan.kernel_prefill is not None and plan.prefills == ()
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
     scale = head_dim ** -0.5
     reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, scale,

@@ -9,10 +9,10 @@
 // own range, then the weighted values. Registered as torch.ops.kvtier.paged_prefill_attention;
 // built by kvtier/models/cpu_kernels.py with -ffast-math (expf vectorizes). Only attended
 // positions are read, so pages before a sliding window may hold anything (the null block). It
-// takes head_dim 64 or 128 with 16-slot blocks (paged_prefill_supports); the engine sends other
-// shapes to torch.
+// takes head_dim 64 or 128 with 16-slot blocks (paged_prefill_supports), and in bf16 with the
+// bf16 tiles any block size; the engine sends other shapes to torch.
 //
-// bf16 caches with head_dim 64 or 128 and 16-slot blocks take the bf16 tiles of
+// bf16 caches with head_dim 64 or 128 and any block size take the bf16 tiles of
 // paged_prefill_bf16.h where the CPU has AVX512-BF16: AMX tile multiplies where it also has
 // AMX-BF16 and the OS lends the tile registers (paged_prefill_amx.h), vdpbf16ps otherwise. On an
 // Intel Sapphire Rapids VM (2 cores) the AMX tiles run a 2,048-token prompt in 7.2 ms per layer
@@ -173,18 +173,20 @@ void attend_tile(const scalar_t* query, const scalar_t* cache, const int64_t* ta
 }
 
 
-// The shapes paged_prefill_attention takes: those its loops are vectorised for. Measured on 2 AMD
-// EPYC cores, a loop over runtime sizes (8- or 32-slot pages, head dims 32 or 96) ran 4-10x
-// slower than torch's scaled_dot_product_attention on the same work, so those shapes go there.
+// The shapes paged_prefill_attention takes in every dtype: those its fp32 loops are vectorised
+// for (the bf16 tiles take any block size, see below). Measured on 2 AMD EPYC cores, a loop over
+// runtime sizes (8- or 32-slot pages, head dims 32 or 96) ran 4-10x slower than torch's
+// scaled_dot_product_attention on the same work, so those shapes go there.
 bool paged_prefill_supports(int64_t head_dim, int64_t block_size) {
   return block_size == 16 && (head_dim == 64 || head_dim == 128);
 }
 
 // Whether paged_prefill_attention takes the vdpbf16ps tiles for this cache: then it is the
 // fastest path at every prefill length, and callers need no flash-kernel fallback for long ones.
+// Any block size: the keys are packed into 16-key pages first (pack_pages_bf16).
 bool paged_prefill_has_bf16_tiles(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512BF16__)
-  return dtype == at::kBFloat16 && block_size == 16 && (head_dim == 64 || head_dim == 128);
+  return dtype == at::kBFloat16 && block_size > 0 && (head_dim == 64 || head_dim == 128);
 #else
   return false;
 #endif
@@ -245,10 +247,12 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
           block_table.size(1), kv_cache.stride(0)};
   TORCH_CHECK(query.size(2) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
               "query heads must be a multiple of kv heads with the same head_dim");
-  TORCH_CHECK(paged_prefill_supports(s.head_dim, s.block_size),
-              "paged_prefill_attention takes head_dim 64 or 128 with 16-slot blocks (see "
-              "paged_prefill_supports); got head_dim ", s.head_dim, " with ", s.block_size,
-              "-slot blocks");
+  TORCH_CHECK(paged_prefill_supports(s.head_dim, s.block_size) ||
+                  paged_prefill_has_bf16_tiles(query.scalar_type(), s.head_dim, s.block_size),
+              "paged_prefill_attention takes head_dim 64 or 128 with 16-slot blocks, or any "
+              "block size in bf16 where it has the bf16 tiles (see paged_prefill_supports and "
+              "paged_prefill_has_bf16_tiles); got head_dim ", s.head_dim, " with ",
+              s.block_size, "-slot blocks");
   const int64_t* starts = query_start.data_ptr<int64_t>();
   const int64_t* computed = num_computed.data_ptr<int64_t>();
   const int64_t* lens = query_lens.data_ptr<int64_t>();

@@ -1,4 +1,4 @@
-// The bf16 tiles of paged prefill attention (bf16 caches, head dim 64 or 128, 16-slot pages),
+// The bf16 tiles of paged prefill attention (bf16 caches, head dim 64 or 128, any block size),
 // on CPUs with AVX512-BF16: vdpbf16ps tiles here, AMX tiles in paged_prefill_amx.h over the same
 // packed pages. Included by paged_prefill.cpp only.
 
@@ -32,28 +32,33 @@ struct PackedPages {
 };
 
 // Pages [page_begin, page_end) of one (sequence, kv head), whose last token is end_pos - 1, into
-// kpages / vpages (the words of page_begin). Slots from end_pos on are zero: they may hold another
-// request's stale data, and a zero weight times a non-finite value would still be NaN.
+// kpages / vpages (the words of page_begin). A packed page is 16 consecutive key positions,
+// whatever the cache's block size: position pos is slot pos % block_size of block
+// table[pos / block_size]. Slots from end_pos on are zero: they may hold another request's stale
+// data, and a zero weight times a non-finite value would still be NaN.
 template <int64_t kDim>
 void pack_pages_bf16(const c10::BFloat16* cache, const int64_t* table, int64_t page_begin,
                      int64_t page_end, int64_t end_pos, int64_t kv_head, const Shape& s,
                      uint32_t* kpages, uint32_t* vpages) {
-  constexpr int64_t kBlock = 16, kPairs = kDim / 2, kPageWords = kPairs * kBlock;
-  const int64_t page_len = kBlock * s.num_kv_heads * kDim, token_len = s.num_kv_heads * kDim;
+  constexpr int64_t kPage = 16, kPairs = kDim / 2, kPageWords = kPairs * kPage;
+  const int64_t block_len = s.block_size * s.num_kv_heads * kDim;
+  const int64_t token_len = s.num_kv_heads * kDim;
   const int64_t num_pages = page_end - page_begin;
   std::fill(kpages, kpages + num_pages * kPageWords, 0u);
   std::fill(vpages, vpages + num_pages * kPageWords, 0u);
   for (int64_t page = 0; page < num_pages; ++page) {
-    const int64_t used = std::min(kBlock, end_pos - (page_begin + page) * kBlock);
-    const uint16_t* k_base = reinterpret_cast<const uint16_t*>(
-        cache + table[page_begin + page] * page_len + kv_head * kDim);
-    const uint16_t* v_base = k_base + s.v_offset;
+    const int64_t first_pos = (page_begin + page) * kPage;
+    const int64_t used = std::min(kPage, end_pos - first_pos);
     uint32_t* kp = kpages + page * kPageWords;
     uint32_t* vp = vpages + page * kPageWords;
     for (int64_t t = 0; t < used; ++t) {
-      const uint32_t* k = reinterpret_cast<const uint32_t*>(k_base + t * token_len);
-      for (int64_t p = 0; p < kPairs; ++p) kp[p * kBlock + t] = k[p];
-      const uint16_t* v = v_base + t * token_len;
+      const int64_t pos = first_pos + t;
+      const uint16_t* k_row = reinterpret_cast<const uint16_t*>(
+          cache + table[pos / s.block_size] * block_len + (pos % s.block_size) * token_len +
+          kv_head * kDim);
+      const uint32_t* k = reinterpret_cast<const uint32_t*>(k_row);
+      for (int64_t p = 0; p < kPairs; ++p) kp[p * kPage + t] = k[p];
+      const uint16_t* v = k_row + s.v_offset;
       const int shift = (t & 1) * 16;
       uint32_t* vrow = vp + (t / 2) * kDim;
       for (int64_t d = 0; d < kDim; ++d) vrow[d] |= uint32_t(v[d]) << shift;
