@@ -18,9 +18,9 @@ def _transfer(slot, offsets, block_ids):
     return ChunkTransfer(0, "req", 0, slot, tuple(offsets), tuple(block_ids))
 
 
-def _setup(dtype=torch.float32, use_numpy=None, use_kernel=None):
-    caches = [torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM).to(dtype) for _ in range(LAYERS)]
-    layout = ChunkLayout.for_attention(BLOCK, HEADS, HEAD_DIM, caches[0].element_size(), LAYERS,
+def _setup(dtype=torch.float32, use_numpy=None, use_kernel=None, head_dim=HEAD_DIM):
+    caches = [torch.randn(2, NUM_BLOCKS, BLOCK, HEADS, head_dim).to(dtype) for _ in range(LAYERS)]
+    layout = ChunkLayout.for_attention(BLOCK, HEADS, head_dim, caches[0].element_size(), LAYERS,
                                        PER_CHUNK)
     area = HostArea(3 * layout.chunk_bytes, layout.chunk_bytes)
     copier = ChunkCopier(area.buffer, area.slot_bytes, [caches], [layout], use_numpy=use_numpy,
@@ -68,9 +68,13 @@ def test_one_batch_copies_blocks_of_several_chunks(use_numpy):
 
 
 @pytest.mark.skipif(cpu_kernels.ops() is None, reason="the C++ CPU kernels are not built")
-def test_the_load_kernel_writes_what_numpy_writes():
+@pytest.mark.parametrize("head_dim", [HEAD_DIM, 32])
+def test_the_load_kernel_writes_what_numpy_writes(head_dim):
+    """48-byte parts are copied with memcpy; 512-byte ones (whole 64-byte lines) with streaming
+    stores where the CPU has AVX-512."""
     torch.manual_seed(6)
-    kernel_caches, layout, area, kernel = _setup(torch.bfloat16, use_kernel=True)
+    kernel_caches, layout, area, kernel = _setup(torch.bfloat16, use_kernel=True,
+                                                 head_dim=head_dim)
     assert kernel.page_loaders == [cpu_kernels.ops().load_pages]
     numpy_caches = [cache.clone() for cache in kernel_caches]
     plain = ChunkCopier(area.buffer, area.slot_bytes, [numpy_caches], [layout], use_kernel=False)
