@@ -24,7 +24,7 @@ import enum
 import itertools
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -74,7 +74,6 @@ class _TierJob:
     key: ChunkKey
     num_bytes: int
     started: float
-    deadline: float
     expired: bool = False
 
 
@@ -104,6 +103,9 @@ class TieringManager:
         self._clock = clock
         self._job_ids = itertools.count()
         self._jobs: dict[int, _TierJob] = {}
+        # (deadline, job id) in submission order: every job gets the same timeout, so the
+        # deadlines come in order and each step checks only the ones that have passed.
+        self._deadlines: deque[tuple[float, int]] = deque()
         self._promoting: dict[ChunkKey, int] = {}
         # (tier index, key) -> when its load failed; bounded, oldest forgotten first.
         self._failed: OrderedDict[tuple[int, ChunkKey], float] = OrderedDict()
@@ -284,7 +286,8 @@ class TieringManager:
         job_id = next(self._job_ids)
         job = TransferJob(job_id, key, self.area.slot_view(slot, num_bytes),
                           now + self.config.tier_job_timeout_s)
-        self._jobs[job_id] = _TierJob(kind, index, key, num_bytes, now, job.deadline)
+        self._jobs[job_id] = _TierJob(kind, index, key, num_bytes, now)
+        self._deadlines.append((job.deadline, job_id))
         try:
             if kind == "promote":
                 self.tiers[index].submit_load(job)
@@ -348,13 +351,15 @@ class TieringManager:
         # A late job keeps its slot pinned until the tier reports it: the tier may still be
         # using the buffer, so the slot cannot be handed to another chunk.
         now = self._clock()
-        for job in self._jobs.values():
-            if not job.expired and now > job.deadline:
-                job.expired = True
-                self.metrics.error(self.tier_names[job.tier])
-                if job.kind == "promote":
-                    self._promoting.pop(job.key, None)
-                    self._mark_failed(job.tier, job.key)
+        while self._deadlines and now > self._deadlines[0][0]:
+            job = self._jobs.get(self._deadlines.popleft()[1])
+            if job is None:  # reported in time
+                continue
+            job.expired = True
+            self.metrics.error(self.tier_names[job.tier])
+            if job.kind == "promote":
+                self._promoting.pop(job.key, None)
+                self._mark_failed(job.tier, job.key)
 
     def _mark_failed(self, index: int, key: ChunkKey) -> None:
         self._failed[(index, key)] = self._clock()

@@ -138,6 +138,33 @@ def test_host_hit_loads_by_block_id(make_connector):
                                        for h in hashes]
 
 
+def test_a_host_hit_plans_no_stores_for_what_it_loads(make_connector):
+    connector = make_connector()
+    kv = KVCacheManager(KV_CONFIG, max_model_len=64)
+    first = _request("r1")
+    metadata, _ = _schedule_prefill(connector, kv, first)
+    _report_done(connector, "device_to_host", metadata.stores)
+    second = _request("r2", num_tokens=34)  # the same 7 blocks, then one more of its own
+    assert connector.get_num_new_matched_tokens(second, 0) == (28, False)
+    kv.allocate_slots(second, 6, num_external_computed_tokens=28)
+    connector.update_state_after_alloc(second, kv.get_blocks("r2"), 28)
+    block_ids = kv.get_block_ids("r2")
+    output = SchedulerOutput(
+        scheduled_new_reqs=[NewRequestData("r2", second.all_token_ids, second.num_prompt_tokens,
+                                           SamplingParams(), block_ids, 28)],
+        scheduled_cached_reqs=[], num_scheduled_tokens={"r2": 6}, total_num_scheduled_tokens=6)
+    asked = []
+    prepare_store = connector.manager.prepare_store
+    connector.manager.prepare_store = lambda key, *args: asked.append(key) or prepare_store(
+        key, *args)
+    metadata = connector.build_connector_meta(output)
+    assert len(metadata.loads) == 7
+    # Only the block it computes is asked for a slot and stored: the loaded ones are in host
+    # memory (an 8k-token hit would ask 511 times for nothing).
+    assert asked == [connector.chunk_key(second, 0, 7)]
+    assert [t.block_ids for t in metadata.stores] == [(block_ids[0][7],)]
+
+
 def test_secondary_hit_answers_retry_until_promoted(make_connector):
     connector = make_connector(secondary_tiers=[{"type": "StuckTier",
                                                   "module_path": FAULTY_TIERS}])

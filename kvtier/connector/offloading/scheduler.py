@@ -243,9 +243,15 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         end_block = (plan.num_local_tokens + num_external_tokens) // self.block_size
         start = first_block // self.options.blocks_per_chunk
         end = -(-end_block // self.options.blocks_per_chunk)
+        num_planned = len(self._pending_loads)
         for g in range(len(self.groups)):
             for chunk in self._needed_chunks(g, start, end):
                 self._plan_load(request, g, chunk, block_ids[g], first_block, end_block)
+        if all(load.slot is not None for load in self._pending_loads[num_planned:]):
+            # What it loads is in host memory: no store to plan for those chunks (an 8k-token
+            # hit's 511 would each be asked for nothing). A chunk that left host memory since
+            # the lookup is recomputed, and stored then.
+            state.next_store_chunk = max(state.next_store_chunk, end)
 
     def _plan_load(self, request: Any, group_id: int, chunk: int, block_ids: list[int],
                    first_block: int, end_block: int) -> None:
