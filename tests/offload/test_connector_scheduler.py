@@ -112,17 +112,23 @@ def test_prompt_only_and_threshold_limit_stores(make_connector):
     assert [(t.slot, t.block_offsets) for t in stores] == [(0, (0, 1)), (1, (0, 1)), (2, (0, 1))]
 
 
-def test_host_hit_loads_by_block_id(make_connector):
-    connector = make_connector()
-    kv = KVCacheManager(KV_CONFIG, max_model_len=64)
+def _host_hit(connector, kv, num_tokens=30):
+    """r1's 30 tokens computed and stored in host memory; r2 (its first 30 tokens the same)
+    admitted with its 7 whole blocks in host memory as a hit (the last token is recomputed)."""
     first = _request("r1")
     metadata, _ = _schedule_prefill(connector, kv, first)
     _report_done(connector, "device_to_host", metadata.stores)
-    second = _request("r2")
-    # 30 tokens: 7 blocks can be loaded, the last token is recomputed.
+    second = _request("r2", num_tokens=num_tokens)
     assert connector.get_num_new_matched_tokens(second, 0) == (28, False)
-    kv.allocate_slots(second, 2, num_external_computed_tokens=28)
+    kv.allocate_slots(second, num_tokens - 28, num_external_computed_tokens=28)
     connector.update_state_after_alloc(second, kv.get_blocks("r2"), 28)
+    return first, second
+
+
+def test_host_hit_loads_by_block_id(make_connector):
+    connector = make_connector()
+    kv = KVCacheManager(KV_CONFIG, max_model_len=64)
+    first, _ = _host_hit(connector, kv)
     loads = _empty_step(connector).loads
     block_ids = kv.get_block_ids("r2")[0]
     assert [(t.slot, t.block_ids) for t in loads] == [(i, (block_ids[i],)) for i in range(7)]
@@ -141,13 +147,7 @@ def test_host_hit_loads_by_block_id(make_connector):
 def test_a_host_hit_plans_no_stores_for_what_it_loads(make_connector):
     connector = make_connector()
     kv = KVCacheManager(KV_CONFIG, max_model_len=64)
-    first = _request("r1")
-    metadata, _ = _schedule_prefill(connector, kv, first)
-    _report_done(connector, "device_to_host", metadata.stores)
-    second = _request("r2", num_tokens=34)  # the same 7 blocks, then one more of its own
-    assert connector.get_num_new_matched_tokens(second, 0) == (28, False)
-    kv.allocate_slots(second, 6, num_external_computed_tokens=28)
-    connector.update_state_after_alloc(second, kv.get_blocks("r2"), 28)
+    _, second = _host_hit(connector, kv, num_tokens=34)  # then one more block of its own
     block_ids = kv.get_block_ids("r2")
     output = SchedulerOutput(
         scheduled_new_reqs=[NewRequestData("r2", second.all_token_ids, second.num_prompt_tokens,
