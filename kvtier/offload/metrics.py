@@ -40,7 +40,7 @@ class OffloadMetrics:
         # direction its bytes, busy seconds added and each transfer's seconds.
         self._lookups: dict[tuple[str, bool], int] = defaultdict(int)
         self._lookup_seconds: dict[str, list[float]] = defaultdict(list)
-        self._transfers: dict[str, _PendingTransfers] = {}
+        self._transfers: dict[str, _PendingTransfers] = defaultdict(_PendingTransfers)
         if registry is None:
             return
         self._fill = registry.gauge("kvtier:offload_host_fill_ratio",
@@ -124,9 +124,7 @@ class OffloadMetrics:
         """A transfer moved `num_bytes` in `direction` (e.g. "device_to_host", "fs_to_host") in
         `seconds` that ended at `ended` (time.monotonic(); default: now)."""
         ended = time.monotonic() if ended is None else ended
-        pending = self._transfers.get(direction)
-        if pending is None:
-            pending = self._transfers[direction] = _PendingTransfers()
+        pending = self._transfers[direction]
         pending.num_bytes += num_bytes
         pending.busy_added += self._busy_time[direction].add(ended - seconds, ended)
         pending.seconds.append(seconds)
@@ -147,7 +145,7 @@ class OffloadMetrics:
             histogram = self._series_of(self._lookup, tier)
             for seconds in values:
                 histogram.observe(seconds)
-        transfers, self._transfers = self._transfers, {}
+        transfers, self._transfers = self._transfers, defaultdict(_PendingTransfers)
         for direction, pending in transfers.items():
             self._flush_transfers(direction, pending)
 

@@ -56,15 +56,15 @@ inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
   return f;
 }
 
-// One tile of one kv head. kDim / kBlock: head dim / block size as compile-time constants (the
-// inner loops become whole vector registers).
-template <typename scalar_t, int64_t kDim, int64_t kBlock>
+// One tile of one kv head, over 16-slot blocks. kDim: head dim as a compile-time constant (the
+// inner loops become whole vector registers, as does a block's row of scores).
+template <typename scalar_t, int64_t kDim>
 void attend_tile(const scalar_t* query, const scalar_t* cache, const int64_t* table,
                  int64_t computed, int64_t tile_begin, int64_t tile_end, int64_t kv_head,
                  int64_t window, const Shape& s, float scale, scalar_t* out,
                  std::vector<float>& scratch) {
-  static_assert(kDim % 16 == 0 && kBlock == 16, "a page of keys is one Vec16 of scores");
-  constexpr int64_t dim = kDim, block = kBlock;
+  static_assert(kDim % 16 == 0, "a row of a V page is whole Vec16s");
+  constexpr int64_t dim = kDim, block = 16;  // a page of keys is one Vec16 of scores
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t tokens = tile_end - tile_begin, rows = tokens * group;
   const int64_t row_stride = s.num_heads * dim;  // between consecutive query tokens
@@ -118,18 +118,18 @@ void attend_tile(const scalar_t* query, const scalar_t* cache, const int64_t* ta
       Vec16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
       const float *q0 = q + r * dim, *q1 = q0 + dim, *q2 = q1 + dim, *q3 = q2 + dim;
       for (int64_t d = 0; d < dim; ++d) {
-        const Vec16 kd = load16(page + d * kBlock);
+        const Vec16 kd = load16(page + d * block);
         a0 += q0[d] * kd;
         a1 += q1[d] * kd;
         a2 += q2[d] * kd;
         a3 += q3[d] * kd;
       }
       store16(sums, a0);
-      store16(sums + kBlock, a1);
-      store16(sums + 2 * kBlock, a2);
-      store16(sums + 3 * kBlock, a3);
+      store16(sums + block, a1);
+      store16(sums + 2 * block, a2);
+      store16(sums + 3 * block, a3);
       for (int64_t j = 0; j < 4; ++j) {
-        std::copy(sums + j * kBlock + t_lo, sums + j * kBlock + t_hi,
+        std::copy(sums + j * block + t_lo, sums + j * block + t_hi,
                   scores + (r + j) * num_keys + key0);
       }
     }
@@ -177,8 +177,10 @@ void attend_tile(const scalar_t* query, const scalar_t* cache, const int64_t* ta
 // for (the bf16 tiles take any block size, see below). Measured on 2 AMD EPYC cores, a loop over
 // runtime sizes (8- or 32-slot pages, head dims 32 or 96) ran 4-10x slower than torch's
 // scaled_dot_product_attention on the same work, so those shapes go there.
+bool vectorised_head_dim(int64_t head_dim) { return head_dim == 64 || head_dim == 128; }
+
 bool paged_prefill_supports(int64_t head_dim, int64_t block_size) {
-  return block_size == 16 && (head_dim == 64 || head_dim == 128);
+  return block_size == 16 && vectorised_head_dim(head_dim);
 }
 
 // Whether paged_prefill_attention takes the vdpbf16ps tiles for this cache: then it is the
@@ -186,7 +188,7 @@ bool paged_prefill_supports(int64_t head_dim, int64_t block_size) {
 // Any block size: the keys are packed into 16-key pages first (pack_pages_bf16).
 bool paged_prefill_has_bf16_tiles(at::ScalarType dtype, int64_t head_dim, int64_t block_size) {
 #if defined(__AVX512BF16__)
-  return dtype == at::kBFloat16 && block_size > 0 && (head_dim == 64 || head_dim == 128);
+  return dtype == at::kBFloat16 && block_size > 0 && vectorised_head_dim(head_dim);
 #else
   return false;
 #endif
@@ -282,8 +284,8 @@ void paged_prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
         }
       });
     };
-    if (s.head_dim == 64) run(attend_tile<scalar_t, 64, 16>);
-    else run(attend_tile<scalar_t, 128, 16>);
+    if (s.head_dim == 64) run(attend_tile<scalar_t, 64>);
+    else run(attend_tile<scalar_t, 128>);
   });
 }
 
