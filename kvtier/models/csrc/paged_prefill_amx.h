@@ -57,52 +57,6 @@ void load_amx_config() {
 
 constexpr int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
-// exp of 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
-// f^6 (relative error ~1e-7, far below the bf16 rounding of the weights); large negative x
-// gives 0.
-inline __m512 exp16(__m512 x) {
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// The lanes of keys [c, c + 16) inside [begin, end).
-inline __mmask16 span_mask(int64_t c, int64_t begin, int64_t end) {
-  const uint32_t from_begin = begin <= c ? 0xffffu : begin - c >= 16 ? 0u : 0xffffu << (begin - c);
-  const uint32_t before_end = end - c >= 16 ? 0xffffu : end <= c ? 0u : (1u << (end - c)) - 1;
-  return static_cast<__mmask16>(from_begin & before_end);
-}
-
-// One row of scores (`keys` of them, a multiple of 32) to its unnormalized softmax weights in
-// bf16 pairs: exp(scale * (score - peak)) over [begin, end), 0 elsewhere. Returns their sum.
-inline float row_weights(const float* scores, int64_t keys, int64_t begin, int64_t end,
-                         float scale, uint32_t* weights) {
-  __m512 peak16 = _mm512_set1_ps(-INFINITY);
-  for (int64_t c = begin / 16 * 16; c < end; c += 16) {
-    peak16 = _mm512_mask_max_ps(peak16, span_mask(c, begin, end), peak16,
-                                _mm512_loadu_ps(scores + c));
-  }
-  const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(peak16));
-  const __m512 scale16 = _mm512_set1_ps(scale);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t c = 0; c < keys; c += 16) {
-    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + c), peak), scale16);
-    const __m512 w = _mm512_maskz_mov_ps(span_mask(c, begin, end), exp16(x));
-    sum = _mm512_add_ps(sum, w);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + c / 2),
-                        (__m256i)_mm512_cvtneps_pbh(w));
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
 // A tile's rows 32 at a time (two 16-row A tiles): their scores against every page pair,
 // their weights, their weighted values; each row's output divided by its weights' sum.
 template <int64_t kDim>
@@ -170,7 +124,8 @@ void attend_tile_amx(const c10::BFloat16* query, const PackedPages& pages, int64
     for (int64_t j = 0; j < live; ++j) {
       const int64_t pos = first_pos + (r + j) / group;
       const int64_t begin = row_lo(pos) - first_page * kBlock, end = pos + 1 - first_page * kBlock;
-      inv_sum[j] = 1.f / row_weights(scores + j * keys, keys, begin, end, scale,
+      const float peak = span_max(scores + j * keys, begin, end);
+      inv_sum[j] = 1.f / row_weights(scores + j * keys, keys, begin, end, peak, scale,
                                      weights + j * keys / 2);
     }
     std::fill(weights + live * keys / 2, weights + 32 * keys / 2, 0u);

@@ -66,6 +66,89 @@ void pack_pages_bf16(const c10::BFloat16* cache, const int64_t* table, int64_t p
   }
 }
 
+// exp of 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
+// f^6 (relative error ~1e-7, far below the bf16 rounding of the weights); large negative x
+// gives 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The lanes of keys [c, c + 16) inside [begin, end).
+inline __mmask16 span_mask(int64_t c, int64_t begin, int64_t end) {
+  const uint32_t from_begin = begin <= c ? 0xffffu : begin - c >= 16 ? 0u : 0xffffu << (begin - c);
+  const uint32_t before_end = end - c >= 16 ? 0xffffu : end <= c ? 0u : (1u << (end - c)) - 1;
+  return static_cast<__mmask16>(from_begin & before_end);
+}
+
+// The highest of scores [begin, end).
+inline float span_max(const float* scores, int64_t begin, int64_t end) {
+  __m512 peak16 = _mm512_set1_ps(-INFINITY);
+  for (int64_t c = begin / 16 * 16; c < end; c += 16) {
+    peak16 = _mm512_mask_max_ps(peak16, span_mask(c, begin, end), peak16,
+                                _mm512_loadu_ps(scores + c));
+  }
+  return _mm512_reduce_max_ps(peak16);
+}
+
+// One row of scores (`keys` of them, a multiple of 16) to its unnormalized softmax weights in
+// bf16 pairs: exp(scale * (score - peak)) over [begin, end), 0 elsewhere. Returns their sum.
+inline float row_weights(const float* scores, int64_t keys, int64_t begin, int64_t end,
+                         float peak, float scale, uint32_t* weights) {
+  const __m512 peak16 = _mm512_set1_ps(peak), scale16 = _mm512_set1_ps(scale);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c = 0; c < keys; c += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(scores + c), peak16), scale16);
+    const __m512 w = _mm512_maskz_mov_ps(span_mask(c, begin, end), exp16(x));
+    sum = _mm512_add_ps(sum, w);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + c / 2),
+                        (__m256i)_mm512_cvtneps_pbh(w));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// Raw scores of four query rows against kPages consecutive packed pages, one score row's 16 * kPages
+// keys each: the 4 x kPages accumulators are independent, so the vdpbf16ps chains overlap (four
+// chains of one page waited on the instruction's latency: measured 0.42 of the matmul rate).
+// Rows j >= n are computed from a repeated row and not stored.
+template <int64_t kDim, int kPages>
+inline void score_rows(const uint32_t* const* qr, int64_t n, const uint32_t* kp, float* dst,
+                       int64_t dst_stride) {
+  constexpr int64_t kPairs = kDim / 2, kPageWords = kPairs * 16;
+  __m512 acc[4][kPages];
+  for (int j = 0; j < 4; ++j) {
+    for (int g = 0; g < kPages; ++g) acc[j][g] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < kPairs; ++p) {
+    __m512bh k[kPages];
+    for (int g = 0; g < kPages; ++g) {
+      k[g] = (__m512bh)_mm512_loadu_si512(kp + g * kPageWords + p * 16);
+    }
+    for (int j = 0; j < 4; ++j) {
+      const __m512bh q = (__m512bh)_mm512_set1_epi32(qr[j][p]);
+      for (int g = 0; g < kPages; ++g) acc[j][g] = _mm512_dpbf16_ps(acc[j][g], k[g], q);
+    }
+  }
+  for (int j = 0; j < 4; ++j) {
+    if (j >= n) break;
+    for (int g = 0; g < kPages; ++g) _mm512_storeu_ps(dst + j * dst_stride + g * 16, acc[j][g]);
+  }
+}
+
+// A tile's keys kChunkPages pages at a time, each chunk's K and V read once for all the tile's
+// rows while they are in the core's cache: the rows' scores against the chunk, their weights
+// relative to each row's running peak (online softmax: the sums so far rescaled when the peak
+// rises), the weighted values added to the rows' fp32 sums; each row's output divided by its
+// weights' sum at the end. Scores and weights never exceed one chunk, whatever the context.
 template <int64_t kDim>
 void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int64_t computed,
                       int64_t tile_begin, int64_t tile_end, int64_t kv_head, int64_t window,
@@ -74,6 +157,10 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
   constexpr int64_t kBlock = 16, kPairs = kDim / 2, kChunks = kDim / 16;
   constexpr int64_t kPageWords = kPairs * kBlock;  // = (kBlock / 2) * kDim
   constexpr int64_t kRowsPV = 256 / kDim;           // rows sharing each V load: 16 accumulators
+  constexpr int64_t kChunkPages = 16, kChunkKeys = kChunkPages * kBlock;
+  // Then every row from first_row on has keys in each chunk: a window starts at most
+  // kTileTokens - 1 keys after the first row's, inside the first chunk.
+  static_assert(kChunkKeys >= kTileTokens + kBlock, "a row's first chunk holds some of its keys");
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t tokens = tile_end - tile_begin, rows = tokens * group;
   const int64_t row_stride = s.num_heads * kDim;
@@ -81,78 +168,105 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
   auto row_lo = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
   const int64_t lo = row_lo(first_pos), hi = last_pos + 1;
   const int64_t first_page = lo / kBlock, num_pages = (hi + kBlock - 1) / kBlock - first_page;
-  const int64_t keys = num_pages * kBlock;  // scores row r, column c = key first_page * 16 + c
+  const int64_t first_key = first_page * kBlock;  // key k of the tile is position first_key + k
   const uint32_t* kpages = pages.k + (first_page - pages.first_page) * kPageWords;
   const uint32_t* vpages = pages.v + (first_page - pages.first_page) * kPageWords;
 
   // 32-bit words: a word holds two bf16, the lower one first.
-  scratch.resize(rows * kPairs + rows * keys + rows * keys / 2 + rows * kDim);
-  uint32_t* q = reinterpret_cast<uint32_t*>(scratch.data());  // rows x kPairs
-  float* scores = reinterpret_cast<float*>(q + rows * kPairs);  // rows x keys
-  uint32_t* weights = reinterpret_cast<uint32_t*>(scores + rows * keys);   // rows x keys / 2
-  float* acc = reinterpret_cast<float*>(weights + rows * keys / 2);         // rows x kDim
+  scratch.resize(rows * (kPairs + kChunkKeys + kChunkKeys / 2 + kDim + 3));
+  uint32_t* q = reinterpret_cast<uint32_t*>(scratch.data());             // rows x kPairs
+  float* scores = reinterpret_cast<float*>(q + rows * kPairs);            // rows x kChunkKeys
+  uint32_t* weights = reinterpret_cast<uint32_t*>(scores + rows * kChunkKeys);  // rows x kChunkKeys / 2
+  float* acc = reinterpret_cast<float*>(weights + rows * kChunkKeys / 2);  // rows x kDim
+  float* peak = acc + rows * kDim;  // per row: its highest score so far (raw, unscaled)
+  float* sum = peak + rows;         // its weights' sum so far, relative to that peak
+  float* rescale = sum + rows;      // the factor its sums take in this chunk
   for (int64_t i = 0; i < tokens; ++i) {
     const c10::BFloat16* src = query + (tile_begin + i) * row_stride + kv_head * group * kDim;
     std::memcpy(q + i * group * kPairs, src, group * kDim * sizeof(c10::BFloat16));
   }
+  std::fill(acc, acc + rows * kDim, 0.f);
+  std::fill(peak, peak + rows, -INFINITY);
+  std::fill(sum, sum + rows, 0.f);
 
-  // Scores, four rows by one page: each K load serves four rows.
-  const __m512 scale16 = _mm512_set1_ps(scale);
-  for (int64_t r = 0; r < rows; r += 4) {
-    const int64_t n = std::min<int64_t>(4, rows - r);
-    const uint32_t* qr[4];
-    for (int64_t j = 0; j < 4; ++j) qr[j] = q + (r + std::min(j, n - 1)) * kPairs;
-    for (int64_t page = 0; page < num_pages; ++page) {
-      const uint32_t* kp = kpages + page * kPageWords;
-      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-      for (int64_t p = 0; p < kPairs; ++p) {
-        const __m512bh k = (__m512bh)_mm512_loadu_si512(kp + p * kBlock);
-        a0 = _mm512_dpbf16_ps(a0, k, (__m512bh)_mm512_set1_epi32(qr[0][p]));
-        a1 = _mm512_dpbf16_ps(a1, k, (__m512bh)_mm512_set1_epi32(qr[1][p]));
-        a2 = _mm512_dpbf16_ps(a2, k, (__m512bh)_mm512_set1_epi32(qr[2][p]));
-        a3 = _mm512_dpbf16_ps(a3, k, (__m512bh)_mm512_set1_epi32(qr[3][p]));
+  for (int64_t page0 = 0; page0 < num_pages; page0 += kChunkPages) {
+    const int64_t chunk_pages = std::min(kChunkPages, num_pages - page0);
+    const int64_t key0 = page0 * kBlock, chunk_keys = chunk_pages * kBlock;
+    // Causal: the rows of tokens before the chunk's first key see none of it.
+    const int64_t first_row =
+        group * std::clamp<int64_t>(first_key + key0 - first_pos, 0, tokens);
+    const uint32_t* kchunk = kpages + page0 * kPageWords;
+
+    for (int64_t r = first_row; r < rows; r += 4) {
+      const int64_t n = std::min<int64_t>(4, rows - r);
+      const uint32_t* qr[4];
+      for (int64_t j = 0; j < 4; ++j) qr[j] = q + (r + std::min(j, n - 1)) * kPairs;
+      float* dst = scores + r * kChunkKeys;
+      int64_t page = 0;
+      for (; page + 4 <= chunk_pages; page += 4) {
+        score_rows<kDim, 4>(qr, n, kchunk + page * kPageWords, dst + page * kBlock, kChunkKeys);
       }
-      const __m512 a[4] = {a0, a1, a2, a3};
-      for (int64_t j = 0; j < n; ++j) {
-        _mm512_storeu_ps(scores + (r + j) * keys + page * kBlock, _mm512_mul_ps(a[j], scale16));
+      for (; page < chunk_pages; ++page) {
+        score_rows<kDim, 1>(qr, n, kchunk + page * kPageWords, dst + page * kBlock, kChunkKeys);
       }
     }
-  }
 
-  softmax_rows(scores, rows, keys, group, first_pos, first_page * kBlock, row_lo);
-  for (int64_t i = 0; i < rows * keys; i += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + i / 2),
-                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(scores + i)));
-  }
-
-  // Weighted values, kRowsPV rows at a time: each V load serves all of them.
-  for (int64_t r = 0; r < rows; r += kRowsPV) {
-    const int64_t n = std::min(kRowsPV, rows - r);
-    __m512 sum[kRowsPV][kChunks];
-    for (int64_t j = 0; j < kRowsPV; ++j) {
-      for (int64_t c = 0; c < kChunks; ++c) sum[j][c] = _mm512_setzero_ps();
+    for (int64_t r = first_row; r < rows; ++r) {
+      const int64_t pos = first_pos + r / group;
+      const int64_t begin = std::max<int64_t>(0, row_lo(pos) - first_key - key0);
+      const int64_t end = std::min(chunk_keys, pos + 1 - first_key - key0);
+      rescale[r] = 1.f;
+      const float chunk_peak = span_max(scores + r * kChunkKeys, begin, end);
+      if (chunk_peak > peak[r]) {
+        rescale[r] = std::exp((peak[r] - chunk_peak) * scale);  // 0 for the first chunk
+        peak[r] = chunk_peak;
+      }
+      sum[r] = sum[r] * rescale[r] +
+               row_weights(scores + r * kChunkKeys, chunk_keys, begin, end, peak[r], scale,
+                           weights + r * kChunkKeys / 2);
     }
-    const uint32_t* wr[kRowsPV];
-    for (int64_t j = 0; j < kRowsPV; ++j) wr[j] = weights + (r + std::min(j, n - 1)) * keys / 2;
-    for (int64_t pair = 0; pair < keys / 2; ++pair) {
-      const uint32_t* vp = vpages + pair * kDim;  // pages are consecutive: pair indexes them all
-      __m512bh v[kChunks];
-      for (int64_t c = 0; c < kChunks; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + 16 * c);
+
+    // Weighted values, kRowsPV rows at a time: each V load serves all of them.
+    const uint32_t* vchunk = vpages + page0 * kPageWords;
+    for (int64_t r = first_row; r < rows; r += kRowsPV) {
+      const int64_t n = std::min(kRowsPV, rows - r);
+      __m512 part[kRowsPV][kChunks];
       for (int64_t j = 0; j < kRowsPV; ++j) {
-        const __m512bh w = (__m512bh)_mm512_set1_epi32(wr[j][pair]);
-        for (int64_t c = 0; c < kChunks; ++c) sum[j][c] = _mm512_dpbf16_ps(sum[j][c], v[c], w);
+        const int64_t row = r + std::min(j, n - 1);
+        const __m512 factor = _mm512_set1_ps(rescale[row]);
+        for (int64_t c = 0; c < kChunks; ++c) {
+          part[j][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + row * kDim + 16 * c), factor);
+        }
       }
-    }
-    for (int64_t j = 0; j < n; ++j) {
-      for (int64_t c = 0; c < kChunks; ++c) {
-        _mm512_storeu_ps(acc + (r + j) * kDim + 16 * c, sum[j][c]);
+      const uint32_t* wr[kRowsPV];
+      for (int64_t j = 0; j < kRowsPV; ++j) wr[j] = weights + (r + std::min(j, n - 1)) * kChunkKeys / 2;
+      for (int64_t pair = 0; pair < chunk_keys / 2; ++pair) {
+        const uint32_t* vp = vchunk + pair * kDim;  // pages are consecutive: pair indexes them all
+        __m512bh v[kChunks];
+        for (int64_t c = 0; c < kChunks; ++c) v[c] = (__m512bh)_mm512_loadu_si512(vp + 16 * c);
+        for (int64_t j = 0; j < kRowsPV; ++j) {
+          const __m512bh w = (__m512bh)_mm512_set1_epi32(wr[j][pair]);
+          for (int64_t c = 0; c < kChunks; ++c) part[j][c] = _mm512_dpbf16_ps(part[j][c], v[c], w);
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        for (int64_t c = 0; c < kChunks; ++c) {
+          _mm512_storeu_ps(acc + (r + j) * kDim + 16 * c, part[j][c]);
+        }
       }
     }
   }
-  for (int64_t i = 0; i < tokens; ++i) {
-    c10::BFloat16* dst = out + (tile_begin + i) * row_stride + kv_head * group * kDim;
-    const float* src = acc + i * group * kDim;
-    for (int64_t j = 0; j < group * kDim; ++j) dst[j] = static_cast<c10::BFloat16>(src[j]);
+
+  // Row r is token r / group, query head kv_head * group + r % group.
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t token = r / group, head = kv_head * group + r % group;
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out + (tile_begin + token) * row_stride +
+                                                head * kDim);
+    const __m512 inv = _mm512_set1_ps(1.f / sum[r]);
+    for (int64_t c = 0; c < kChunks; ++c) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(acc + r * kDim + 16 * c), inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), (__m256i)_mm512_cvtneps_pbh(x));
+    }
   }
 }
 
@@ -206,18 +320,17 @@ void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Ba
                             k + p.stride * kPageWords);
     }
   });
-  const int64_t num_items = static_cast<int64_t>(b.items.size()) * s.num_kv_heads;
   auto attend = attend_tile_bf16<kDim>;
 #if defined(KVTIER_HAS_AMX)
   const bool amx = use_amx();
   if (amx) attend = attend_tile_amx<kDim>;
 #endif
-  at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+  WorkQueue(b, s.num_kv_heads).run([&](const auto& next) {
     std::vector<float> scratch;
 #if defined(KVTIER_HAS_AMX)
     if (amx) load_amx_config();
 #endif
-    for (int64_t n = begin; n < end; ++n) {
+    for (int64_t n; (n = next()) >= 0;) {
       const Item& item = b.items[n / s.num_kv_heads];
       const int64_t seq = item.seq, h = n % s.num_kv_heads, row0 = b.starts[seq] * s.num_heads * kDim;
       const int64_t tile_end = std::min(b.lens[seq], item.first_query + kTileTokens);
