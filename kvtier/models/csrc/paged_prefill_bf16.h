@@ -9,6 +9,7 @@
 
 #include <array>
 #include <cstring>
+#include <memory>
 
 #include "paged_prefill.h"
 
@@ -116,9 +117,9 @@ inline float row_weights(const float* scores, int64_t keys, int64_t begin, int64
   return _mm512_reduce_add_ps(sum);
 }
 
-// Raw scores of four query rows against kPages consecutive packed pages, one score row's 16 * kPages
-// keys each: the 4 x kPages accumulators are independent, so the vdpbf16ps chains overlap (four
-// chains of one page waited on the instruction's latency: measured 0.42 of the matmul rate).
+// Raw scores of four query rows against kPages consecutive packed pages (16 * kPages keys):
+// the 4 x kPages accumulators are independent chains of vdpbf16ps, enough to cover its latency
+// (four rows by one page were four chains, each waiting on the previous product).
 // Rows j >= n are computed from a repeated row and not stored.
 template <int64_t kDim, int kPages>
 inline void score_rows(const uint32_t* const* qr, int64_t n, const uint32_t* kp, float* dst,
@@ -176,7 +177,8 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
   scratch.resize(rows * (kPairs + kChunkKeys + kChunkKeys / 2 + kDim + 3));
   uint32_t* q = reinterpret_cast<uint32_t*>(scratch.data());             // rows x kPairs
   float* scores = reinterpret_cast<float*>(q + rows * kPairs);            // rows x kChunkKeys
-  uint32_t* weights = reinterpret_cast<uint32_t*>(scores + rows * kChunkKeys);  // rows x kChunkKeys / 2
+  // rows x kChunkKeys / 2
+  uint32_t* weights = reinterpret_cast<uint32_t*>(scores + rows * kChunkKeys);
   float* acc = reinterpret_cast<float*>(weights + rows * kChunkKeys / 2);  // rows x kDim
   float* peak = acc + rows * kDim;  // per row: its highest score so far (raw, unscaled)
   float* sum = peak + rows;         // its weights' sum so far, relative to that peak
@@ -239,7 +241,9 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
         }
       }
       const uint32_t* wr[kRowsPV];
-      for (int64_t j = 0; j < kRowsPV; ++j) wr[j] = weights + (r + std::min(j, n - 1)) * kChunkKeys / 2;
+      for (int64_t j = 0; j < kRowsPV; ++j) {
+        wr[j] = weights + (r + std::min(j, n - 1)) * kChunkKeys / 2;
+      }
       for (int64_t pair = 0; pair < chunk_keys / 2; ++pair) {
         const uint32_t* vp = vchunk + pair * kDim;  // pages are consecutive: pair indexes them all
         __m512bh v[kChunks];
@@ -300,10 +304,12 @@ void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Ba
       for (int64_t page = 0; page < num_pages; page += kPagesPerTask) tasks.push_back({seq, h, page});
     }
   }
-  std::vector<uint32_t> packed(words);  // zeros: the pages after each sequence's stay so
+  // Not zeroed here: each page run's task writes all of its pages, and the last one the zero page
+  // after them (zero-filling the whole buffer first cost ~0.3 ms a layer for an 8k context).
+  std::unique_ptr<uint32_t[]> packed(new uint32_t[words]);
   // A (sequence, kv head)'s K pages, then its V pages.
   auto k_words = [&](int64_t seq, int64_t h) {
-    return packed.data() + seqs[seq].offset + 2 * h * seqs[seq].stride * kPageWords;
+    return packed.get() + seqs[seq].offset + 2 * h * seqs[seq].stride * kPageWords;
   };
   auto pages_of = [&](int64_t seq, int64_t h) {
     const uint32_t* k = k_words(seq, h);
@@ -318,6 +324,10 @@ void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Ba
       pack_pages_bf16<kDim>(cache, b.table + seq * s.max_blocks, p.first_page + page,
                             p.first_page + page_end, b.computed[seq] + b.lens[seq], h, s, k,
                             k + p.stride * kPageWords);
+      if (page_end == p.num_pages) {
+        std::fill_n(k + (page_end - page) * kPageWords, kPageWords, 0u);
+        std::fill_n(k + (p.stride + page_end - page) * kPageWords, kPageWords, 0u);
+      }
     }
   });
   auto attend = attend_tile_bf16<kDim>;
@@ -332,7 +342,8 @@ void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Ba
 #endif
     for (int64_t n; (n = next()) >= 0;) {
       const Item& item = b.items[n / s.num_kv_heads];
-      const int64_t seq = item.seq, h = n % s.num_kv_heads, row0 = b.starts[seq] * s.num_heads * kDim;
+      const int64_t seq = item.seq, h = n % s.num_kv_heads;
+      const int64_t row0 = b.starts[seq] * s.num_heads * kDim;
       const int64_t tile_end = std::min(b.lens[seq], item.first_query + kTileTokens);
       attend(q + row0, pages_of(seq, h), b.computed[seq], item.first_query, tile_end, h,
              b.window, s, b.scale, out + row0, scratch);
