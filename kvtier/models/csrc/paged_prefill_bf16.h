@@ -188,7 +188,6 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
     std::memcpy(q + i * group * kPairs, src, group * kDim * sizeof(c10::BFloat16));
   }
   std::fill(acc, acc + rows * kDim, 0.f);
-  std::fill(peak, peak + rows, -INFINITY);
   std::fill(sum, sum + rows, 0.f);
 
   for (int64_t page0 = 0; page0 < num_pages; page0 += kChunkPages) {
@@ -217,10 +216,15 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
       const int64_t pos = first_pos + r / group;
       const int64_t begin = std::max<int64_t>(0, row_lo(pos) - first_key - key0);
       const int64_t end = std::min(chunk_keys, pos + 1 - first_key - key0);
-      rescale[r] = 1.f;
+      // Every row starts in the first chunk (the tile's first key is at or before its first
+      // query); its sums there start from 0. No infinities: this file builds with -ffast-math.
       const float chunk_peak = span_max(scores + r * kChunkKeys, begin, end);
-      if (chunk_peak > peak[r]) {
-        rescale[r] = std::exp((peak[r] - chunk_peak) * scale);  // 0 for the first chunk
+      rescale[r] = 1.f;
+      if (page0 == 0) {
+        rescale[r] = 0.f;
+        peak[r] = chunk_peak;
+      } else if (chunk_peak > peak[r]) {
+        rescale[r] = std::exp((peak[r] - chunk_peak) * scale);
         peak[r] = chunk_peak;
       }
       sum[r] = sum[r] * rescale[r] +
