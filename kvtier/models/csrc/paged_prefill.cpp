@@ -59,13 +59,12 @@ inline float to_float<c10::BFloat16>(c10::BFloat16 x) {
 }
 
 // Softmax of each row of `scores` (rows x num_keys, row r = token r / group at first_pos + r /
-// group) over its own keys [row_lo(pos), pos]; keys outside get weight 0.
-template <typename RowLo>
+// group) over its own keys [first_attended(pos, window), pos]; keys outside get weight 0.
 void softmax_rows(float* scores, int64_t rows, int64_t num_keys, int64_t group, int64_t first_pos,
-                  int64_t lo, const RowLo& row_lo) {
+                  int64_t lo, int64_t window) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t pos = first_pos + r / group;
-    const int64_t begin = row_lo(pos) - lo, end = pos + 1 - lo;
+    const int64_t begin = first_attended(pos, window) - lo, end = pos + 1 - lo;
     kvtier::softmax_span(scores + r * num_keys, num_keys, begin, end);
   }
 }
@@ -83,10 +82,10 @@ void attend_tile(const scalar_t* query, const scalar_t* cache, const int64_t* ta
   const int64_t tokens = tile_end - tile_begin, rows = tokens * group;
   const int64_t row_stride = s.num_heads * dim;  // between consecutive query tokens
   const int64_t page_len = block * s.num_kv_heads * dim, token_len = s.num_kv_heads * dim;
-  // Keys [lo, hi) cover every row of the tile; row r (token i) attends [row_lo(i), pos(i) + 1).
+  // Keys [lo, hi) cover every row of the tile; row r (token i) attends
+  // [first_attended(pos(i), window), pos(i) + 1).
   const int64_t first_pos = computed + tile_begin, last_pos = computed + tile_end - 1;
-  auto row_lo = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
-  const int64_t lo = row_lo(first_pos), hi = last_pos + 1, num_keys = hi - lo;
+  const int64_t lo = first_attended(first_pos, window), hi = last_pos + 1, num_keys = hi - lo;
 
   scratch.resize(rows * dim * 2 + dim * block + rows * num_keys + 4 * block);
   float* q = scratch.data();              // rows x dim, scaled
@@ -159,7 +158,7 @@ void attend_tile(const scalar_t* query, const scalar_t* cache, const int64_t* ta
     }
   });
 
-  softmax_rows(scores, rows, num_keys, group, first_pos, lo, row_lo);
+  softmax_rows(scores, rows, num_keys, group, first_pos, lo, window);
 
   std::fill(acc, acc + rows * dim, 0.f);
   for_each_page(s.v_offset, [&](int64_t key0, int64_t t_lo, int64_t t_hi, const scalar_t* base) {

@@ -21,6 +21,11 @@ struct Shape {
   int64_t v_offset;  // elements between K and V of the same slot
 };
 
+// The first key a query at `pos` attends: 0, or the start of its sliding window (window > 0).
+inline int64_t first_attended(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+}
+
 struct Item {
   int64_t seq, first_query;  // first_query: index of the tile's first token within its chunk
 };
@@ -46,7 +51,7 @@ class WorkQueue {
       const Item& item = b.items[i];
       const int64_t end = std::min(b.lens[item.seq], item.first_query + kTileTokens);
       const int64_t first = b.computed[item.seq] + item.first_query;
-      const int64_t lo = b.window > 0 ? std::max<int64_t>(0, first - b.window + 1) : 0;
+      const int64_t lo = first_attended(first, b.window);
       keys[i] = (end - item.first_query) * (b.computed[item.seq] + end - lo);
     }
     std::iota(order_.begin(), order_.end(), 0);
@@ -70,6 +75,5 @@ class WorkQueue {
  private:
   std::vector<int64_t> order_;
 };
-
 
 }  // namespace

@@ -70,8 +70,7 @@ void attend_tile_amx(const c10::BFloat16* query, const PackedPages& pages, int64
   const int64_t padded_rows = round_up(rows, 32);
   const int64_t row_stride = s.num_heads * kDim;
   const int64_t first_pos = computed + tile_begin, last_pos = computed + tile_end - 1;
-  auto row_lo = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
-  const int64_t lo = row_lo(first_pos), hi = last_pos + 1;
+  const int64_t lo = first_attended(first_pos, window), hi = last_pos + 1;
   const int64_t first_page = lo / kBlock;
   const int64_t num_pages = round_up((hi + kBlock - 1) / kBlock - first_page, 2);
   const int64_t keys = num_pages * kBlock;  // scores row r, column c = key first_page * 16 + c
@@ -123,7 +122,8 @@ void attend_tile_amx(const c10::BFloat16* query, const PackedPages& pages, int64
     const int64_t live = std::min<int64_t>(32, rows - r);
     for (int64_t j = 0; j < live; ++j) {
       const int64_t pos = first_pos + (r + j) / group;
-      const int64_t begin = row_lo(pos) - first_page * kBlock, end = pos + 1 - first_page * kBlock;
+      const int64_t begin = first_attended(pos, window) - first_page * kBlock;
+      const int64_t end = pos + 1 - first_page * kBlock;
       const float peak = span_max(scores + j * keys, begin, end);
       inv_sum[j] = 1.f / row_weights(scores + j * keys, keys, begin, end, peak, scale,
                                      weights + j * keys / 2);

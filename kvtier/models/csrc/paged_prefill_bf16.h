@@ -159,15 +159,14 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
   constexpr int64_t kPageWords = kPairs * kBlock;  // = (kBlock / 2) * kDim
   constexpr int64_t kRowsPV = 256 / kDim;           // rows sharing each V load: 16 accumulators
   constexpr int64_t kChunkPages = 16, kChunkKeys = kChunkPages * kBlock;
-  // Then every row from first_row on has keys in each chunk: a window starts at most
+  // So every row from first_row on has keys in each chunk: a row's window starts at most
   // kTileTokens - 1 keys after the first row's, inside the first chunk.
   static_assert(kChunkKeys >= kTileTokens + kBlock, "a row's first chunk holds some of its keys");
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t tokens = tile_end - tile_begin, rows = tokens * group;
   const int64_t row_stride = s.num_heads * kDim;
   const int64_t first_pos = computed + tile_begin, last_pos = computed + tile_end - 1;
-  auto row_lo = [&](int64_t pos) { return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0; };
-  const int64_t lo = row_lo(first_pos), hi = last_pos + 1;
+  const int64_t lo = first_attended(first_pos, window), hi = last_pos + 1;
   const int64_t first_page = lo / kBlock, num_pages = (hi + kBlock - 1) / kBlock - first_page;
   const int64_t first_key = first_page * kBlock;  // key k of the tile is position first_key + k
   const uint32_t* kpages = pages.k + (first_page - pages.first_page) * kPageWords;
@@ -214,7 +213,7 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
 
     for (int64_t r = first_row; r < rows; ++r) {
       const int64_t pos = first_pos + r / group;
-      const int64_t begin = std::max<int64_t>(0, row_lo(pos) - first_key - key0);
+      const int64_t begin = std::max<int64_t>(0, first_attended(pos, window) - first_key - key0);
       const int64_t end = std::min(chunk_keys, pos + 1 - first_key - key0);
       // Every row starts in the first chunk (the tile's first key is at or before its first
       // query); its sums there start from 0. No infinities: this file builds with -ffast-math.
@@ -297,8 +296,7 @@ void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Ba
   std::vector<std::array<int64_t, 3>> tasks;  // (sequence, kv head, first page of the run)
   int64_t words = 0;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
-    const int64_t first_key = b.window > 0 ? std::max<int64_t>(0, b.computed[seq] - b.window + 1)
-                                           : 0;
+    const int64_t first_key = first_attended(b.computed[seq], b.window);
     const int64_t end_pos = b.computed[seq] + b.lens[seq];
     const int64_t first_page = first_key / 16;
     const int64_t num_pages = b.lens[seq] > 0 ? (end_pos + 15) / 16 - first_page : 0;
