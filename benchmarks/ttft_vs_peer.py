@@ -133,7 +133,7 @@ def settled_ttft(client: httpx.Client, url: str, prompt: list[int], settle_s: fl
 
 def measure_prompts(client: httpx.Client, url: str, prompts: dict[int, list[list[int]]],
                     phase: str, times: dict, settle_s: float) -> None:
-    """Each prompt in `phase`, then again at once as its paired device hit."""
+    """Each prompt in `phase`, then once more (settled too) as its paired device hit."""
     for length, items in prompts.items():
         for prompt in items:
             for name in (phase, f"{phase}_device"):
