@@ -7,7 +7,8 @@ layer's cache with the pages of each sequence scattered over it. Three measureme
             attended K and V byte once, so it is memory bound; reported as GB/s of KV read and as
             a fraction of this machine's streaming-read bandwidth (a torch sum over a buffer
             larger than the last-level cache, same threads)
-  chunk     a conversation's later turn: Q new tokens over C cached ones (one sequence)
+  chunk     a conversation's later turn, or a prefix hit's last block: Q new tokens over C
+            cached ones (one sequence)
   prefill   a cold prompt's chunks: Q new tokens at offset C (C = 0: a causal square)
 
 For chunk and prefill, the C++ kernel is compared with the torch path the engine falls back to
@@ -123,8 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--decode", type=pairs, default=pairs("16x1024,16x2048,64x1024,64x2048"),
                         help="SEQUENCESxCONTEXT,... (default 16x1024,16x2048,64x1024,64x2048)")
-    parser.add_argument("--chunk", type=pairs, default=pairs("128x1024,128x2048,256x2048"),
-                        help="NEWxCACHED,... for one sequence (default 128x1024,128x2048,256x2048)")
+    parser.add_argument("--chunk", type=pairs,
+                        default=pairs("16x2032,16x8176,128x1024,128x2048,256x2048"),
+                        help="NEWxCACHED,... for one sequence (default 16x2032,16x8176,128x1024,"
+                             "128x2048,256x2048: a prefix hit's last block at 2k and 8k, later "
+                             "turns)")
     parser.add_argument("--prefill", type=pairs, default=pairs("2048x0,2048x6144"),
                         help="NEWxOFFSET,... cold prompt chunks (default 2048x0,2048x6144)")
     parser.add_argument("--repeats", type=int, default=5)

@@ -319,6 +319,41 @@ def test_bf16_prefill_tiles_share_packed_pages_and_ignore_stale_slots(block, num
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.usefixtures("bf16_tiles")
+@pytest.mark.parametrize("window", [None, 100])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 2)])
+@pytest.mark.parametrize("num_computed,query_len", [(2032, 16), (2048, 3), (700, 32), (300, 5)])
+def test_bf16_few_tiles_over_long_prefixes_split_their_keys_and_match_reference(
+        num_computed, query_len, num_heads, num_kv_heads, head_dim, window, monkeypatch):
+    """A few new tokens over a long prefix are fewer (tile, kv head) items than twice the threads:
+    without a window the vdpbf16ps tiles split each one's prefix keys into parts run as items of
+    their own and merge the parts' softmax sums after (two threads: 2,032 cached keys in two
+    parts; 300 is under two key chunks and stays whole). Slots past the last token hold NaN."""
+    kernels = cpu_kernels.ops()
+    if kernels is None or not kernels.paged_prefill_has_bf16_tiles(torch.bfloat16, head_dim, 16):
+        pytest.skip("no vdpbf16ps prefill tiles on this CPU")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split depends on the thread count: two, as on 2 cores
+    try:
+        gen = torch.Generator().manual_seed(7)
+        count = -(-(num_computed + query_len) // 16)
+        table = (torch.randperm(count, generator=gen) + 1).tolist()
+        kv_cache = torch.randn(2, count + 1, 16, num_kv_heads, head_dim, generator=gen)
+        kv_cache[:, table[-1], (num_computed + query_len) % 16 or 16:] = float("nan")
+        kv_cache = kv_cache.to(torch.bfloat16)
+        metadata = build_attention_metadata([num_computed], [query_len], [[table]], 16)
+        assert attention._group_plan(metadata, 0, window, kv_cache).kernel_prefill is not None
+        query = torch.randn(query_len, num_heads, head_dim, generator=gen).to(torch.bfloat16)
+        scale = head_dim ** -0.5
+        reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0,
+                                              scale, window)
+        out = paged_attention(query, kv_cache, metadata, 0, scale, window)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
+
+
 def test_write_kv_fills_exactly_the_mapped_slots():
     kv_cache = torch.zeros(2, 8, BLOCK, 1, 2)
     metadata = build_attention_metadata([3, 0], [2, 1], [[[5, 2], [7]]], BLOCK)

@@ -38,27 +38,21 @@ struct Batch {
   float scale;
 };
 
-// The (tile, kv head) work items of a batch (item n: tile n / num_kv_heads, kv head n %
-// num_kv_heads), handed to the threads one at a time, largest first. A causal prompt's tiles grow
+// Work items handed to the threads one at a time, largest first. A causal prompt's tiles grow
 // with their position, and at::parallel_for's even split of the item list gave the last thread
 // three times the first one's work (a 2,048-token prompt ran 1.5x its balanced time).
 class WorkQueue {
  public:
-  WorkQueue(const Batch& b, int64_t num_kv_heads)
-      : order_(b.items.size() * num_kv_heads) {
-    std::vector<int64_t> keys(b.items.size());  // query tokens x attended keys, per tile
-    for (size_t i = 0; i < b.items.size(); ++i) {
-      const Item& item = b.items[i];
-      const int64_t end = std::min(b.lens[item.seq], item.first_query + kTileTokens);
-      const int64_t first = b.computed[item.seq] + item.first_query;
-      const int64_t lo = first_attended(first, b.window);
-      keys[i] = (end - item.first_query) * (b.computed[item.seq] + end - lo);
-    }
+  // sizes[n]: item n's work, in any unit.
+  explicit WorkQueue(const std::vector<int64_t>& sizes) : order_(sizes.size()) {
     std::iota(order_.begin(), order_.end(), 0);
-    std::stable_sort(order_.begin(), order_.end(), [&](int64_t a, int64_t c) {
-      return keys[a / num_kv_heads] > keys[c / num_kv_heads];
-    });
+    std::stable_sort(order_.begin(), order_.end(),
+                     [&](int64_t a, int64_t c) { return sizes[a] > sizes[c]; });
   }
+
+  // The (tile, kv head) items of a batch: item n is tile n / num_kv_heads, kv head n %
+  // num_kv_heads, sized by its query tokens x attended keys.
+  WorkQueue(const Batch& b, int64_t num_kv_heads) : WorkQueue(tile_sizes(b, num_kv_heads)) {}
 
   // Runs worker(next) on each of at::parallel_for's threads; next() returns the index of an
   // item not yet taken, or -1 once all are.
@@ -73,6 +67,19 @@ class WorkQueue {
   }
 
  private:
+  static std::vector<int64_t> tile_sizes(const Batch& b, int64_t num_kv_heads) {
+    std::vector<int64_t> sizes(b.items.size() * num_kv_heads);
+    for (size_t i = 0; i < b.items.size(); ++i) {
+      const Item& item = b.items[i];
+      const int64_t end = std::min(b.lens[item.seq], item.first_query + kTileTokens);
+      const int64_t first = b.computed[item.seq] + item.first_query;
+      const int64_t lo = first_attended(first, b.window);
+      const int64_t keys = (end - item.first_query) * (b.computed[item.seq] + end - lo);
+      std::fill_n(sizes.begin() + i * num_kv_heads, num_kv_heads, keys);
+    }
+    return sizes;
+  }
+
   std::vector<int64_t> order_;
 };
 

@@ -145,20 +145,32 @@ inline void score_rows(const uint32_t* const* qr, int64_t n, const uint32_t* kp,
   }
 }
 
+// The tiles walk their keys kKeyChunkPages pages (kKeyChunk keys) at a time.
+constexpr int64_t kKeyChunkPages = 16, kKeyChunk = kKeyChunkPages * 16;
+
+// What a part of a tile's keys leaves for merge_parts_bf16 (see TileParts): per row, its fp32
+// sums of weighted values (kDim), its peak score and its weights' sum relative to that peak.
+template <int64_t kDim>
+constexpr int64_t kPartFloatsPerRow = kDim + 2;
+
 // A tile's keys kChunkPages pages at a time, each chunk's K and V read once for all the tile's
 // rows while they are in the core's cache: the rows' scores against the chunk, their weights
 // relative to each row's running peak (online softmax: the sums so far rescaled when the peak
 // rises), the weighted values added to the rows' fp32 sums; each row's output divided by its
 // weights' sum at the end. Scores and weights never exceed one chunk, whatever the context.
+// With `part` set, only the tile's key chunks [chunk_begin, chunk_end) are attended and each row's
+// sums, peak and weights' sum go to `part` (kPartFloatsPerRow floats a row) instead of `out`; a
+// part that does not start at chunk 0 must hold only keys every row of the tile attends.
 template <int64_t kDim>
-void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int64_t computed,
+void attend_keys_bf16(const c10::BFloat16* query, const PackedPages& pages, int64_t computed,
                       int64_t tile_begin, int64_t tile_end, int64_t kv_head, int64_t window,
                       const Shape& s, float scale, c10::BFloat16* out,
-                      std::vector<float>& scratch) {
+                      std::vector<float>& scratch, int64_t chunk_begin, int64_t chunk_end,
+                      float* part) {
   constexpr int64_t kBlock = 16, kPairs = kDim / 2, kChunks = kDim / 16;
   constexpr int64_t kPageWords = kPairs * kBlock;  // = (kBlock / 2) * kDim
   constexpr int64_t kRowsPV = 256 / kDim;           // rows sharing each V load: 16 accumulators
-  constexpr int64_t kChunkPages = 16, kChunkKeys = kChunkPages * kBlock;
+  constexpr int64_t kChunkPages = kKeyChunkPages, kChunkKeys = kKeyChunk;
   // So every row from first_row on has keys in each chunk: a row's window starts at most
   // kTileTokens - 1 keys after the first row's, inside the first chunk.
   static_assert(kChunkKeys >= kTileTokens + kBlock, "a row's first chunk holds some of its keys");
@@ -189,7 +201,9 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
   std::fill(acc, acc + rows * kDim, 0.f);
   std::fill(sum, sum + rows, 0.f);
 
-  for (int64_t page0 = 0; page0 < num_pages; page0 += kChunkPages) {
+  const int64_t page_begin = chunk_begin * kChunkPages;
+  const int64_t page_end = std::min(num_pages, chunk_end * kChunkPages);
+  for (int64_t page0 = page_begin; page0 < page_end; page0 += kChunkPages) {
     const int64_t chunk_pages = std::min(kChunkPages, num_pages - page0);
     const int64_t key0 = page0 * kBlock, chunk_keys = chunk_pages * kBlock;
     // Causal: the rows of tokens before the chunk's first key see none of it.
@@ -216,10 +230,11 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
       const int64_t begin = std::max<int64_t>(0, first_attended(pos, window) - first_key - key0);
       const int64_t end = std::min(chunk_keys, pos + 1 - first_key - key0);
       // Every row starts in the first chunk (the tile's first key is at or before its first
-      // query); its sums there start from 0. No infinities: this file builds with -ffast-math.
+      // query; a later part's keys are all attended); its sums there start from 0. No
+      // infinities: this file builds with -ffast-math.
       const float chunk_peak = span_max(scores + r * kChunkKeys, begin, end);
       rescale[r] = 1.f;
-      if (page0 == 0) {
+      if (page0 == page_begin) {
         rescale[r] = 0.f;
         peak[r] = chunk_peak;
       } else if (chunk_peak > peak[r]) {
@@ -264,6 +279,15 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
     }
   }
 
+  if (part != nullptr) {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* dst = part + r * kPartFloatsPerRow<kDim>;
+      std::memcpy(dst, acc + r * kDim, kDim * sizeof(float));
+      dst[kDim] = peak[r];
+      dst[kDim + 1] = sum[r];
+    }
+    return;
+  }
   // Row r is token r / group, query head kv_head * group + r % group.
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t token = r / group, head = kv_head * group + r % group;
@@ -277,11 +301,120 @@ void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int6
   }
 }
 
+// A whole tile: every key chunk, the rows' outputs into `out`.
+template <int64_t kDim>
+void attend_tile_bf16(const c10::BFloat16* query, const PackedPages& pages, int64_t computed,
+                      int64_t tile_begin, int64_t tile_end, int64_t kv_head, int64_t window,
+                      const Shape& s, float scale, c10::BFloat16* out,
+                      std::vector<float>& scratch) {
+  attend_keys_bf16<kDim>(query, pages, computed, tile_begin, tile_end, kv_head, window, s, scale,
+                         out, scratch, 0, INT64_MAX / kKeyChunk, nullptr);
+}
+
+// The rows of one (tile, kv head) from the `num_parts` parts of its keys: each part's sums
+// rescaled from its own peak to the highest, summed, divided by the summed weights.
+template <int64_t kDim>
+void merge_parts_bf16(const float* parts, int64_t num_parts, int64_t rows, int64_t group,
+                      int64_t kv_head, int64_t tile_begin, int64_t row_stride, float scale,
+                      c10::BFloat16* out) {
+  constexpr int64_t kChunks = kDim / 16, kStride = kPartFloatsPerRow<kDim>;
+  for (int64_t r = 0; r < rows; ++r) {
+    float top = parts[r * kStride + kDim];
+    for (int64_t p = 1; p < num_parts; ++p) {
+      top = std::max(top, parts[(p * rows + r) * kStride + kDim]);
+    }
+    __m512 acc[kChunks];
+    for (int64_t c = 0; c < kChunks; ++c) acc[c] = _mm512_setzero_ps();
+    float sum = 0.f;
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float* part = parts + (p * rows + r) * kStride;
+      const float factor = std::exp((part[kDim] - top) * scale);
+      sum += part[kDim + 1] * factor;
+      const __m512 factor16 = _mm512_set1_ps(factor);
+      for (int64_t c = 0; c < kChunks; ++c) {
+        acc[c] = _mm512_fmadd_ps(_mm512_loadu_ps(part + 16 * c), factor16, acc[c]);
+      }
+    }
+    const int64_t token = r / group, head = kv_head * group + r % group;
+    uint16_t* dst = reinterpret_cast<uint16_t*>(out + (tile_begin + token) * row_stride +
+                                                head * kDim);
+    const __m512 inv = _mm512_set1_ps(1.f / sum);
+    for (int64_t c = 0; c < kChunks; ++c) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[c], inv)));
+    }
+  }
+}
+
 }  // namespace
 
 #include "paged_prefill_amx.h"
 
 namespace {
+
+// One work item of the bf16 tiles: a (tile, kv head)'s keys, all of them or one part.
+struct TilePart {
+  int64_t item, kv_head;
+  int64_t chunk_begin, chunk_end;  // the key chunks attended (a part's)
+  int64_t size;                    // query tokens x keys, for the work queue
+  int64_t offset;                  // its rows' floats in the parts buffer; -1: a whole tile
+};
+
+// A (tile, kv head) attended in parts, merged once every part has run.
+struct SplitTile {
+  int64_t item, kv_head, offset, num_parts, rows;
+};
+
+// The work items of a batch. When its (tile, kv head) items are fewer than twice the threads (a
+// few new tokens over a long prefix: a prefix hit's last block, a short later turn), each one's
+// keys are split on key-chunk boundaries into parts that run as items of their own, up to two
+// per thread: three items on two threads left one idle for a third of the call. Only the keys
+// before the tile's first query are split (every row attends all of them), so only without a
+// window; not for the AMX tiles, which attend whole tiles.
+struct TileParts {
+  std::vector<TilePart> parts;
+  std::vector<SplitTile> split;
+  int64_t part_floats = 0;
+
+  TileParts(const Batch& b, const Shape& s, bool may_split, int64_t floats_per_row) {
+    const int64_t num_items = static_cast<int64_t>(b.items.size()) * s.num_kv_heads;
+    const int64_t want = 2 * at::get_num_threads();
+    const bool split_all = may_split && b.window == 0 && num_items < want;
+    const int64_t group = s.num_heads / s.num_kv_heads;
+    for (size_t i = 0; i < b.items.size(); ++i) {
+      const Item& item = b.items[i];
+      const int64_t tokens = std::min(b.lens[item.seq], item.first_query + kTileTokens) -
+                             item.first_query;
+      const int64_t first_pos = b.computed[item.seq] + item.first_query;
+      const int64_t lo = first_attended(first_pos, b.window);
+      const int64_t keys = first_pos + tokens - lo;
+      const int64_t prefix_chunks = split_all ? first_pos / kKeyChunk : 0;
+      const int64_t num_parts = std::min(prefix_chunks, (want + num_items - 1) / num_items);
+      for (int64_t h = 0; h < s.num_kv_heads; ++h) {
+        if (num_parts < 2) {
+          parts.push_back({static_cast<int64_t>(i), h, 0, 0, tokens * keys, -1});
+          continue;
+        }
+        const int64_t rows = tokens * group, all_chunks = (keys + kKeyChunk - 1) / kKeyChunk;
+        split.push_back({static_cast<int64_t>(i), h, part_floats, num_parts, rows});
+        for (int64_t p = 0; p < num_parts; ++p) {
+          const int64_t begin = p * prefix_chunks / num_parts;
+          const int64_t end = p + 1 == num_parts ? all_chunks : (p + 1) * prefix_chunks / num_parts;
+          const int64_t part_keys = std::min(keys, end * kKeyChunk) - begin * kKeyChunk;
+          parts.push_back({static_cast<int64_t>(i), h, begin, end, tokens * part_keys,
+                           part_floats});
+          part_floats += rows * floats_per_row;
+        }
+      }
+    }
+  }
+
+  std::vector<int64_t> sizes() const {
+    std::vector<int64_t> out(parts.size());
+    for (size_t n = 0; n < parts.size(); ++n) out[n] = parts[n].size;
+    return out;
+  }
+};
 
 // The bf16 tiles: each (sequence, kv head)'s pages packed once (in page runs, in parallel), then
 // the tiles over them, as AMX tiles where the CPU and the OS allow them.
@@ -333,26 +466,47 @@ void run_bf16_tiles(const c10::BFloat16* q, const c10::BFloat16* cache, const Ba
     }
   });
   auto attend = attend_tile_bf16<kDim>;
+  bool amx = false;
 #if defined(KVTIER_HAS_AMX)
-  const bool amx = use_amx();
+  amx = use_amx();
   if (amx) attend = attend_tile_amx<kDim>;
 #endif
-  WorkQueue(b, s.num_kv_heads).run([&](const auto& next) {
+  TileParts plan(b, s, /*may_split=*/!amx, kPartFloatsPerRow<kDim>);
+  std::vector<float> partials(plan.part_floats);
+  WorkQueue(plan.sizes()).run([&](const auto& next) {
     std::vector<float> scratch;
 #if defined(KVTIER_HAS_AMX)
     if (amx) load_amx_config();
 #endif
     for (int64_t n; (n = next()) >= 0;) {
-      const Item& item = b.items[n / s.num_kv_heads];
-      const int64_t seq = item.seq, h = n % s.num_kv_heads;
+      const TilePart& part = plan.parts[n];
+      const Item& item = b.items[part.item];
+      const int64_t seq = item.seq, h = part.kv_head;
       const int64_t row0 = b.starts[seq] * s.num_heads * kDim;
       const int64_t tile_end = std::min(b.lens[seq], item.first_query + kTileTokens);
-      attend(q + row0, pages_of(seq, h), b.computed[seq], item.first_query, tile_end, h,
-             b.window, s, b.scale, out + row0, scratch);
+      if (part.offset < 0) {
+        attend(q + row0, pages_of(seq, h), b.computed[seq], item.first_query, tile_end, h,
+               b.window, s, b.scale, out + row0, scratch);
+      } else {
+        attend_keys_bf16<kDim>(q + row0, pages_of(seq, h), b.computed[seq], item.first_query,
+                               tile_end, h, b.window, s, b.scale, out + row0, scratch,
+                               part.chunk_begin, part.chunk_end, partials.data() + part.offset);
+      }
     }
 #if defined(KVTIER_HAS_AMX)
     if (amx) _tile_release();
 #endif
+  });
+  const int64_t num_split = static_cast<int64_t>(plan.split.size());
+  at::parallel_for(0, num_split, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const SplitTile& tile = plan.split[n];
+      const Item& item = b.items[tile.item];
+      merge_parts_bf16<kDim>(partials.data() + tile.offset, tile.num_parts, tile.rows,
+                             s.num_heads / s.num_kv_heads, tile.kv_head, item.first_query,
+                             s.num_heads * kDim, b.scale,
+                             out + b.starts[item.seq] * s.num_heads * kDim);
+    }
   });
 }
 
