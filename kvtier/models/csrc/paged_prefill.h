@@ -38,6 +38,19 @@ struct Batch {
   float scale;
 };
 
+// A tile's query tokens, its first query's position, and the keys its rows attend together (from
+// its first row's first key to its last row).
+struct TileSpan {
+  int64_t tokens, first_pos, keys;
+};
+
+inline TileSpan tile_span(const Batch& b, const Item& item) {
+  const int64_t tokens = std::min(b.lens[item.seq], item.first_query + kTileTokens) -
+                         item.first_query;
+  const int64_t first_pos = b.computed[item.seq] + item.first_query;
+  return {tokens, first_pos, first_pos + tokens - first_attended(first_pos, b.window)};
+}
+
 // Work items handed to the threads one at a time, largest first. A causal prompt's tiles grow
 // with their position, and at::parallel_for's even split of the item list gave the last thread
 // three times the first one's work (a 2,048-token prompt ran 1.5x its balanced time).
@@ -70,12 +83,8 @@ class WorkQueue {
   static std::vector<int64_t> tile_sizes(const Batch& b, int64_t num_kv_heads) {
     std::vector<int64_t> sizes(b.items.size() * num_kv_heads);
     for (size_t i = 0; i < b.items.size(); ++i) {
-      const Item& item = b.items[i];
-      const int64_t end = std::min(b.lens[item.seq], item.first_query + kTileTokens);
-      const int64_t first = b.computed[item.seq] + item.first_query;
-      const int64_t lo = first_attended(first, b.window);
-      const int64_t keys = (end - item.first_query) * (b.computed[item.seq] + end - lo);
-      std::fill_n(sizes.begin() + i * num_kv_heads, num_kv_heads, keys);
+      const TileSpan span = tile_span(b, b.items[i]);
+      std::fill_n(sizes.begin() + i * num_kv_heads, num_kv_heads, span.tokens * span.keys);
     }
     return sizes;
   }

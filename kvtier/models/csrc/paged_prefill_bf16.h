@@ -382,12 +382,7 @@ struct TileParts {
     const bool split_all = may_split && b.window == 0 && num_items < want;
     const int64_t group = s.num_heads / s.num_kv_heads;
     for (size_t i = 0; i < b.items.size(); ++i) {
-      const Item& item = b.items[i];
-      const int64_t tokens = std::min(b.lens[item.seq], item.first_query + kTileTokens) -
-                             item.first_query;
-      const int64_t first_pos = b.computed[item.seq] + item.first_query;
-      const int64_t lo = first_attended(first_pos, b.window);
-      const int64_t keys = first_pos + tokens - lo;
+      const auto [tokens, first_pos, keys] = tile_span(b, b.items[i]);
       const int64_t prefix_chunks = split_all ? first_pos / kKeyChunk : 0;
       const int64_t num_parts = std::min(prefix_chunks, (want + num_items - 1) / num_items);
       for (int64_t h = 0; h < s.num_kv_heads; ++h) {
@@ -399,7 +394,8 @@ struct TileParts {
         split.push_back({static_cast<int64_t>(i), h, part_floats, num_parts, rows});
         for (int64_t p = 0; p < num_parts; ++p) {
           const int64_t begin = p * prefix_chunks / num_parts;
-          const int64_t end = p + 1 == num_parts ? all_chunks : (p + 1) * prefix_chunks / num_parts;
+          const int64_t end =
+              p + 1 == num_parts ? all_chunks : (p + 1) * prefix_chunks / num_parts;
           const int64_t part_keys = std::min(keys, end * kKeyChunk) - begin * kKeyChunk;
           parts.push_back({static_cast<int64_t>(i), h, begin, end, tokens * part_keys,
                            part_floats});
