@@ -232,6 +232,10 @@ def _post_all(receiver, prefix: str, count: int, size: int, timeout_s: float) ->
     return dst
 
 
+def _failed_by_deadline_or_dead_sender(error: str) -> bool:
+    return "deadline" in error or ("read from" in error and "failed" in error)
+
+
 def test_peer_killed_mid_transfer_fails_by_deadline_and_others_still_work(make_engine, backend):
     receiver = make_engine()
     count, size, timeout_s = 40, 1 << 20, 5.0
@@ -257,7 +261,10 @@ def test_peer_killed_mid_transfer_fails_by_deadline_and_others_still_work(make_e
     results = wait_results(receiver, count, timeout_s=timeout_s + 2)
     assert time.monotonic() - start < timeout_s + 2
     done = [r for r in results if r.ok]
-    assert 3 <= len(done) <= 10 and all("deadline" in r.error for r in results if not r.ok)
+    assert 3 <= len(done) <= 10
+    # Each receive fails at its deadline, or sooner where the backend saw its read from the
+    # dead sender fail (Mooncake, when the kill cut a read short).
+    assert all(_failed_by_deadline_or_dead_sender(r.error) for r in results if not r.ok)
     for r in done:
         i = int(r.transfer_id[1:])
         assert dst[i * size:(i + 1) * size] == payload(i, size)
