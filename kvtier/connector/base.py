@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from kvtier.connector.config import KVTransferConfig
     from kvtier.kv import KVCacheBlocks, KVIdentity, Request
 
+# How long an idle engine sleeps between steps when its connector cannot tell when a transfer
+# ends (`KVConnectorWorker.wait_for_transfers`).
+TRANSFER_POLL_S = 0.0005
+
 
 class KVConnectorRole(enum.Enum):
     SCHEDULER = "scheduler"
@@ -182,9 +186,14 @@ class KVConnectorWorker(ABC):
     def wait_for_transfers(self, timeout_s: float) -> None:
         """Called after a step with nothing to compute (every live request waits on a
         transfer): return once a transfer may have ended, `timeout_s` at the latest; the next
-        step's `get_finished` reports it. The default sleeps, handing the cores to the
-        transfer threads rather than spinning on them."""
-        time.sleep(timeout_s)
+        step's `get_finished` reports it. The default cannot tell when that is, so it sleeps
+        TRANSFER_POLL_S, handing the cores to the transfer threads rather than spinning on
+        them. A connector that waits longer must end its wait on `interrupt_wait`."""
+        time.sleep(min(timeout_s, TRANSFER_POLL_S))
+
+    def interrupt_wait(self) -> None:
+        """End the `wait_for_transfers` under way (or the next one) at once: the engine has a
+        new command. Called from any thread. The default's sleeps are too short to matter."""
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return set()

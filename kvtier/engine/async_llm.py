@@ -142,7 +142,7 @@ class AsyncLLM:
         except BaseException:
             # The engine thread may have accepted it just as we stopped waiting; commands run
             # in order, so this abort comes after that add and drops it.
-            self._commands.put(_AbortCommand([request_id], stream))
+            self._send(_AbortCommand([request_id], stream))
             raise
         finished = False
         try:
@@ -155,11 +155,19 @@ class AsyncLLM:
                 yield item
         finally:
             if not finished:
-                self._commands.put(_AbortCommand([request_id], stream))
+                self._send(_AbortCommand([request_id], stream))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); safe from any thread."""
-        self._commands.put(_AbortCommand([request_id]))
+        self._send(_AbortCommand([request_id]))
+
+    def _send(self, command: _AddCommand | _AbortCommand) -> None:
+        """Queue a command for the engine thread and cut short an idle step's wait for
+        transfers, so the command is taken at once."""
+        self._commands.put(command)
+        engine = getattr(self, "engine", None)  # None while it is being built
+        if engine is not None:
+            engine.interrupt_idle_wait()
 
     async def _submit_add(self, command: _AddCommand) -> None:
         if self._draining:
@@ -167,7 +175,7 @@ class AsyncLLM:
                                           "instance")
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
-        self._commands.put(command)
+        self._send(command)
         await asyncio.wait_for(asyncio.wrap_future(command.accepted), self.submit_timeout_s)
 
     def shutdown(self, drain_timeout_s: float = 30.0,
@@ -180,6 +188,8 @@ class AsyncLLM:
         while self._streams and self.is_running and time.monotonic() < deadline:
             time.sleep(_IDLE_WAIT_S)
         self._stop.set()
+        if self._thread.is_alive() and getattr(self, "engine", None) is not None:
+            self.engine.interrupt_idle_wait()
         self._thread.join(join_timeout_s)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.1f s; abandoned",

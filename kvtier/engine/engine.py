@@ -32,8 +32,10 @@ from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.sched.scheduler import Scheduler
 from kvtier.worker.model_runner import ModelRunner
 
-# How long a step with nothing to compute waits at most before returning (see Engine.step).
-IDLE_STEP_SLEEP_S = 0.0005
+# How long a step with nothing to compute waits at most before returning (see Engine.step): the
+# connector ends the wait sooner when a transfer may have ended (most poll every 0.5 ms) or on
+# `interrupt_idle_wait`; the next step also expires late transfers.
+IDLE_STEP_WAIT_S = 0.05
 
 
 class Engine:
@@ -219,8 +221,13 @@ class Engine:
             # Nothing to compute: every live request waits on a KV transfer. A short wait hands
             # the cores and the GIL to the transfer threads instead of spinning on them, and
             # ends early when the connector sees a transfer end.
-            self.runner.wait_for_kv_transfers(IDLE_STEP_SLEEP_S)
+            self.runner.wait_for_kv_transfers(IDLE_STEP_WAIT_S)
         return processed.outputs
+
+    def interrupt_idle_wait(self) -> None:
+        """End an idle step's wait for transfers at once (a new command is queued for the
+        engine thread); safe from any thread."""
+        self.runner.interrupt_kv_wait()
 
     def has_unfinished_requests(self) -> bool:
         """Also True while finished requests' blocks wait on a connector transfer: stepping

@@ -11,7 +11,9 @@ tier never holds host slots.
 A lookup that misses the host asks the secondary tiers in order; the first that has the chunk
 promotes it into the host asynchronously and the answer is RETRY, so the scheduler asks again
 next step instead of waiting. Everything here runs on the engine thread; tiers do their I/O on
-their own threads and report through `get_finished_jobs`, drained by `poll`.
+their own threads and report through `get_finished_jobs`, drained by `poll`, and a tier built on
+ThreadedTier also tells the promotion watch as each job ends (`TierContext.on_job_end`), so an
+engine with nothing else to do sleeps until a waiting request's promotions are in.
 
 Failures never propagate: a tier that raises, reports a failed job or misses its deadline costs a
 counted error, and a chunk that failed to come back from a tier is not asked of that tier again
@@ -37,6 +39,7 @@ from kvtier.offload.host_cache import HostCache
 from kvtier.offload.keys import ChunkKey
 from kvtier.offload.metrics import OffloadMetrics
 from kvtier.offload.policies import make_policy
+from kvtier.offload.promotion_watch import PromotionWatch
 from kvtier.offload.tiers.base import (
     JobResult,
     LookupResult,
@@ -81,21 +84,26 @@ class TieringManager:
     def __init__(self, config: OffloadConfig, namespace: bytes, area: HostArea,
                  metrics_registry: Any = None,
                  clock: Callable[[], float] = time.monotonic,
-                 description: Mapping[str, Any] | None = None) -> None:
+                 description: Mapping[str, Any] | None = None,
+                 watch: PromotionWatch | None = None) -> None:
         """`area`: the host memory this tier manages (its slots fit the largest chunk of any KV
         cache group); whoever copies chunks in and out of it (the connector's worker half)
         holds the same area. `description`: what `namespace` covers, handed to the tiers
-        (TierContext)."""
+        (TierContext). `watch`: told when promotions start and end (default: one of its own)."""
         self.config = config
         self.area = area
         self.host = HostCache(self.area, make_policy(config.eviction_policy, self.area.num_slots))
         self.metrics = OffloadMetrics(metrics_registry)
         secret = load_chunk_secret(config.secret_file) if config.secondary_tiers else None
+        self.watch = PromotionWatch() if watch is None else watch
         self.tiers: list[SecondaryTier] = [
             create_tier(spec.type, spec.module_path, spec.options,
                         TierContext(spec.name, namespace, metrics_registry,
-                                    self.area.slot_bytes, description, secret, self.host))
+                                    self.area.slot_bytes, description, secret, self.host,
+                                    on_job_end=self.watch.ended))
             for spec in config.secondary_tiers]
+        # Promotions from a tier that does not call on_job_end are only seen by `poll`.
+        self._tier_reports_ends = [tier.reports_job_ends for tier in self.tiers]
         self.tier_names = [tier.context.name for tier in self.tiers]
         self._tier_write_back = [(spec.write_policy or config.write_policy) == "write_back"
                                  for spec in config.secondary_tiers]
@@ -152,6 +160,18 @@ class TieringManager:
     def is_promoting(self, key: ChunkKey) -> bool:
         """`key` is on its way up from a secondary tier (a lookup would answer RETRY)."""
         return key in self._promoting
+
+    def promotion_jobs(self, keys: list[ChunkKey]) -> list[int] | None:
+        """The jobs promoting those of `keys` still on their way up, or None if one comes from
+        a tier that does not report its jobs' ends (then only polling sees it arrive)."""
+        jobs = []
+        for key in keys:
+            job_id = self._promoting.get(key)
+            if job_id is not None:
+                if not self._tier_reports_ends[self._jobs[job_id].tier]:
+                    return None
+                jobs.append(job_id)
+        return jobs
 
     def _ask_tier(self, index: int, tier: SecondaryTier, key: ChunkKey,
                   req_context: Any, record: bool) -> LookupResult:
@@ -290,10 +310,12 @@ class TieringManager:
         self._deadlines.append((job.deadline, job_id))
         try:
             if kind == "promote":
+                self.watch.started(job_id)  # before the tier's thread can end it
                 self.tiers[index].submit_load(job)
             else:
                 self.tiers[index].submit_store(job)
         except Exception:  # a broken tier is a failed job, never a crash
+            self.watch.ended(job_id)
             del self._jobs[job_id]
             self.metrics.error(self.tier_names[index])
             return None
@@ -314,6 +336,7 @@ class TieringManager:
                 if job is None:
                     self.metrics.error(self.tier_names[index])  # a job we never gave it
                 else:
+                    self.watch.ended(result.job_id)  # if its tier did not say so itself
                     self._finish(job, result)
         self._expire_late_jobs()
         if self._write_back:
@@ -352,12 +375,14 @@ class TieringManager:
         # using the buffer, so the slot cannot be handed to another chunk.
         now = self._clock()
         while self._deadlines and now > self._deadlines[0][0]:
-            job = self._jobs.get(self._deadlines.popleft()[1])
+            job_id = self._deadlines.popleft()[1]
+            job = self._jobs.get(job_id)
             if job is None:  # reported in time
                 continue
             job.expired = True
             self.metrics.error(self.tier_names[job.tier])
             if job.kind == "promote":
+                self.watch.ended(job_id)
                 self._promoting.pop(job.key, None)
                 self._mark_failed(job.tier, job.key)
 

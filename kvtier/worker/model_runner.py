@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from kvtier.connector.base import KVConnectorOutput, KVConnectorWorker
+from kvtier.connector.base import TRANSFER_POLL_S, KVConnectorOutput, KVConnectorWorker
 from kvtier.kv import KVCacheConfig
 from kvtier.models import cpu_kernels
 from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
@@ -59,9 +59,14 @@ class ModelRunner:
         """After a step with nothing to compute: wait at most `timeout_s` for the connector's
         transfers, whose end the next step collects."""
         if self.connector is None:
-            time.sleep(timeout_s)
+            time.sleep(min(timeout_s, TRANSFER_POLL_S))
         else:
             self.connector.wait_for_transfers(timeout_s)
+
+    def interrupt_kv_wait(self) -> None:
+        """End `wait_for_kv_transfers` at once; safe from any thread."""
+        if self.connector is not None:
+            self.connector.interrupt_wait()
 
     def _prepare(self, scheduler_output: SchedulerOutput) -> BatchInputs | None:
         if scheduler_output.is_empty:

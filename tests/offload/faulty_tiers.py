@@ -14,7 +14,7 @@ from kvtier.offload.tiers.base import (
     TierContext,
     TransferJob,
 )
-from kvtier.offload.tiers.threaded import ThreadedTier
+from kvtier.offload.tiers.threaded import StoreSkipped, ThreadedTier
 
 
 class RaisingTier(SecondaryTier):
@@ -85,3 +85,24 @@ class HangingTier(ThreadedTier):
 
 
 RELEASE_HANGING = threading.Event()
+
+
+class SlowLoadTier(ThreadedTier):
+    """Has every chunk; each load waits in its read thread until `RELEASE_SLOW_LOADS` is set (at
+    most a minute), then fails, so the request recomputes."""
+
+    def __init__(self, options: Any, context: TierContext) -> None:
+        super().__init__(_HangingOptions(), context)
+
+    def lookup(self, key, req_context: Any = None) -> LookupResult:
+        return LookupResult.FOUND
+
+    def _store(self, job: TransferJob) -> None:
+        raise StoreSkipped("read_only")
+
+    def _load(self, job: TransferJob) -> None:
+        RELEASE_SLOW_LOADS.wait(60.0)
+        raise ConnectionError("released")
+
+
+RELEASE_SLOW_LOADS = threading.Event()

@@ -96,7 +96,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self.namespace = identity.namespace
         self.manager = TieringManager(self.options, self.namespace, shared.area,
                                       metrics_registry=context.metrics,
-                                      description=identity.describe())
+                                      description=identity.describe(), watch=shared.watch)
         self.block_size = context.block_size
         self.chunk_tokens = self.block_size * self.options.blocks_per_chunk
         self._job_ids = itertools.count()
@@ -305,7 +305,22 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 self._plan_stores(state, data.num_computed_tokens, scheduler_output, stores)
         metadata = OffloadingConnectorMetadata(loads=self._pending_loads, stores=stores)
         self._pending_loads = []
+        self._tell_watch()
         return metadata
+
+    def _tell_watch(self) -> None:
+        """Tell the promotion watch which promotions each waiting request still needs, so an
+        idle engine sleeps until one of them has all it asked for."""
+        needs, poll = [], False
+        for state in self._states.values():
+            if not state.promoting and not state.rescan:
+                continue  # its last answer was not RETRY (or it was never asked)
+            jobs = None if state.rescan else self.manager.promotion_jobs(state.promoting)
+            if jobs is None:
+                poll = True
+            else:
+                needs.append(jobs)
+        self.manager.watch.expect(needs, poll)
 
     def _plan_stores(self, state: _RequestState, num_computed_tokens: int,
                      scheduler_output: Any, stores: list[ChunkTransfer]) -> None:

@@ -1,4 +1,6 @@
-"""What both halves of one OffloadingConnector share: the host area and its chunk layouts.
+"""What both halves of one OffloadingConnector share: the host area, its chunk layouts, and the
+watch on promotions (the scheduler half says what its waiting requests need, the worker half's
+idle wait sleeps on it).
 
 The host area is the meeting point of the design: the scheduler half (through the tiering
 manager) decides which chunk lives in which slot, the worker half copies device blocks in and
@@ -9,7 +11,7 @@ process memory, so both halves run in the engine's process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.connector.base import ConnectorContext
@@ -17,6 +19,7 @@ from kvtier.kv import KVCacheSpec, MambaSpec
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.layout import ChunkLayout
+from kvtier.offload.promotion_watch import PromotionWatch
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class OffloadingShared:
     area: HostArea
     # One layout per KV cache group, in group order.
     layouts: tuple[ChunkLayout, ...]
+    watch: PromotionWatch = field(default_factory=PromotionWatch)
 
 
 def create_offloading_shared(config: Any, context: ConnectorContext) -> OffloadingShared:

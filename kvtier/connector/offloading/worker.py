@@ -28,7 +28,7 @@ from typing import Any
 
 from kvtier.common.cpu_threads import use_one_cpu_thread
 from kvtier.common.daemon_threads import DaemonThreadPool
-from kvtier.connector.base import ConnectorContext, KVConnectorWorker
+from kvtier.connector.base import TRANSFER_POLL_S, ConnectorContext, KVConnectorWorker
 from kvtier.connector.offloading.metadata import (
     BatchDone,
     ChunkTransfer,
@@ -93,6 +93,13 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         after = self._copier.record_compute()
         future = self._copy_thread.submit(self._run_stores, stores, abandoned, after)
         self._stores.append(_StoreBatch(future, abandoned))
+
+    def wait_for_transfers(self, timeout_s: float) -> None:
+        # Until a waiting request's promotions are all in host memory (see PromotionWatch).
+        self.shared.watch.wait(timeout_s, TRANSFER_POLL_S)
+
+    def interrupt_wait(self) -> None:
+        self.shared.watch.interrupt()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from kvtier.offload.keys import ChunkKey
 
@@ -75,6 +75,10 @@ class TierContext:
     # The host tier (offload/host_cache.py), for a tier that serves its ready chunks to peers
     # (p2p); None where there is none (tests of a tier alone).
     host: Any = None
+    # Called with a job's id, from any thread, once its result is ready for
+    # `get_finished_jobs`, so the engine need not poll while it waits for a promotion. A tier
+    # that never calls it still works: the engine then finds the result at its next step.
+    on_job_end: Callable[[int], None] | None = None
 
 
 class SecondaryTier(ABC):
@@ -91,6 +95,8 @@ class SecondaryTier(ABC):
     """
 
     locality: Locality = "local"
+    # True if the tier calls `context.on_job_end` for every job it reports.
+    reports_job_ends: ClassVar[bool] = False
 
     def __init__(self, options: Any, context: TierContext) -> None:
         self.options = options

@@ -17,7 +17,7 @@ import sys
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.common.options import is_positive_int, require
@@ -42,6 +42,8 @@ class StoreSkipped(Exception):
 
 
 class ThreadedTier(SecondaryTier):
+    reports_job_ends: ClassVar[bool] = True
+
     def __init__(self, options: Any, context: TierContext) -> None:
         super().__init__(options, context)
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
@@ -88,19 +90,23 @@ class ThreadedTier(SecondaryTier):
     def _run(self, job: TransferJob, action: Callable[[TransferJob], None]) -> None:
         """Run one job on a pool thread; every outcome becomes exactly one JobResult."""
         if time.monotonic() > job.deadline:
-            self._finished.put(JobResult(job.job_id, ok=False, error="deadline passed in queue"))
+            self._report(JobResult(job.job_id, ok=False, error="deadline passed in queue"))
             return
         start = time.monotonic()
         try:
             action(job)
         except StoreSkipped as skipped:
-            self._finished.put(JobResult(job.job_id, ok=False, skipped=skipped.args[0]))
+            self._report(JobResult(job.job_id, ok=False, skipped=skipped.args[0]))
         except Exception as exc:  # any tier failure is a failed job, never a lost one
-            self._finished.put(JobResult(job.job_id, ok=False, error=f"{type(exc).__name__}: "
-                                                                     f"{exc}"))
+            self._report(JobResult(job.job_id, ok=False, error=f"{type(exc).__name__}: {exc}"))
         else:
             ended = time.monotonic()
-            self._finished.put(JobResult(job.job_id, ok=True, seconds=ended - start, ended=ended))
+            self._report(JobResult(job.job_id, ok=True, seconds=ended - start, ended=ended))
+
+    def _report(self, result: JobResult) -> None:
+        self._finished.put(result)
+        if self.context.on_job_end is not None:
+            self.context.on_job_end(result.job_id)
 
 
 def _lower_priority(nice: int) -> None:
