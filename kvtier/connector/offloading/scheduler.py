@@ -83,6 +83,9 @@ class _RequestState:
     # The last lookup also answered RETRY for a chunk not on its way up (a tier that cannot
     # tell yet, no host slot free): ask again next step, whatever `promoting` holds.
     rescan: bool = False
+    # Per group, the keys of the request's first chunks, made once: its lookups, loads, stores
+    # and use counts all name the same chunks.
+    keys: dict[int, list[ChunkKey]] = field(default_factory=dict)
 
 
 class OffloadingConnectorScheduler(KVConnectorScheduler):
@@ -120,6 +123,13 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     # ---- keys and lookups ------------------------------------------------------------------
 
+    def _key(self, state: _RequestState, group_id: int, chunk: int) -> ChunkKey:
+        """The request's chunk key, made (and named for events) the first time it is asked."""
+        keys = state.keys.setdefault(group_id, [])
+        while len(keys) <= chunk:
+            keys.append(self.chunk_key(state.request, group_id, len(keys)))
+        return keys[chunk]
+
     def chunk_key(self, request: Any, group_id: int, chunk: int) -> ChunkKey:
         per_chunk = self.options.blocks_per_chunk
         last_block = (chunk + 1) * per_chunk - 1
@@ -148,10 +158,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
     def _lookup(self, state: _RequestState, group_id: int, chunk: int) -> Lookup:
         first = (group_id, chunk) not in state.asked
         state.asked.add((group_id, chunk))
-        request = state.request
-        key = self.chunk_key(request, group_id, chunk)
+        key = self._key(state, group_id, chunk)
         answer = self.manager.lookup(key, self.layouts[group_id].chunk_bytes,
-                                     request.request_id, record=first)
+                                     state.request.request_id, record=first)
         if answer is Lookup.RETRY:
             if self.manager.is_promoting(key):
                 state.promoting.append(key)
@@ -246,23 +255,23 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         num_planned = len(self._pending_loads)
         for g in range(len(self.groups)):
             for chunk in self._needed_chunks(g, start, end):
-                self._plan_load(request, g, chunk, block_ids[g], first_block, end_block)
+                self._plan_load(state, g, chunk, block_ids[g], first_block, end_block)
         if all(load.slot is not None for load in self._pending_loads[num_planned:]):
             # What it loads is in host memory: no store to plan for those chunks (an 8k-token
             # hit's 511 would each be asked for nothing). A chunk that left host memory since
             # the lookup is recomputed, and stored then.
             state.next_store_chunk = max(state.next_store_chunk, end)
 
-    def _plan_load(self, request: Any, group_id: int, chunk: int, block_ids: list[int],
-                   first_block: int, end_block: int) -> None:
+    def _plan_load(self, state: _RequestState, group_id: int, chunk: int,
+                   block_ids: list[int], first_block: int, end_block: int) -> None:
         offsets, ids = self._blocks_of_chunk(group_id, chunk, block_ids, first_block,
                                              end_block)
         if not ids:
             return
-        key = self.chunk_key(request, group_id, chunk)
+        key = self._key(state, group_id, chunk)
         # Another request's promotion may have evicted it since this request's lookup.
         slot = self.manager.prepare_load(key) if self.manager.host.is_ready(key) else None
-        transfer = ChunkTransfer(next(self._job_ids), request.request_id, group_id, slot,
+        transfer = ChunkTransfer(next(self._job_ids), state.request.request_id, group_id, slot,
                                  offsets, ids)
         self._pending_loads.append(transfer)
         if slot is not None:
@@ -335,30 +344,31 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._record_uses(state, num_chunks)
         for chunk in range(state.next_store_chunk, num_chunks):
             for g in range(len(self.groups)):
-                self._plan_store(request, g, chunk, state.block_ids[g], stores)
+                self._plan_store(state, g, chunk, state.block_ids[g], stores)
         state.next_store_chunk = max(state.next_store_chunk, num_chunks)
 
     def _record_uses(self, state: _RequestState, num_chunks: int) -> None:
         """Count this request's use of its chunks before `num_chunks` (each chunk once)."""
         for chunk in range(state.num_used_chunks, num_chunks):
             for g in range(len(self.groups)):
-                self.manager.record_use(self.chunk_key(state.request, g, chunk))
+                self.manager.record_use(self._key(state, g, chunk))
         state.num_used_chunks = max(state.num_used_chunks, num_chunks)
 
-    def _plan_store(self, request: Any, group_id: int, chunk: int, block_ids: list[int],
-                    stores: list[ChunkTransfer]) -> None:
+    def _plan_store(self, state: _RequestState, group_id: int, chunk: int,
+                    block_ids: list[int], stores: list[ChunkTransfer]) -> None:
         per_chunk = self.options.blocks_per_chunk
         offsets, ids = self._blocks_of_chunk(group_id, chunk, block_ids, chunk * per_chunk,
                                              (chunk + 1) * per_chunk)
         if len(ids) != self.layouts[group_id].blocks_per_chunk:
             return  # part of it is gone (outside a sliding window): no whole chunk to store
-        key = self.chunk_key(request, group_id, chunk)
+        key = self._key(state, group_id, chunk)
         slot = self.manager.prepare_store(key, self.layouts[group_id].chunk_bytes)
         if slot is None:
             return
         job_id = next(self._job_ids)
         self._transfers[job_id] = key
-        stores.append(ChunkTransfer(job_id, request.request_id, group_id, slot, offsets, ids))
+        stores.append(ChunkTransfer(job_id, state.request.request_id, group_id, slot, offsets,
+                                    ids))
 
     # ---- reports, finishing, events ----------------------------------------------------------
 
