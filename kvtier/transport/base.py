@@ -154,7 +154,13 @@ class TransferEngine(ABC):
     @abstractmethod
     def get_finished(self, timeout_s: float = 0.0) -> list[TransferResult]:
         """Transfers finished since the last call. When there are none, waits up to
-        `timeout_s` for one and returns as soon as it is reported; 0 never blocks."""
+        `timeout_s` for one and returns as soon as it is reported (or on
+        `interrupt_get_finished`); 0 never blocks."""
+
+    @abstractmethod
+    def interrupt_get_finished(self) -> None:
+        """End the `get_finished` wait under way (or the next one) at once, with whatever has
+        finished; safe from any thread."""
 
     @abstractmethod
     def stats(self) -> dict[str, int]:

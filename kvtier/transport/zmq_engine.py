@@ -186,6 +186,9 @@ class ZmqTransferEngine(TransferEngine):
     def get_finished(self, timeout_s: float = 0.0) -> list[TransferResult]:
         return self._state.take_results(timeout_s)
 
+    def interrupt_get_finished(self) -> None:
+        self._state.interrupt_take()
+
     def stats(self) -> dict[str, int]:
         return dict(self._state.counts)
 

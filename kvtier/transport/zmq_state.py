@@ -101,6 +101,8 @@ class State:
     # Signalled by the I/O thread with each result, so that a waiting caller wakes at once.
     _results_ready: threading.Condition = field(
         default_factory=lambda: threading.Condition(threading.Lock()), init=False)
+    # Set by `interrupt_take`: the caller's wait ends without a result.
+    _interrupted: bool = field(default=False, init=False)
 
     def add_result(self, result: TransferResult) -> None:
         with self._results_ready:
@@ -109,13 +111,22 @@ class State:
             self._results_ready.notify()
 
     def take_results(self, timeout_s: float) -> list[TransferResult]:
-        """Every result so far; when there is none, waits up to `timeout_s` for one."""
+        """Every result so far; when there is none, waits up to `timeout_s` for one (or for
+        `interrupt_take`)."""
         with self._results_ready:
             if timeout_s > 0:
-                self._results_ready.wait_for(lambda: self._results, timeout_s)
+                self._results_ready.wait_for(lambda: self._results or self._interrupted,
+                                             timeout_s)
+            self._interrupted = False
             results = list(self._results)
             self._results.clear()
         return results
+
+    def interrupt_take(self) -> None:
+        """End the `take_results` wait under way (or the next one) at once; any thread."""
+        with self._results_ready:
+            self._interrupted = True
+            self._results_ready.notify_all()
 
 
 def make_socket(ctx: zmq.Context, kind: int, max_frame_bytes: int) -> zmq.Socket:

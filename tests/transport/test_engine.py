@@ -135,6 +135,25 @@ def test_get_finished_returns_empty_at_its_deadline_and_never_blocks_by_default(
     assert 0.2 <= time.monotonic() - start < 1.5
 
 
+def test_interrupt_get_finished_ends_the_wait_under_way_and_the_next_one(make_engine):
+    engine = make_engine()
+    engine.register_buffer("dst", memoryview(bytearray(64)))
+    engine.recv(TransferId("never"), [Region("dst", 0, 64)], timeout_s=30)
+    timer = threading.Timer(0.1, engine.interrupt_get_finished)
+    start = time.monotonic()
+    timer.start()
+    assert engine.get_finished(timeout_s=20) == []
+    timer.join()
+    assert time.monotonic() - start < 10  # the interrupt, not the timeout, ended it
+    engine.interrupt_get_finished()  # before the call: the next wait returns at once
+    start = time.monotonic()
+    assert engine.get_finished(timeout_s=20) == []
+    assert time.monotonic() - start < 10
+    start = time.monotonic()
+    assert engine.get_finished(timeout_s=0.2) == []  # consumed: this one waits
+    assert time.monotonic() - start >= 0.2
+
+
 def test_each_result_goes_to_one_of_several_waiters(make_engine):
     engine = make_engine()
     engine.register_buffer("dst", memoryview(bytearray(64)))

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.connector.base import TRANSFER_POLL_S, ConnectorContext, KVConnectorWorker
+from kvtier.connector.base import ConnectorContext, KVConnectorWorker
 from kvtier.connector.config import KVTransferConfig, parse_options
 from kvtier.connector.counters import ConnectorCounters
 from kvtier.connector.p2p.layout import (
@@ -222,9 +222,11 @@ class P2PConnectorWorker(KVConnectorWorker):
     # ---- ending transfers -----------------------------------------------------------------------
 
     def wait_for_transfers(self, timeout_s: float) -> None:
-        # Woken by the transport's first result rather than after the whole timeout; no longer
-        # than a poll, since nothing here ends the wait when a new request comes.
-        self._landed += self.transport.get_finished(min(timeout_s, TRANSFER_POLL_S))
+        # Woken by the transport's first result rather than after the whole timeout.
+        self._landed += self.transport.get_finished(timeout_s)
+
+    def interrupt_wait(self) -> None:
+        self.transport.interrupt_get_finished()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         landed, self._landed = self._landed + self.transport.get_finished(), []
