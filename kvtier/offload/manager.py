@@ -325,6 +325,17 @@ class TieringManager:
 
     def poll(self) -> None:
         """Collect finished tier jobs and expire late ones. Call once per engine step."""
+        self.collect()
+        self._expire_late_jobs()
+        if self._write_back:
+            self._keep_reserve()
+            self.metrics.set_dirty(self.host.num_dirty, self.host.num_dropped_dirty)
+        self.metrics.set_fill_ratio(self.host.fill_ratio)
+        self.metrics.flush()
+
+    def collect(self) -> None:
+        """Take the jobs the tiers have finished (`poll` does, and more): a lookup between
+        two polls sees the promotions that ended meanwhile."""
         for index, tier in enumerate(self.tiers):
             try:
                 results = list(tier.get_finished_jobs())
@@ -338,12 +349,6 @@ class TieringManager:
                 else:
                     self.watch.ended(result.job_id)  # if its tier did not say so itself
                     self._finish(job, result)
-        self._expire_late_jobs()
-        if self._write_back:
-            self._keep_reserve()
-            self.metrics.set_dirty(self.host.num_dirty, self.host.num_dropped_dirty)
-        self.metrics.set_fill_ratio(self.host.fill_ratio)
-        self.metrics.flush()
 
     def _finish(self, job: _TierJob, result: JobResult) -> None:
         name, ok = self.tier_names[job.tier], result.ok

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from kvtier import LLM, SamplingParams
+from kvtier.engine import engine as engine_module
 
 from ..tiny_models import hf_greedy, make_hf_model, random_prompts
 from .offload_helpers import FAULTY_TIERS
@@ -99,6 +100,28 @@ def test_a_host_hit_takes_as_many_steps_as_a_device_hit(model):
         assert host_hit == device_hit == 1
         assert _generate(llm, prompts[:1])[0] == expected[:1]
         llm.engine.check_invariants()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_disk_hit_takes_one_step_more_than_a_device_hit(model, tmp_path, monkeypatch):
+    """The step that finds the chunks on disk starts their promotions and, with nothing else to
+    compute, sleeps until they are in host memory; the next step takes them and admits."""
+    model_dir, prompts, expected = model
+    # An idle step's wait far longer than the promotions: only their end ends it.
+    monkeypatch.setattr(engine_module, "IDLE_STEP_WAIT_S", 60.0)
+    first = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path}:64MiB")
+    try:
+        _generate(first, prompts[:1])
+        _wait_for_cascade(first)
+    finally:
+        first.engine.shutdown()
+    llm = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path}:64MiB")  # a restart
+    try:
+        assert _steps_to_first_token(llm, "disk", prompts[0]) == 2
+        assert _tier(llm.get_metrics(), "hits", "disk") == 7
+        assert _steps_to_first_token(llm, "device", prompts[0]) == 1
+        assert _generate(llm, prompts[:1])[0] == expected[:1]
     finally:
         llm.engine.shutdown()
 

@@ -223,10 +223,14 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         answer None again. Checked instead of that scan: an 8k-token prompt's scan holds the
         engine thread (and the GIL the tier's read threads need between their reads) for ~2
         ms each step, which made its promotions ~4x slower. Most recent first: promotions end
-        about in the order they started, so each chunk is checked about once in all."""
+        about in the order they started, so each chunk is checked about once in all. The
+        promotions that ended since the last step's poll are collected first: an idle engine
+        wakes when the last one ends (PromotionWatch), and this step can then admit."""
         if state.rescan:
             return False
         promoting = state.promoting
+        if promoting and self.manager.is_promoting(promoting[-1]):
+            self.manager.collect()
         while promoting and not self.manager.is_promoting(promoting[-1]):
             promoting.pop()
         return bool(promoting)
