@@ -165,6 +165,9 @@ class AsyncLLM:
         """Queue a command for the engine thread and cut short an idle step's wait for
         transfers, so the command is taken at once."""
         self._commands.put(command)
+        self._interrupt_idle_wait()
+
+    def _interrupt_idle_wait(self) -> None:
         engine = getattr(self, "engine", None)  # None while it is being built
         if engine is not None:
             engine.interrupt_idle_wait()
@@ -188,8 +191,7 @@ class AsyncLLM:
         while self._streams and self.is_running and time.monotonic() < deadline:
             time.sleep(_IDLE_WAIT_S)
         self._stop.set()
-        if self._thread.is_alive() and getattr(self, "engine", None) is not None:
-            self.engine.interrupt_idle_wait()
+        self._interrupt_idle_wait()
         self._thread.join(join_timeout_s)
         if self._thread.is_alive():
             logger.warning("the engine thread did not stop within %.1f s; abandoned",

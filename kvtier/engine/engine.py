@@ -218,9 +218,9 @@ class Engine:
         self.stats.record_step(processed, sum(len(c.new_token_ids) for c in core_outputs),
                                seconds)
         if scheduler_output.is_empty:
-            # Nothing to compute: every live request waits on a KV transfer. A short wait hands
-            # the cores and the GIL to the transfer threads instead of spinning on them, and
-            # ends early when the connector sees a transfer end.
+            # Nothing to compute: every live request waits on a KV transfer. Waiting hands the
+            # cores and the GIL to the transfer threads instead of spinning on them; the wait
+            # ends early when the connector sees a transfer end or a command comes.
             self.runner.wait_for_kv_transfers(IDLE_STEP_WAIT_S)
         return processed.outputs
 

@@ -102,8 +102,6 @@ class TieringManager:
                                     self.area.slot_bytes, description, secret, self.host,
                                     on_job_end=self.watch.ended))
             for spec in config.secondary_tiers]
-        # Promotions from a tier that does not call on_job_end are only seen by `poll`.
-        self._tier_reports_ends = [tier.reports_job_ends for tier in self.tiers]
         self.tier_names = [tier.context.name for tier in self.tiers]
         self._tier_write_back = [(spec.write_policy or config.write_policy) == "write_back"
                                  for spec in config.secondary_tiers]
@@ -168,8 +166,8 @@ class TieringManager:
         for key in keys:
             job_id = self._promoting.get(key)
             if job_id is not None:
-                if not self._tier_reports_ends[self._jobs[job_id].tier]:
-                    return None
+                if not self.tiers[self._jobs[job_id].tier].reports_job_ends:
+                    return None  # only `poll` sees it arrive
                 jobs.append(job_id)
         return jobs
 

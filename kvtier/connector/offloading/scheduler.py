@@ -318,7 +318,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                 self._plan_stores(state, data.num_computed_tokens, scheduler_output, stores)
         metadata = OffloadingConnectorMetadata(loads=self._pending_loads, stores=stores)
         self._pending_loads = []
-        self._tell_watch()
+        if scheduler_output.is_empty:  # only a step with nothing to compute waits on the watch
+            self._tell_watch()
         return metadata
 
     def _tell_watch(self) -> None:
