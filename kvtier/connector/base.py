@@ -86,6 +86,9 @@ class ConnectorContext:
     # What `KVConnectorBase.create_shared` made for this engine (the same object in both
     # halves), or None.
     shared: Any = None
+    # The engine publishes KV events (`take_events` is read): a connector that makes events
+    # only for publishing skips that work when False (the engine then drops what it returns).
+    kv_events: bool = False
 
     @property
     def namespace(self) -> bytes:

@@ -61,7 +61,8 @@ class Engine:
         context = ConnectorContext(block_size=config.cache.block_size,
                                    num_layers=self.model_config.num_layers,
                                    kv_identity=runtime.kv_identity, metrics=self.metrics,
-                                   kv_cache_config=runtime.kv_cache_config)
+                                   kv_cache_config=runtime.kv_cache_config,
+                                   kv_events=config.cache.enable_kv_cache_events)
         transfer = config.kv_transfer_config
         scheduler_connector, worker_connector = build_connectors(transfer, context)
         self.kv_cache_manager = KVCacheManager(

@@ -40,6 +40,7 @@ class StuckTier(SecondaryTier):
         super().__init__(options, context)
         self.held: list[TransferJob] = []
         self._released: list[JobResult] = []
+        self.load_calls: list[int] = []  # jobs per submit_loads call
 
     def lookup(self, key, req_context: Any = None) -> LookupResult:
         return LookupResult.FOUND
@@ -50,6 +51,10 @@ class StuckTier(SecondaryTier):
     def submit_load(self, job: TransferJob) -> None:
         self.held.append(job)
 
+    def submit_loads(self, jobs) -> None:
+        self.load_calls.append(len(jobs))
+        super().submit_loads(jobs)
+
     def get_finished_jobs(self) -> Iterable[JobResult]:
         released, self._released = self._released, []
         return released
@@ -57,6 +62,13 @@ class StuckTier(SecondaryTier):
     def release(self, ok: bool) -> None:
         self._released += [JobResult(job.job_id, ok=ok) for job in self.held]
         self.held = []
+
+
+class RefusingTier(StuckTier):
+    """Has every chunk; every load it is handed raises, as a tier whose queue is closed."""
+
+    def submit_load(self, job: TransferJob) -> None:
+        raise ConnectionError("queue closed")
 
 
 @dataclass(frozen=True)

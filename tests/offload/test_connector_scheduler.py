@@ -43,13 +43,13 @@ CHUNK_BYTES = 2 * SPEC.page_size_bytes
 def make_connector():
     made = []
 
-    def make(kv_config=KV_CONFIG, **extra):
+    def make(kv_config=KV_CONFIG, kv_events=True, **extra):
         options = {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 16 * CHUNK_BYTES,
                    **extra}
         config = KVTransferConfig.from_dict({"kv_connector": "OffloadingConnector",
                                              "kv_connector_extra_config": options})
         context = ConnectorContext(block_size=BLOCK, num_layers=2, kv_identity=IDENTITY,
-                                   kv_cache_config=kv_config)
+                                   kv_cache_config=kv_config, kv_events=kv_events)
         shared = OffloadingConnector.create_shared(config, context)
         connector = OffloadingConnectorScheduler(config,
                                                  dataclasses.replace(context, shared=shared))
@@ -142,6 +142,16 @@ def test_host_hit_loads_by_block_id(make_connector):
     hashes = [external_block_hash(h) for h in first.block_hashes[:7]]
     assert connector.take_events() == [BlockStored([h], None, [], BLOCK, None, "CPU")
                                        for h in hashes]
+
+
+def test_no_events_are_made_when_the_engine_publishes_none(make_connector):
+    connector = make_connector(kv_events=False)
+    kv = KVCacheManager(KV_CONFIG, max_model_len=64)
+    _host_hit(connector, kv)
+    _report_done(connector, "host_to_device", _empty_step(connector).loads)
+    assert connector.manager.host.entries  # the same moves happened
+    assert connector.take_events() == []
+    assert not connector._chunk_blocks  # and no chunk was named for them
 
 
 def test_a_host_hit_plans_no_stores_for_what_it_loads(make_connector):

@@ -84,6 +84,21 @@ def test_store_then_load_round_trip_in_a_preallocated_file(make_tier, tmp_path):
     assert tier_load(tier, 3)[0] is False  # never stored: a failed job, not an exception
 
 
+def test_loads_submitted_together_each_report_their_own_bytes(make_tier, tmp_path):
+    """`submit_loads` hands the read threads pieces of several jobs; every job is still
+    reported alone, a missing chunk failing only its own job."""
+    from kvtier.offload.tiers.threaded import LOADS_PER_PIECE
+    tier = make_tier(tmp_path, num_slots=64)
+    numbers = list(range(2 * LOADS_PER_PIECE + 5))
+    for n in numbers[:-1]:  # the last one is never stored
+        assert tier_store(tier, n)
+    jobs = [tier_job(n, memoryview(bytearray(CHUNK))) for n in numbers]
+    tier.submit_loads(jobs)
+    results = wait_jobs(tier, [job.job_id for job in jobs])
+    assert [results[job.job_id] for job in jobs] == [True] * (len(numbers) - 1) + [False]
+    assert [bytes(job.buffer) for job in jobs[:-1]] == [chunk_bytes(n) for n in numbers[:-1]]
+
+
 def test_storing_a_present_chunk_again_takes_no_slot(make_tier, tmp_path):
     tier = make_tier(tmp_path, num_slots=2)
     for n in (1, 1, 1, 2):

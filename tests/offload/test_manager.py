@@ -24,6 +24,7 @@ from .offload_helpers import (
 MEMORY = {"type": "memory"}
 RAISING = {"type": "RaisingTier", "module_path": FAULTY_TIERS}
 STUCK = {"type": "StuckTier", "module_path": FAULTY_TIERS}
+REFUSING = {"type": "RefusingTier", "module_path": FAULTY_TIERS}
 HANGING = {"type": "HangingTier", "module_path": FAULTY_TIERS}
 
 
@@ -151,6 +152,32 @@ def test_failed_promotion_falls_back_to_miss(make_manager):
     manager.poll()
     assert manager.lookup(key(3), CHUNK) is Lookup.MISS
     assert manager.host.entries == {}
+
+
+def test_promotions_of_one_block_reach_the_tier_in_one_call_on_exit(make_manager):
+    manager = make_manager(offload_config(8, [STUCK]))
+    stuck = manager.tiers[0]
+    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY  # outside a block: at once
+    assert stuck.load_calls == [1]
+    with manager.promotions():
+        assert [manager.lookup(key(n), CHUNK) for n in (2, 3, 4)] == [Lookup.RETRY] * 3
+        assert len(stuck.held) == 1 and manager.is_promoting(key(3))
+    assert stuck.load_calls == [1, 3]
+    assert [job.key for job in stuck.held] == [key(n) for n in (1, 2, 3, 4)]
+    stuck.release(ok=True)
+    manager.poll()
+    assert [manager.lookup(key(n), CHUNK) for n in (1, 2, 3, 4)] == [Lookup.HIT] * 4
+
+
+def test_a_tier_refusing_a_block_of_promotions_fails_each_and_frees_its_slot(make_manager):
+    manager = make_manager(offload_config(8, [REFUSING]))
+    with manager.promotions():
+        assert [manager.lookup(key(n), CHUNK) for n in (1, 2)] == [Lookup.RETRY] * 2
+    assert manager.metrics.snapshot()['kvtier:offload_tier_errors_total{tier="RefusingTier"}'] == 1
+    assert manager.num_jobs_in_flight() == 0 and manager.host.entries == {}
+    assert not manager.is_promoting(key(1))
+    assert manager.promotion_jobs([key(1), key(2)]) == []
+    assert manager.lookup(key(1), CHUNK) is Lookup.MISS  # that tier failed it: not asked again
 
 
 def test_groups_of_different_page_sizes_share_the_host_area(make_manager):

@@ -107,8 +107,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._pending_loads: list[ChunkTransfer] = []
         # Copies handed to the worker half and not yet reported: job id -> chunk.
         self._transfers: dict[int, ChunkKey] = {}
-        # Block hashes of the event group's chunks, so tier moves go out named by block hash.
-        self._event_group = self._scan_groups()[0]
+        # Block hashes of the event group's chunks, so tier moves go out named by block hash;
+        # None when the engine publishes no events (then no chunk is named, no event made).
+        self._event_group = self._scan_groups()[0] if context.kv_events else None
         self._chunk_blocks: OrderedDict[ChunkKey, tuple[BlockHash, ...]] = OrderedDict()
         self._max_named_chunks = _NAMED_CHUNKS_PER_SLOT * shared.area.num_slots
         self._media = {HOST: MEDIUM_CPU, **{
@@ -185,14 +186,15 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return None, False
         state.promoting, state.rescan = [], False
         scan = self._scan_groups()
-        for chunk in range(start, num_chunks):
-            # Past a RETRY the scan goes on, so every chunk on a tier is promoted at once.
-            answers = {self._lookup(state, g, chunk) for g in scan}
-            if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
-                break
-            retry = retry or Lookup.RETRY in answers
-            end = chunk + 1
-        end, others_retry = self._end_for_other_groups(state, scan, start, end, settle)
+        with self.manager.promotions():  # the tiers get the walk's promotions in one call
+            for chunk in range(start, num_chunks):
+                # Past a RETRY the scan goes on, so every chunk on a tier is promoted at once.
+                answers = {self._lookup(state, g, chunk) for g in scan}
+                if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
+                    break
+                retry = retry or Lookup.RETRY in answers
+                end = chunk + 1
+            end, others_retry = self._end_for_other_groups(state, scan, start, end, settle)
         retry = retry or others_retry
         if retry and end > start:
             if state.retrying_since is None:
@@ -410,7 +412,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         """The tier moves as wire events, named by the chunks' block hashes. Only the event
         group's chunks are published (every group of a hybrid model holds the same blocks), and
         loads into the device are left out: the device cache publishes those blocks itself."""
-        events = (self._wire_event(move) for move in self.manager.take_events())
+        moves = self.manager.take_events()
+        if self._event_group is None:
+            return []
+        events = (self._wire_event(move) for move in moves)
         return [event for event in events if event is not None]
 
     def _wire_event(self, move: TierMoveEvent) -> WireEvent | None:

@@ -1,5 +1,6 @@
 """The secondary-tier API: four methods between the tiering manager and a storage back end
-(and an optional fifth, `take_evicted`, for KV events).
+(and two optional ones: `take_evicted`, for KV events, and `submit_loads`, several loads in one
+call).
 
 A tier never sees device memory. Every job hands it a `memoryview` of one host slot: a store job
 reads the chunk from it, a load job writes the chunk into it. Calls come from the engine thread
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -110,6 +111,12 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def submit_load(self, job: TransferJob) -> None: ...
+
+    def submit_loads(self, jobs: Sequence[TransferJob]) -> None:
+        """Queue several loads at once (a request's promotions, in the request's order); a
+        tier may hand them to its threads in fewer pieces. Each job is still reported alone."""
+        for job in jobs:
+            self.submit_load(job)
 
     @abstractmethod
     def get_finished_jobs(self) -> Iterable[JobResult]: ...

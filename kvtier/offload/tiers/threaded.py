@@ -16,13 +16,15 @@ import queue
 import sys
 import time
 from abc import abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.common.options import is_positive_int, require
 from kvtier.offload.tiers.base import JobResult, SecondaryTier, TierContext, TransferJob
 
+# Loads a read thread takes from its queue at once (`submit_loads`).
+LOADS_PER_PIECE = 16
 # Seconds shutdown waits for the pools' threads even when every job's deadline has passed.
 _SHUTDOWN_GRACE_S = 0.5
 
@@ -63,6 +65,15 @@ class ThreadedTier(SecondaryTier):
         self._last_deadline = max(self._last_deadline, job.deadline)
         self._readers.submit(self._run, job, self._load)
 
+    def submit_loads(self, jobs: Sequence[TransferJob]) -> None:
+        """The jobs in pieces of LOADS_PER_PIECE consecutive ones: the read threads take a queue
+        item per piece instead of per chunk, and still share the pieces out as they free up."""
+        if not jobs:
+            return
+        self._last_deadline = max(self._last_deadline, max(job.deadline for job in jobs))
+        for start in range(0, len(jobs), LOADS_PER_PIECE):
+            self._readers.submit(self._run_each, jobs[start:start + LOADS_PER_PIECE], self._load)
+
     def get_finished_jobs(self) -> Iterable[JobResult]:
         finished = []
         while True:
@@ -102,6 +113,11 @@ class ThreadedTier(SecondaryTier):
         else:
             ended = time.monotonic()
             self._report(JobResult(job.job_id, ok=True, seconds=ended - start, ended=ended))
+
+    def _run_each(self, jobs: Sequence[TransferJob],
+                  action: Callable[[TransferJob], None]) -> None:
+        for job in jobs:
+            self._run(job, action)
 
     def _report(self, result: JobResult) -> None:
         self._finished.put(result)
