@@ -28,6 +28,7 @@ class HostArea:
                              f"chunk; it must be at least one chunk ({slot_bytes} bytes)")
         # uint8 so any KV dtype can be viewed through it (the worker views it as torch tensors).
         self.buffer = _populated_zeros(self.num_slots * slot_bytes)
+        self._bytes = memoryview(self.buffer)  # sliced per job: made once
 
     @property
     def capacity_bytes(self) -> int:
@@ -41,7 +42,7 @@ class HostArea:
         """A zero-copy writable view of the slot's first `num_bytes` (default: all of it)."""
         start = slot * self.slot_bytes
         end = start + (self.slot_bytes if num_bytes is None else num_bytes)
-        return memoryview(self.buffer)[start:end]
+        return self._bytes[start:end]
 
 
 def _populated_zeros(num_bytes: int) -> np.ndarray:

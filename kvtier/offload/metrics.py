@@ -24,8 +24,8 @@ _LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0
 @dataclass
 class _PendingTransfers:
     num_bytes: int = 0
-    busy_added: float = 0.0
-    seconds: list[float] = field(default_factory=list)
+    # (start, end) of each transfer, in time.monotonic() seconds
+    intervals: list[tuple[float, float]] = field(default_factory=list)
 
 
 class OffloadMetrics:
@@ -126,8 +126,7 @@ class OffloadMetrics:
         ended = time.monotonic() if ended is None else ended
         pending = self._transfers[direction]
         pending.num_bytes += num_bytes
-        pending.busy_added += self._busy_time[direction].add(ended - seconds, ended)
-        pending.seconds.append(seconds)
+        pending.intervals.append((ended - seconds, ended))
 
     def flush(self) -> None:
         """Apply the lookups and transfers counted since the last flush."""
@@ -150,6 +149,8 @@ class OffloadMetrics:
             self._flush_transfers(direction, pending)
 
     def _flush_transfers(self, direction: str, pending: _PendingTransfers) -> None:
+        busy_added = sum(self._busy_time[direction].add(start, end)
+                         for start, end in _merged(pending.intervals))
         busy = self._busy_time[direction].seconds
         total_key = f'kvtier:offload_bytes_total{{direction="{direction}"}}'
         self.values[total_key] += pending.num_bytes
@@ -157,10 +158,10 @@ class OffloadMetrics:
         if self._registry is None:
             return
         self._series_of(self._bytes, direction).inc(pending.num_bytes)
-        self._series_of(self._busy, direction).inc(pending.busy_added)
+        self._series_of(self._busy, direction).inc(busy_added)
         histogram = self._series_of(self._transfer, direction)
-        for seconds in pending.seconds:
-            histogram.observe(seconds)
+        for start, end in pending.intervals:
+            histogram.observe(end - start)
         if busy > 0:
             self._series_of(self._throughput, direction).set(self.values[total_key] / busy)
 
@@ -177,3 +178,16 @@ class OffloadMetrics:
 
     def _inc(self, name: str, tier: str, amount: float) -> None:
         self.values[f'{name}_total{{tier="{tier}"}}'] += amount
+
+
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of `intervals` as disjoint ones: a step's ~500 promotions, on two read
+    threads, are one or two intervals for the busy time instead of ~500 merges into it."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1] = (merged[-1][0], end)
+        else:
+            merged.append((start, end))
+    return merged

@@ -36,3 +36,12 @@ def test_throughput_of_concurrent_jobs_is_bytes_over_wall_clock():
     assert snapshot['kvtier:offload_throughput_bytes_per_second{direction="fs_to_host"}'] == (
         200 / 3.0)
     assert metrics.snapshot()['kvtier:offload_busy_seconds_total{direction="fs_to_host"}'] == 3.0
+
+
+def test_transfers_of_one_flush_reported_out_of_order_count_their_union_once():
+    metrics = OffloadMetrics()
+    for start, end in [(0.0, 2.0), (5.0, 6.0), (1.0, 3.0), (5.5, 5.75)]:
+        metrics.transfer("disk_to_host", 10, end - start, ended=end)
+    assert metrics.snapshot()['kvtier:offload_busy_seconds_total{direction="disk_to_host"}'] == 4.0
+    metrics.transfer("disk_to_host", 10, 3.0, ended=5.5)  # 2.5-5.5: only 3-5 is new
+    assert metrics.snapshot()['kvtier:offload_busy_seconds_total{direction="disk_to_host"}'] == 6.0

@@ -189,7 +189,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         with self.manager.promotions():  # the tiers get the walk's promotions in one call
             for chunk in range(start, num_chunks):
                 # Past a RETRY the scan goes on, so every chunk on a tier is promoted at once.
-                answers = {self._lookup(state, g, chunk) for g in scan}
+                answers = [self._lookup(state, g, chunk) for g in scan]  # no enum hashing
                 if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
                     break
                 retry = retry or Lookup.RETRY in answers
@@ -213,8 +213,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         (a window's, a recurrent state's), and whether one of them is still on its way up."""
         others = [g for g in range(len(self.groups)) if g not in scan]
         while end > start and others:
-            answers = {self._lookup(state, g, c)
-                       for g in others for c in self._needed_chunks(g, start, end)}
+            answers = [self._lookup(state, g, c)
+                       for g in others for c in self._needed_chunks(g, start, end)]
             if Lookup.MISS not in answers and not (settle and Lookup.RETRY in answers):
                 return end, Lookup.RETRY in answers
             end -= 1
