@@ -104,6 +104,9 @@ class AsyncLLM:
         self.submit_timeout_s = submit_timeout_s
         self.output_timeout_s = output_timeout_s
         self._commands: queue.Queue[_AddCommand | _AbortCommand] = queue.Queue()
+        # The engine thread sleeps on the command queue (no request to step): a command wakes
+        # it, no step's wait needs cutting short.
+        self._waiting_for_commands = False
         self._streams: dict[str, _Stream] = {}
         self._stop = threading.Event()
         self._draining = False
@@ -163,9 +166,12 @@ class AsyncLLM:
 
     def _send(self, command: _AddCommand | _AbortCommand) -> None:
         """Queue a command for the engine thread and cut short an idle step's wait for
-        transfers, so the command is taken at once."""
+        transfers, so the command is taken at once. An engine thread asleep on the queue takes
+        it anyway; interrupting it then would only end its next step's wait for nothing (a
+        new disk hit's promotions: one step more)."""
         self._commands.put(command)
-        self._interrupt_idle_wait()
+        if not self._waiting_for_commands:
+            self._interrupt_idle_wait()
 
     def _interrupt_idle_wait(self) -> None:
         engine = getattr(self, "engine", None)  # None while it is being built
@@ -239,11 +245,15 @@ class AsyncLLM:
             logger.exception("the engine's shutdown failed")
 
     def _drain_commands(self, block: bool) -> None:
+        # Set before the queue is read: a command queued from then on is taken by this drain
+        # or, after a timeout with nothing to step, by the next one.
+        self._waiting_for_commands = block
         try:
             command = self._commands.get(timeout=_IDLE_WAIT_S) if block else \
                 self._commands.get_nowait()
         except queue.Empty:
             return
+        self._waiting_for_commands = False
         while True:
             self._apply(command)
             try:

@@ -26,12 +26,13 @@ import enum
 import itertools
 import math
 import time
-from collections import OrderedDict, defaultdict, deque
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from kvtier.common.bounded import BoundedDict
 from kvtier.offload.chunk_format import load_chunk_secret
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
@@ -116,15 +117,15 @@ class TieringManager:
         self._promoting: dict[ChunkKey, int] = {}
         # Inside `promotions()`: the loads its lookups started, per tier, not yet submitted.
         self._held_loads: dict[int, list[TransferJob]] | None = None
-        # (tier index, key) -> when its load failed; bounded, oldest forgotten first.
-        self._failed: OrderedDict[tuple[int, ChunkKey], float] = OrderedDict()
-        self._max_remembered = 16 * self.area.num_slots
-        # (tier index, key) pairs whose tier answered UNKNOWN to a counted query; bounded too.
-        self._undecided: OrderedDict[tuple[int, ChunkKey], None] = OrderedDict()
-        # Requests seen per chunk, for store_threshold; bounded like _failed.
-        self._uses: OrderedDict[ChunkKey, int] = OrderedDict()
-        # Loads from host memory into the device per chunk, for admit_after_hits; bounded too.
-        self._hits: OrderedDict[ChunkKey, int] = OrderedDict()
+        remembered = 16 * self.area.num_slots  # chunks each of these remembers at most
+        # (tier index, key) -> when its load failed
+        self._failed: BoundedDict[tuple[int, ChunkKey], float] = BoundedDict(remembered)
+        # (tier index, key) pairs whose tier answered UNKNOWN to a counted query
+        self._undecided: BoundedDict[tuple[int, ChunkKey], None] = BoundedDict(remembered)
+        # Requests seen per chunk, for store_threshold.
+        self._uses: BoundedDict[ChunkKey, int] = BoundedDict(remembered)
+        # Loads from host memory into the device per chunk, for admit_after_hits.
+        self._hits: BoundedDict[ChunkKey, int] = BoundedDict(remembered)
         self._events: list[TierMoveEvent] = []
         self._write_back = any(self._tier_write_back)
         self._reserve = max(1, math.ceil(WRITE_BACK_RESERVE * self.area.num_slots))
@@ -151,21 +152,18 @@ class TieringManager:
             if answer is LookupResult.UNKNOWN:
                 return Lookup.RETRY
             if answer is LookupResult.FOUND:
-                # Promoting, or every host slot is busy with a transfer for now: ask again
-                # later, a MISS would recompute what the tier holds. A failed submit marks the
-                # tier failed for this key, so the next ask goes on to the tiers below.
+                # Promoting, or every host slot is busy for now: ask again later (a MISS would
+                # recompute what the tier holds). A failed submit marks the tier failed for
+                # this key, so the next ask goes on to the tiers below.
                 self._promote(index, key, num_bytes)
                 return Lookup.RETRY
         return Lookup.MISS
 
     @contextmanager
     def promotions(self) -> Iterator[None]:
-        """Lookups inside start their promotions together, handed to each tier at once on exit
-        (`submit_loads`): a request's walk over an 8k-token prompt found 511 chunks on disk, and
-        queueing them one by one cost the engine thread ~4 ms and the read threads as much."""
-        if self._held_loads is not None:  # nested: the outer block submits
-            yield
-            return
+        """Lookups inside (not nested) start their promotions together, handed to each tier at
+        once on exit (`submit_loads`): one by one, an 8k-token prompt's 511 chunks on disk cost
+        the engine thread ~4 ms, and the read threads as much."""
         self._held_loads = defaultdict(list)
         try:
             yield
@@ -208,8 +206,6 @@ class TieringManager:
         if answer is LookupResult.UNKNOWN:
             if record:
                 self._undecided[(index, key)] = None
-                if len(self._undecided) > self._max_remembered:
-                    self._undecided.popitem(last=False)
             return answer
         if self._undecided.pop((index, key), False) is None:
             record = True
@@ -223,8 +219,8 @@ class TieringManager:
         slot = self.host.prepare_store(key, num_bytes)
         if slot is None:
             return
-        self._promoting[key] = self._new_job(index, "promote", key, num_bytes)
-        job = self._transfer_job(self._promoting[key], key, num_bytes, slot)
+        job = self._new_job(index, "promote", key, num_bytes, slot)
+        self._promoting[key] = job.job_id
         self.watch.started(job.job_id)  # before the tier's thread can end it
         if self._held_loads is not None:
             self._held_loads[index].append(job)
@@ -234,20 +230,24 @@ class TieringManager:
     def _submit_loads(self, index: int, jobs: list[TransferJob]) -> None:
         try:
             self.tiers[index].submit_loads(jobs)
-        except Exception:  # a broken tier fails the jobs, never the engine
+        except Exception:  # a broken tier took none of them (SecondaryTier.submit_loads)
             self.metrics.error(self.tier_names[index])
             for job in jobs:
-                if self._jobs.pop(job.job_id, None) is not None:
-                    self.watch.ended(job.job_id)
-                    self._promoting.pop(job.key, None)
-                    self.host.complete_store(job.key, ok=False)
-                    self._mark_failed(index, job.key)
+                del self._jobs[job.job_id]
+                self.watch.ended(job.job_id)
+                self._end_promotion(index, job.key, ok=False)
+
+    def _end_promotion(self, index: int, key: ChunkKey, ok: bool) -> None:
+        self._promoting.pop(key, None)
+        self.host.complete_store(key, ok)
+        if not ok:
+            self._mark_failed(index, key)
 
     # ---- device <-> host (two-phase; the connector moves the bytes) ------------------------
 
     def record_use(self, key: ChunkKey) -> None:
         """A request contains `key` (counts towards store_threshold)."""
-        self._count(self._uses, key)
+        self._uses[key] = self._uses.get(key, 0) + 1
 
     def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
         """A host slot to copy `key` into from the device, or None: already in host, not used
@@ -315,41 +315,29 @@ class TieringManager:
         if not ok:
             return
         self._events.append(TierMoveEvent(key, HOST, DEVICE))
-        hits = self._count(self._hits, key)
+        hits = self._hits[key] = self._hits.get(key, 0) + 1
         for index, spec in enumerate(self.config.secondary_tiers):
             if not self._tier_write_back[index] and spec.admit_after_hits == hits:
                 self._store_on(index, key)
 
-    def _count(self, counts: OrderedDict[ChunkKey, int], key: ChunkKey) -> int:
-        """Add one to `key`'s count (the least recently counted are forgotten) and return it."""
-        counts[key] = counts.get(key, 0) + 1
-        counts.move_to_end(key)
-        if len(counts) > self._max_remembered:
-            counts.popitem(last=False)
-        return counts[key]
-
     # ---- tier jobs --------------------------------------------------------------------------
 
     def _new_job(self, index: int, kind: Literal["promote", "cascade"], key: ChunkKey,
-                 num_bytes: int) -> int:
-        """Register a tier job, with its deadline; returns its id."""
+                 num_bytes: int, slot: SlotId) -> TransferJob:
+        """Register a tier job on host slot `slot`, with its deadline."""
         now = self._clock()
-        job_id = next(self._job_ids)
-        self._jobs[job_id] = _TierJob(kind, index, key, num_bytes, now)
-        self._deadlines.append((now + self.config.tier_job_timeout_s, job_id))
-        return job_id
-
-    def _transfer_job(self, job_id: int, key: ChunkKey, num_bytes: int,
-                      slot: SlotId) -> TransferJob:
-        deadline = self._jobs[job_id].started + self.config.tier_job_timeout_s
-        return TransferJob(job_id, key, self.area.slot_view(slot, num_bytes), deadline)
+        job = TransferJob(next(self._job_ids), key, self.area.slot_view(slot, num_bytes),
+                          now + self.config.tier_job_timeout_s)
+        self._jobs[job.job_id] = _TierJob(kind, index, key, num_bytes, now)
+        self._deadlines.append((job.deadline, job.job_id))
+        return job
 
     def _submit_store(self, index: int, key: ChunkKey, num_bytes: int, slot: SlotId) -> bool:
-        job_id = self._new_job(index, "cascade", key, num_bytes)
+        job = self._new_job(index, "cascade", key, num_bytes, slot)
         try:
-            self.tiers[index].submit_store(self._transfer_job(job_id, key, num_bytes, slot))
+            self.tiers[index].submit_store(job)
         except Exception:  # a broken tier is a failed job, never a crash
-            del self._jobs[job_id]
+            del self._jobs[job.job_id]
             self.metrics.error(self.tier_names[index])
             return False
         self._pending_stores[index] += 1
@@ -390,10 +378,7 @@ class TieringManager:
             self.metrics.error(name)
         ok = ok and not job.expired
         if job.kind == "promote":
-            self._promoting.pop(job.key, None)
-            self.host.complete_store(job.key, ok)
-            if not ok:
-                self._mark_failed(job.tier, job.key)
+            self._end_promotion(job.tier, job.key, ok)
         else:
             self.host.complete_load(job.key)
             self._pending_stores[job.tier] -= 1
@@ -425,9 +410,6 @@ class TieringManager:
 
     def _mark_failed(self, index: int, key: ChunkKey) -> None:
         self._failed[(index, key)] = self._clock()
-        self._failed.move_to_end((index, key))
-        if len(self._failed) > self._max_remembered:
-            self._failed.popitem(last=False)
 
     # ---- events, stats, shutdown ----------------------------------------------------------
 

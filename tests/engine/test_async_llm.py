@@ -55,6 +55,21 @@ class _AbortFailsOnce:
         self._engine.abort_request(request_ids)
 
 
+class _CountsInterrupts:
+    """The real engine, counting the calls that cut an idle step's wait short."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+        self.num_interrupts = 0
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+    def interrupt_idle_wait(self) -> None:
+        self.num_interrupts += 1
+        self._engine.interrupt_idle_wait()
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("llama")
@@ -232,3 +247,32 @@ def test_shutdown_stops_the_engine_on_its_thread_and_waits_only_until_the_deadli
     assert async_llm._thread.is_alive() and async_llm._thread.daemon  # abandoned, not joined
     stuck.release.set()
     assert _no_engine_thread_left()
+
+
+def test_a_command_interrupts_the_engine_only_while_it_steps(engine):
+    """An engine thread asleep on the command queue takes a new request itself; interrupting it
+    would only end its next idle wait early (a disk hit's promotions then took a step more).
+    While it steps, every command interrupts, so a wait for transfers never delays one."""
+    counting = _CountsInterrupts(engine)
+    async_llm = AsyncLLM(lambda: counting)
+
+    async def scenario():
+        for index in range(3):
+            deadline = time.monotonic() + DEADLINE_S
+            while not async_llm._waiting_for_commands:
+                assert time.monotonic() < deadline, "the engine thread never went idle"
+                await asyncio.sleep(0.001)
+            await _last(async_llm, PROMPT, SHORT, f"idle-{index}")
+        idle_interrupts = counting.num_interrupts
+        running = async_llm.generate(PROMPT, LONG, "running")
+        await running.__anext__()  # stepping now: the next add interrupts
+        before = counting.num_interrupts
+        await _last(async_llm, PROMPT, SHORT, "while-stepping")
+        stepping_interrupts = counting.num_interrupts - before
+        await running.aclose()
+        return idle_interrupts, stepping_interrupts
+
+    try:
+        assert asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S)) == (0, 1)
+    finally:
+        async_llm.shutdown(drain_timeout_s=0.0)

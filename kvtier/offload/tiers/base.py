@@ -114,7 +114,8 @@ class SecondaryTier(ABC):
 
     def submit_loads(self, jobs: Sequence[TransferJob]) -> None:
         """Queue several loads at once (a request's promotions, in the request's order); a
-        tier may hand them to its threads in fewer pieces. Each job is still reported alone."""
+        tier may hand them to its threads in fewer pieces. Each job is still reported alone.
+        Raises only having taken none of them (this default: when the first submit raises)."""
         for job in jobs:
             self.submit_load(job)
 
