@@ -23,8 +23,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+# A free port can be taken between the check and the server's bind (another test's server or
+# a listener the servers open themselves): the start is tried again on a new port.
+_PORT_ATTEMPTS = 3
+
+
 class ServerProcess:
     def __init__(self, model_dir: str, *extra_args: str) -> None:
+        for attempt in range(_PORT_ATTEMPTS):
+            self._start(model_dir, extra_args)
+            try:
+                self._wait_healthy()
+                return
+            except RuntimeError:
+                if attempt + 1 == _PORT_ATTEMPTS or "address already in use" not in self.log():
+                    raise
+                self._log.close()
+
+    def _start(self, model_dir: str, extra_args: tuple[str, ...]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", model_dir,
@@ -34,7 +50,6 @@ class ServerProcess:
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log,
                                         stderr=subprocess.STDOUT)
-        self._wait_healthy()
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_DEADLINE_S
