@@ -22,31 +22,35 @@ LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 DEADLINE_S = 30.0
 
 
-class _SlowAdd:
+class _Wrapped:
+    """The real engine, with some methods changed by a subclass."""
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+class _SlowAdd(_Wrapped):
     """The real engine, whose add_request first waits for `release` (the client has given up
     by then)."""
 
     def __init__(self, engine) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.release = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
     def add_request(self, *args, **kwargs) -> None:
         assert self.release.wait(DEADLINE_S)
         self._engine.add_request(*args, **kwargs)
 
 
-class _AbortFailsOnce:
+class _AbortFailsOnce(_Wrapped):
     """The real engine, whose first abort_request raises (e.g. a connector hook failing)."""
 
     def __init__(self, engine) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.num_failed = 0
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
     def abort_request(self, request_ids) -> None:
         if self.num_failed == 0:
@@ -55,15 +59,12 @@ class _AbortFailsOnce:
         self._engine.abort_request(request_ids)
 
 
-class _CountsInterrupts:
+class _CountsInterrupts(_Wrapped):
     """The real engine, counting the calls that cut an idle step's wait short."""
 
     def __init__(self, engine) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.num_interrupts = 0
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
     def interrupt_idle_wait(self) -> None:
         self.num_interrupts += 1
@@ -189,15 +190,12 @@ def test_a_failing_build_raises_to_the_caller_and_ends_the_thread():
     assert _no_engine_thread_left()
 
 
-class _ShutdownRecorder:
+class _ShutdownRecorder(_Wrapped):
     """The real engine, whose shutdown is only recorded (the fixture still checks it)."""
 
     def __init__(self, engine) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.shut_down = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
     def shutdown(self) -> None:
         self.shut_down.set()
@@ -219,16 +217,13 @@ def test_a_build_past_the_startup_deadline_is_an_engine_startup_error(engine):
     assert _no_engine_thread_left()
 
 
-class _StuckShutdown:
+class _StuckShutdown(_Wrapped):
     """The real engine, whose shutdown blocks until `release` (a tier stuck in I/O)."""
 
     def __init__(self, engine) -> None:
-        self._engine = engine
+        super().__init__(engine)
         self.release = threading.Event()
         self.shut_down_on: list[str] = []
-
-    def __getattr__(self, name):
-        return getattr(self._engine, name)
 
     def shutdown(self) -> None:
         self.shut_down_on.append(threading.current_thread().name)
