@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.common.bounded import BoundedDict
 from kvtier.connector.base import ConnectorContext, KVConnectorScheduler
 from kvtier.connector.offloading.metadata import (
     BatchDone,
@@ -110,8 +110,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         # Block hashes of the event group's chunks, so tier moves go out named by block hash;
         # None when the engine publishes no events (then no chunk is named, no event made).
         self._event_group = self._scan_groups()[0] if context.kv_events else None
-        self._chunk_blocks: OrderedDict[ChunkKey, tuple[BlockHash, ...]] = OrderedDict()
-        self._max_named_chunks = _NAMED_CHUNKS_PER_SLOT * shared.area.num_slots
+        self._chunk_blocks: BoundedDict[ChunkKey, tuple[BlockHash, ...]] = BoundedDict(
+            _NAMED_CHUNKS_PER_SLOT * shared.area.num_slots)
         self._media = {HOST: MEDIUM_CPU, **{
             spec.name: MEDIUM_DISK if spec.type in _DISK_TIER_TYPES else spec.name
             for spec in self.options.secondary_tiers}}
@@ -137,9 +137,6 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         key = make_chunk_key(self.namespace, group_id, request.block_hashes[last_block])
         if group_id == self._event_group:
             self._chunk_blocks[key] = tuple(request.block_hashes[chunk * per_chunk:last_block + 1])
-            self._chunk_blocks.move_to_end(key)
-            if len(self._chunk_blocks) > self._max_named_chunks:
-                self._chunk_blocks.popitem(last=False)
         return key
 
     def _scan_groups(self) -> list[int]:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import zmq
 
+from kvtier.common.bounded import BoundedDict
 from kvtier.common.options import require
 from kvtier.offload.chunk_format import MAC_BYTES, file_size
 from kvtier.offload.keys import ChunkKey
@@ -97,7 +98,8 @@ class P2PTier(RemoteTier):
                        for address in options.peers]
         # Which peer said it holds a key and until when that is trusted, newest last; bounded
         # like the index.
-        self._holders: OrderedDict[str, tuple[PeerClient, float]] = OrderedDict()
+        self._holders: BoundedDict[str, tuple[PeerClient, float]] = BoundedDict(
+            options.max_index_entries)
         # refused_<code>: handshakes peers refused.
         self.counts: Counter[str] = Counter()
         self._refused = None
@@ -170,9 +172,6 @@ class P2PTier(RemoteTier):
     def _remember_holder(self, name: str, peer: PeerClient) -> None:
         with self._lock:
             self._holders[name] = (peer, time.monotonic() + _FOUND_S)
-            self._holders.move_to_end(name)
-            while len(self._holders) > self.options.max_index_entries:
-                self._holders.popitem(last=False)
 
     def _peer_failed(self, peer: PeerClient, exc: Exception) -> Exception:
         """Rest `peer` for a moment, count a refusal; the exception to raise."""

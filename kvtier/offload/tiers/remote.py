@@ -24,10 +24,10 @@ import queue
 import threading
 import time
 from abc import abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+from kvtier.common.bounded import BoundedDict
 from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.common.options import is_positive_int, require
 from kvtier.offload.chunk_format import ChunkFormatError, encode_header, read_chunk_into
@@ -82,9 +82,9 @@ class RemoteTier(ThreadedTier):
         super().__init__(options, context)
         self._lock = threading.Lock()
         # Chunks known to be in the store, least recently used first; bounded.
-        self._known: OrderedDict[ChunkKey, None] = OrderedDict()
+        self._known: BoundedDict[ChunkKey, None] = BoundedDict(options.max_index_entries)
         # Keys an existence check found absent -> monotonic time the answer expires.
-        self._absent: OrderedDict[ChunkKey, float] = OrderedDict()
+        self._absent: BoundedDict[ChunkKey, float] = BoundedDict(options.max_index_entries)
         self._checking: set[ChunkKey] = set()
         self._check_queue: queue.SimpleQueue[ChunkKey] = queue.SimpleQueue()
         self._checker = DaemonThreadPool(1, f"kvtier-{context.name}-check")
@@ -154,17 +154,11 @@ class RemoteTier(ThreadedTier):
                     self._remember(key)
                 else:
                     self._absent[key] = expires
-                    self._absent.move_to_end(key)
-            while len(self._absent) > self.options.max_index_entries:
-                self._absent.popitem(last=False)
 
     def _remember(self, key: ChunkKey) -> None:
         """Record `key` as in the store (caller holds the lock)."""
         self._known[key] = None
-        self._known.move_to_end(key)
         self._absent.pop(key, None)
-        while len(self._known) > self.options.max_index_entries:
-            self._known.popitem(last=False)
 
     def _forget(self, key: ChunkKey) -> None:
         with self._lock:
