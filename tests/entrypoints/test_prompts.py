@@ -1,0 +1,48 @@
+"""Completion prompts in OpenAI's four forms, checked before the engine sees them."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from kvtier.entrypoints.openai.errors import BadRequestError
+from kvtier.entrypoints.openai.prompts import check_text, completion_prompts, prompt_chars
+from kvtier.entrypoints.openai.protocol import CompletionRequest
+
+VOCAB = 100
+CTX = SimpleNamespace(vocab_size=VOCAB, tokenizer=None)
+
+
+def test_token_id_prompts_pass_as_they_are():
+    one = completion_prompts(CTX, [0, 5, VOCAB - 1])
+    assert [p.token_ids for p in one] == [[0, 5, VOCAB - 1]] and one[0].text is None
+    several = completion_prompts(CTX, [[1, 2], [3]])
+    assert [p.token_ids for p in several] == [[1, 2], [3]]
+
+
+@pytest.mark.parametrize("prompt, param, bad", [
+    ([1, VOCAB, 2, -1], "prompt", VOCAB),  # the first bad id is named
+    ([1, -3, 2], "prompt", -3),
+    ([[1, 2], [3, 10**9]], "prompt[1]", 10**9),
+])
+def test_an_id_outside_the_vocabulary_is_a_400_naming_it(prompt, param, bad):
+    with pytest.raises(BadRequestError) as info:
+        completion_prompts(CTX, prompt)
+    assert info.value.param == param
+    assert info.value.message == (f"{param} holds token id {bad}, outside the vocabulary "
+                                  f"[0, {VOCAB})")
+
+
+@pytest.mark.parametrize("prompt, chars", [
+    ("hello", 5), (["ab", "cde"], 5), ([1, 2, 3], 0), ([[1, 2], [3]], 0), ([], 0)])
+def test_prompt_chars_counts_text_only(prompt, chars):
+    assert prompt_chars(prompt) == chars
+
+
+def test_a_lone_surrogate_is_found_in_a_list_of_texts_not_mistaken_in_token_ids():
+    check_text(CompletionRequest.model_validate({"model": "m", "prompt": list(range(50))}))
+    body = CompletionRequest.model_validate({"model": "m", "prompt": ["fine", "bad \ud800"]})
+    with pytest.raises(BadRequestError) as info:
+        check_text(body)
+    assert info.value.param == "prompt[1]"
