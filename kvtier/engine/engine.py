@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from kvtier.common.token_ids import all_ints, first_outside
 from kvtier.config import EngineConfig
 from kvtier.connector.base import ConnectorContext
 from kvtier.engine.errors import EngineQueueFullError
@@ -154,7 +155,7 @@ class Engine:
             raise ValueError(f"the prompt has {len(token_ids)} tokens, longer than the model's "
                              f"context length max_model_len={self.max_model_len}")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in token_ids):
+        if not all_ints(token_ids) or first_outside(token_ids, vocab) is not None:
             raise ValueError(f"prompt token ids must be ints in [0, {vocab})")
         return text, token_ids
 

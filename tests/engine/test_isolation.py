@@ -71,6 +71,14 @@ def test_token_ids_outside_the_vocabulary_are_refused(llm, params, field):
     assert llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY)[0].finished
 
 
+@pytest.mark.parametrize("prompt", [[11, OUT_OF_VOCAB], [-1, 11], [11, "12"], [11, True]])
+def test_prompt_token_ids_must_be_ints_in_the_vocabulary(llm, prompt):
+    with pytest.raises(ValueError, match=r"prompt token ids must be ints in \[0, "):
+        llm.engine.add_request("bad", prompt, GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY)[0].finished
+
+
 def test_a_negative_stop_token_id_is_refused():
     with pytest.raises(ValueError, match=r"SamplingParams\.stop_token_ids"):
         SamplingParams(stop_token_ids=[-1])

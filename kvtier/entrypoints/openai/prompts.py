@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from kvtier.common.token_ids import all_ints, first_outside
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -38,7 +39,7 @@ def check_text(value: Any, param: str | None = None) -> None:
     elif isinstance(value, BaseModel):
         for name, item in value:  # declared fields, then extra ones
             check_text(item, name if param is None else f"{param}.{name}")
-    elif isinstance(value, list) and not _all_ints(value):
+    elif isinstance(value, list) and not all_ints(value):
         for index, item in enumerate(value):
             check_text(item, f"{param}[{index}]")
     elif isinstance(value, dict):
@@ -47,16 +48,11 @@ def check_text(value: Any, param: str | None = None) -> None:
             check_text(item, f"{param}.{key}")
 
 
-def _all_ints(values: list[Any]) -> bool:
-    """Every item is an int (a token id list, 8k ids in ~0.1 ms: the type check runs in C)."""
-    return set(map(type, values)) <= {int}
-
-
 def prompt_chars(prompt: Any) -> int:
     """Characters of text in a completion prompt (token ids count nothing)."""
     if isinstance(prompt, str):
         return len(prompt)
-    return 0 if _all_ints(prompt) else sum(len(item) for item in prompt if isinstance(item, str))
+    return 0 if all_ints(prompt) else sum(len(item) for item in prompt if isinstance(item, str))
 
 
 def message_chars(messages: list[ChatMessage]) -> int:
@@ -73,7 +69,7 @@ def completion_prompts(ctx: ServerContext, prompt: Any) -> list[Prompt]:
     """OpenAI's four prompt forms: text, texts, token ids, lists of token ids."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
-    elif prompt and _all_ints(prompt):
+    elif prompt and all_ints(prompt):
         items = [prompt]
     else:
         items = list(prompt)
@@ -137,9 +133,7 @@ def _tokenize(ctx: ServerContext, text: str, param: str, add_special_tokens: boo
 
 def _check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> None:
     vocab_size = ctx.vocab_size
-    if min(token_ids, default=0) >= 0 and max(token_ids, default=0) < vocab_size:
-        return
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    bad = first_outside(token_ids, vocab_size)
     if bad is not None:
         raise BadRequestError(f"{param} holds token id {bad}, outside the vocabulary "
                               f"[0, {vocab_size})", param=param, code="invalid_value")
