@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -17,6 +18,15 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
     min_p: float = 0.0
+    # OpenAI's penalties, on the tokens generated so far: each logit less frequency_penalty
+    # times its token's count and presence_penalty if it occurs at all.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's (and HF's) on the prompt's and generated tokens: a positive logit divided by it, a
+    # negative one multiplied (1: none).
+    repetition_penalty: float = 1.0
+    # Token id -> added to its logit before sampling (greedy too).
+    logit_bias: dict[int, float] | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
@@ -42,6 +52,15 @@ class SamplingParams:
             (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
             (self.top_k >= 0, "top_k", "must be >= 0 (or -1 to disable)"),
             (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (0.0 < self.repetition_penalty < math.inf, "repetition_penalty",
+             "must be > 0 and finite"),
+            (self.logit_bias is None or all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                and isinstance(b, (int, float)) and math.isfinite(b)
+                for t, b in self.logit_bias.items()), "logit_bias",
+             "must map token ids (ints >= 0) to finite numbers"),
             (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be >= 1"),
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
@@ -61,3 +80,8 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)

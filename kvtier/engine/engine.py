@@ -133,10 +133,12 @@ class Engine:
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported yet; leave it unset")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in params.stop_token_ids if t >= vocab), None)
-        if bad is not None:
-            raise ValueError(f"SamplingParams.stop_token_ids holds token id {bad}, outside the "
-                             f"vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", list(params.logit_bias or ()))):
+            bad = next((t for t in ids if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"SamplingParams.{name} holds token id {bad}, outside the "
+                                 f"vocabulary [0, {vocab})")
         if params.logprobs is not None and params.logprobs > vocab:
             raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, "
                              f"got {params.logprobs}")

@@ -16,6 +16,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 discourages repeating the prompt's and generated tokens "
+                             "(1: off)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_args(parser, positional_model=False)
 
@@ -23,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     # SamplingParams and the config validate here, before the model loads.
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, stop=args.stop)
+                            top_p=args.top_p, top_k=args.top_k,
+                            repetition_penalty=args.repetition_penalty, stop=args.stop)
     config = engine_config_from_args(args)
     from kvtier.engine.llm import LLM
     llm = LLM.from_config(config)

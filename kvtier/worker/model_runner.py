@@ -122,7 +122,8 @@ class ModelRunner:
         params = state.params
         eos = () if params.ignore_eos else self.eos_token_ids
         return SamplingRow(params, self.states.generators.get(state.req_id),
-                           state.num_output_tokens, eos + tuple(params.stop_token_ids))
+                           eos + tuple(params.stop_token_ids), state.token_ids,
+                           state.num_prompt_tokens)
 
     def shutdown(self) -> KVConnectorOutput | None:
         """Stop the connector's worker half; returns its last report, on the transfers that

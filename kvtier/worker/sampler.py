@@ -1,9 +1,15 @@
 """Token sampling from one step's logits: greedy, temperature, top-k, top-p, min-p, seeds,
-min_tokens and logprobs."""
+min_tokens, logit bias, presence / frequency / repetition penalties and logprobs.
+
+The logits go through, in vLLM's order: the min_tokens mask, the logit bias, the penalties
+(repetition, then frequency and presence); greedy rows take the argmax of the result, the others
+then apply temperature, top-k / top-p and min-p and draw. Logprobs are the model's own
+distribution, before any of it."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -20,9 +26,16 @@ class SamplingRow:
     params: SamplingParams
     # The request's own generator when it has a seed; else the sampler's shared one is used.
     generator: torch.Generator | None
-    num_output_tokens: int
     # Token ids that end the request (EOS and stop_token_ids): masked until min_tokens is reached.
     stop_token_ids: tuple[int, ...]
+    # The prompt and every token sampled so far (the request's own list, not a copy), of which
+    # the first `num_prompt_tokens` are the prompt.
+    token_ids: Sequence[int] = ()
+    num_prompt_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass
@@ -72,7 +85,7 @@ class Sampler:
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         # vLLM reports the model's own distribution, before any sampling processing.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-        logits = _mask_early_stops(logits, rows)
+        logits = _apply_penalties(_apply_logit_bias(_mask_early_stops(logits, rows), rows), rows)
         greedy = logits.argmax(dim=-1)
         if all(r.params.is_greedy for r in rows):
             token_ids = greedy
@@ -117,6 +130,42 @@ def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     logits = logits.clone()
     for i, stop_ids in early:
         logits[i, list(stop_ids)] = float("-inf")
+    return logits
+
+
+def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return logits
+    logits = logits.clone()
+    for i, bias in biased:
+        ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+        logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype,
+                                       device=logits.device)
+    return logits
+
+
+def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Repetition penalty over the prompt's and generated tokens, then frequency and presence
+    penalties over the generated ones, for the rows that ask; the others are left alone."""
+    penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
+    if not penalized:
+        return logits
+    logits = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    for i in penalized:
+        params, row = rows[i].params, logits[i]
+        if params.repetition_penalty != 1.0:
+            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            seen[torch.tensor(rows[i].token_ids, dtype=torch.long, device=device)] = True
+            scaled = torch.where(row > 0, row / params.repetition_penalty,
+                                 row * params.repetition_penalty)
+            row.copy_(torch.where(seen, scaled, row))
+        if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+            generated = torch.tensor(rows[i].token_ids[rows[i].num_prompt_tokens:],
+                                     dtype=torch.long, device=device)
+            counts = torch.bincount(generated, minlength=vocab).to(logits.dtype)
+            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
     return logits
 
 

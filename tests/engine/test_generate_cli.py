@@ -36,6 +36,7 @@ def test_help_lists_the_engine_options(capsys):
     (["generate", "hi", "--block-size", "0"], "block_size must be >= 1, got 0"),
     (["generate", "hi", "--kv-cache-memory-bytes", "lots"], "--kv-cache-memory-bytes"),
     (["generate", "hi", "--temperature", "-1"], "temperature"),
+    (["generate", "hi", "--repetition-penalty", "0"], "repetition_penalty must be > 0"),
     (["generate", "hi", "--kv-transfer-config", "{nope"], "not valid JSON"),
     (["generate", "hi", "--bogus"], "unrecognized arguments: --bogus"),
     (["generate"], "PROMPT"),

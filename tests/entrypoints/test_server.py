@@ -10,6 +10,7 @@ import httpx
 import msgpack
 import openai
 import pytest
+import torch
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -89,6 +90,26 @@ def test_completion_matches_hf_greedy(client, tiny_model, tokenizer):
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (len(prompt_ids), 8)
 
 
+def test_penalties_and_logit_bias_reach_the_sampler(client, tiny_model):
+    # HF's repetition_penalty and sequence_bias processors are the reference (the -1000 asked
+    # is clamped to -100, as OpenAI documents: either bans the token).
+    prompt = [5, 6, 7, 8, 9, 10]
+    plain = hf_greedy(tiny_model[1], [prompt], 10)[0]
+    bias = {plain[0]: -100.0, plain[2]: 2.0}
+    with torch.no_grad():
+        generated = tiny_model[1].generate(
+            torch.tensor([prompt]), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+            pad_token_id=0, repetition_penalty=1.5,
+            sequence_bias={(token,): value for token, value in bias.items()})
+    expected = generated[0, len(prompt):].tolist()
+    assert expected != plain
+    result = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=10, temperature=0.0,
+        logit_bias={str(plain[0]): -1000, str(plain[2]): 2.0},
+        extra_body={"ignore_eos": True, "return_token_ids": True, "repetition_penalty": 1.5})
+    assert result.choices[0].token_ids == expected
+
+
 def test_completion_stream_equals_non_stream(client, tiny_model):
     prompt = [5, 6, 7, 8, 9, 10]
     expected = hf_greedy(tiny_model[1], [prompt], 10)[0]
@@ -162,8 +183,15 @@ def test_models_health_version(server, client):
     ({"model": MODEL, "prompt": [1, 99999]}, "prompt", "invalid_value"),
     ({"model": MODEL, "prompt": ""}, "prompt", "invalid_value"),
     ({"model": MODEL}, "prompt", "missing_required_parameter"),
-    ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, "presence_penalty",
-     "unsupported_parameter"),
+    ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, "presence_penalty",
+     "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "frequency_penalty": -3}, "frequency_penalty",
+     "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": 0}, "repetition_penalty",
+     "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias", "invalid_value"),
+    ({"model": MODEL, "prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias",
+     "invalid_value"),
 ])
 def test_bad_completion_requests_are_400_naming_the_field(server, body, param, code):
     response = httpx.post(f"{server.url}/v1/completions", json=body,

@@ -9,8 +9,11 @@ from kvtier.worker.sampler import Sampler, SamplingRow
 CPU = torch.device("cpu")
 
 
-def row(params: SamplingParams, *, generator=None, num_output_tokens=0, stop_ids=()):
-    return SamplingRow(params, generator, num_output_tokens, tuple(stop_ids))
+def row(params: SamplingParams, *, generator=None, num_output_tokens=0, stop_ids=(),
+        prompt=(), output=None):
+    """A row whose request has `prompt` and then `output` (default: `num_output_tokens` 0s)."""
+    output = [0] * num_output_tokens if output is None else list(output)
+    return SamplingRow(params, generator, tuple(stop_ids), list(prompt) + output, len(prompt))
 
 
 def seeded(seed: int) -> torch.Generator:
@@ -85,3 +88,49 @@ def test_logprobs_are_the_raw_model_distribution_with_the_sampled_token():
     assert out.logprobs[0].keys() == {2, 1}
     assert out.logprobs[0][2] == pytest.approx(float(expected[2]))
     assert out.logprobs[0][1] == pytest.approx(float(expected[1]))
+
+
+GREEDY_ONE = dict(temperature=0.0, max_tokens=4)
+
+
+def greedy_token(logits: list[float], params: SamplingParams, **row_options) -> int:
+    sampler = Sampler(CPU, seed=0)
+    return sampler.sample(torch.tensor([logits]), [row(params, **row_options)]).token_ids[0]
+
+
+def test_logit_bias_moves_greedy_and_leaves_other_rows_alone():
+    logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0]])
+    biased = SamplingParams(**GREEDY_ONE, logit_bias={2: -5.0, 0: 0.5})
+    plain = SamplingParams(**GREEDY_ONE)
+    assert Sampler(CPU, 0).sample(logits, [row(biased), row(plain)]).token_ids == [1, 2]
+    assert greedy_token([0.0, 1.0, 2.0], SamplingParams(**GREEDY_ONE, logit_bias={0: 100.0})) == 0
+
+
+def test_a_banned_token_is_never_drawn():
+    params = SamplingParams(temperature=1.0, logit_bias={0: -100.0})
+    assert 0 not in draw_many(probs_logits(0.9, 0.05, 0.05), params)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits_of_seen_tokens():
+    params = SamplingParams(**GREEDY_ONE, repetition_penalty=2.0)
+    # Token 0 (in the prompt) falls from 2.0 to 1.0, below token 1's 1.5.
+    assert greedy_token([2.0, 1.5, -3.0], params, prompt=[0, 2]) == 1
+    # Unseen tokens keep their logits.
+    assert greedy_token([2.0, 1.5, -3.0], params, prompt=[2]) == 0
+    # A negative logit grows more negative: token 1 (generated) from -0.4 to -0.8, below -0.5.
+    assert greedy_token([-1.0, -0.4, -0.5], params, prompt=[0], output=[1]) == 2
+
+
+def test_frequency_penalty_counts_each_generated_occurrence_presence_penalty_once():
+    logits = [1.0, 0.9]
+    # The prompt's tokens do not count: only generated ones.
+    frequency = SamplingParams(**GREEDY_ONE, frequency_penalty=0.04)
+    assert greedy_token(logits, frequency, prompt=[0, 0, 0, 0], output=[0, 0]) == 0  # 0.92
+    assert greedy_token(logits, frequency, output=[0, 0, 0]) == 1  # 0.88
+    presence = SamplingParams(**GREEDY_ONE, presence_penalty=0.05)
+    assert greedy_token(logits, presence, output=[0, 0, 0, 0]) == 0  # 0.95, once
+    assert greedy_token(logits, SamplingParams(**GREEDY_ONE, presence_penalty=0.2),
+                        output=[0]) == 1
+    # Negative penalties favour what was generated.
+    assert greedy_token([0.9, 1.0], SamplingParams(**GREEDY_ONE, presence_penalty=-0.2),
+                        output=[0]) == 0

@@ -40,6 +40,7 @@ class SamplingFields(_Request):
     # vLLM extras.
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: StrictBool = False
     stop_token_ids: list[int] | None = None

@@ -24,7 +24,10 @@ MAX_CHOICES = 128
 MAX_LOGPROBS = 20
 _SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
-_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty")
+# logit_bias values are clamped to +-this.
+MAX_LOGIT_BIAS = 100.0
 
 
 def completion_sampling_params(request: CompletionRequest, num_prompts: int) -> SamplingParams:
@@ -62,10 +65,31 @@ def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
 def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
     """Token ids a request carries beside its prompt must be in the vocabulary: one past it
     would fail the sampling step of every request batched with it."""
-    bad = next((t for t in request.stop_token_ids or () if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise BadRequestError(f"stop_token_ids holds token id {bad}, outside the vocabulary "
-                              f"[0, {vocab_size})", param="stop_token_ids", code="invalid_value")
+    for param, ids in (("stop_token_ids", request.stop_token_ids or ()),
+                       ("logit_bias", logit_bias(request) or ())):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise BadRequestError(f"{param} holds token id {bad}, outside the vocabulary "
+                                  f"[0, {vocab_size})", param=param, code="invalid_value")
+
+
+def logit_bias(request: SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings -> bias) with int keys and each bias clamped to
+    [-100, 100], as OpenAI documents it."""
+    if not request.logit_bias:
+        return None
+    bias = {}
+    for key, value in request.logit_bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                  param="logit_bias", code="invalid_value") from None
+        if not math.isfinite(value):
+            raise BadRequestError(f"logit_bias[{key!r}] must be a finite number, got {value}",
+                                  param="logit_bias", code="invalid_value")
+        bias[token] = min(max(value, -MAX_LOGIT_BIAS), MAX_LOGIT_BIAS)
+    return bias
 
 
 def _check_common(request: SamplingFields, num_prompts: int) -> None:
@@ -77,13 +101,6 @@ def _check_common(request: SamplingFields, num_prompts: int) -> None:
     if request.n * num_prompts > MAX_CHOICES:
         raise BadRequestError(f"n x number of prompts must be <= {MAX_CHOICES}, got "
                               f"{request.n * num_prompts}", param="n", code="invalid_value")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(request, name) != 0.0:
-            raise BadRequestError(f"{name} is not supported (must be 0)", param=name,
-                                  code="unsupported_parameter")
-    if request.logit_bias:
-        raise BadRequestError("logit_bias is not supported", param="logit_bias",
-                              code="unsupported_parameter")
     if request.seed is not None and not _SEED_RANGE[0] <= request.seed <= _SEED_RANGE[1]:
         raise BadRequestError("seed must fit in 64 bits", param="seed", code="invalid_value")
 
@@ -105,6 +122,10 @@ def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param:
         top_p=1.0 if request.top_p is None else request.top_p,
         top_k=0 if request.top_k is None else request.top_k,
         min_p=0.0 if request.min_p is None else request.min_p,
+        presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+        repetition_penalty=(1.0 if request.repetition_penalty is None
+                            else request.repetition_penalty),
+        logit_bias=logit_bias(request),
         seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
         stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
         stop_token_ids=list(request.stop_token_ids or []), ignore_eos=request.ignore_eos,
