@@ -8,6 +8,7 @@ distribution, before any of it."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,9 @@ import torch
 from kvtier.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Vocabulary entries per block of the inverse-CDF draw (see _inverse_cdf).
+_CDF_BLOCK = 1024
 
 
 @dataclass
@@ -111,14 +115,43 @@ class Sampler:
         if any(min_p):
             floor = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None]
             probs = probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
-        # Exponential-race sampling: argmax(p / q) with q ~ Exp(1) draws from p, and each row can
-        # use its own generator, so a seeded request gets the same tokens in any batch.
-        noise = torch.empty_like(probs)
+        # Inverse-CDF sampling: one uniform draw per row, from the row's own generator (a
+        # seeded request gets the same tokens in any batch). An exponential race (argmax
+        # p / Exp(1)) draws one number per vocabulary entry instead: 66 ms for 64 rows of a 49k
+        # vocabulary on 2 cores, against ~3 ms for this.
+        draws = torch.empty(len(rows), 1, dtype=torch.float64, device=device)
         for i, row in enumerate(rows):
-            noise[i].exponential_(generator=row.generator or self.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+            draws[i].uniform_(generator=row.generator or self.generator)
+        sampled = inverse_cdf_sample(probs, draws)
         is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=device)
         return torch.where(is_greedy, greedy, sampled)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """Per row the token where the cumulative probability first exceeds `draws` (N, 1) in
+    [0, 1) times the row's total: a draw from `probs` (N, V), never a token of probability 0.
+
+    The cumulative sums are float64 (so the tail keeps its share) but short: which block holds
+    the point from the cumulative sum of the blocks' sums, then where in it from that one
+    block's (a float64 cumulative sum of the whole (64, 49k) batch took ~10 ms here)."""
+    num_rows, vocab = probs.shape
+    num_blocks = -(-vocab // _CDF_BLOCK)
+    blocks = torch.nn.functional.pad(probs, (0, num_blocks * _CDF_BLOCK - vocab))
+    blocks = blocks.view(num_rows, num_blocks, _CDF_BLOCK)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # (N, blocks)
+    total = block_cdf[:, -1:]
+    # Below the total even where draw x total rounds up to it.
+    point = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(block_cdf, point, right=True).clamp_(max=num_blocks - 1)
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_(min=0)), 0.0)
+    inner_cdf = blocks[torch.arange(num_rows, device=probs.device), block[:, 0]]
+    inner_cdf = inner_cdf.double().cumsum(dim=-1)  # (N, block size)
+    # Rounding may put the point at or past the block's own total: keep it inside, where the
+    # block's last token of probability > 0 takes it.
+    inside = torch.minimum(point - before, torch.nextafter(inner_cdf[:, -1:],
+                                                            torch.zeros_like(point)))
+    offset = torch.searchsorted(inner_cdf, inside, right=True)
+    return (block * _CDF_BLOCK + offset).squeeze(1).clamp_(max=vocab - 1)
 
 
 def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -147,26 +180,46 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Repetition penalty over the prompt's and generated tokens, then frequency and presence
-    penalties over the generated ones, for the rows that ask; the others are left alone."""
+    penalties over the generated ones, for the rows that ask; the others are left alone.
+
+    Only the logits of tokens a row has seen change, so they are gathered, changed and put
+    back (a token seen twice gets the same value written twice) instead of passing over the
+    whole (rows, vocabulary) batch once per operation: ~1 ms against ~50 ms for 64 rows of a
+    49k vocabulary here."""
     penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not penalized:
         return logits
     logits = logits.clone()
-    vocab, device = logits.shape[-1], logits.device
-    for i in penalized:
-        params, row = rows[i].params, logits[i]
-        if params.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-            seen[torch.tensor(rows[i].token_ids, dtype=torch.long, device=device)] = True
-            scaled = torch.where(row > 0, row / params.repetition_penalty,
-                                 row * params.repetition_penalty)
-            row.copy_(torch.where(seen, scaled, row))
-        if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
-            generated = torch.tensor(rows[i].token_ids[rows[i].num_prompt_tokens:],
-                                     dtype=torch.long, device=device)
-            counts = torch.bincount(generated, minlength=vocab).to(logits.dtype)
-            row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    device, dtype = logits.device, logits.dtype
+    repeat = [i for i in penalized if rows[i].params.repetition_penalty != 1.0]
+    if repeat:
+        at = _token_positions({i: rows[i].token_ids for i in repeat}, device)
+        values = logits[at]
+        penalty = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dtype,
+                               device=device)[at[0]]
+        logits[at] = torch.where(values > 0, values / penalty, values * penalty)
+    counted = [i for i in penalized if rows[i].params.frequency_penalty != 0.0
+               or rows[i].params.presence_penalty != 0.0]
+    if counted:
+        at = _token_positions({i: rows[i].token_ids[rows[i].num_prompt_tokens:]
+                               for i in counted}, device)
+        frequency = torch.tensor([r.params.frequency_penalty for r in rows], dtype=dtype,
+                                 device=device)[at[0]]
+        logits.index_put_(at, -frequency, accumulate=True)  # once per occurrence
+        presence = torch.tensor([r.params.presence_penalty for r in rows], dtype=dtype,
+                                device=device)[at[0]]
+        logits[at] = logits[at] - presence  # once per token
     return logits
+
+
+def _token_positions(token_lists: dict[int, Sequence[int]],
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, token id) index tensors of every token of every list, keyed by row."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists.values()], device=device)
+    rows = torch.repeat_interleave(torch.tensor(list(token_lists), device=device), lengths)
+    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists.values())),
+                       dtype=torch.long, device=device)
+    return rows, ids
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
