@@ -4,7 +4,13 @@ import pytest
 import torch
 
 from kvtier.sampling_params import SamplingParams
-from kvtier.worker.sampler import Sampler, SamplingRow, inverse_cdf_sample
+from kvtier.worker.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_top_k_top_p,
+    inverse_cdf_sample,
+    top_k_top_p_sorted,
+)
 
 CPU = torch.device("cpu")
 
@@ -154,3 +160,16 @@ def testinverse_cdf_sample_draws_follow_a_wide_distribution_and_skip_zero_probab
     # Per 100-token bucket, the frequency is the probability mass within sampling noise.
     assert torch.allclose(counts.view(30, 100).sum(-1), probs[0].double().view(30, 100).sum(-1),
                           atol=0.004)
+
+
+@pytest.mark.parametrize("scale", [8.0, 1.0])  # peaked rows (cut among the candidates), flat
+def test_top_k_top_p_among_candidates_equals_the_cut_over_the_sorted_vocabulary(scale):
+    # 5,000 entries, more than TOP_P_CANDIDATES: flat rows need the fallback for their top_p.
+    logits = torch.randn(8, 5000, generator=seeded(11)) * scale
+    settings = [(0, 1.0), (50, 1.0), (0, 0.9), (0, 0.5), (40, 0.9), (2000, 0.95), (1, 0.3),
+                (0, 0.99)]
+    rows = [row(SamplingParams(temperature=1.0, top_k=k, top_p=p)) for k, p in settings]
+    vocab = logits.shape[-1]
+    expected = top_k_top_p_sorted(logits, [k or vocab for k, _ in settings],
+                                   [p for _, p in settings])
+    assert torch.equal(apply_top_k_top_p(logits, rows), expected)
