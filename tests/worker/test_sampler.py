@@ -142,23 +142,26 @@ def test_frequency_penalty_counts_each_generated_occurrence_presence_penalty_onc
                         output=[0]) == 0
 
 
-def testinverse_cdf_sample_draws_follow_a_wide_distribution_and_skip_zero_probabilities():
-    # 3,000 entries (three blocks, the last one partial) with every third one at probability 0,
-    # and draws at the edges (0, just below 1) and spread between them.
-    probs = torch.rand(1, 3000, generator=seeded(3), dtype=torch.float64).float()
+@pytest.mark.parametrize("vocab", [3000, 3072])  # a partial last block, whole blocks only
+def test_inverse_cdf_draws_follow_a_wide_distribution_and_skip_zero_probabilities(vocab):
+    # Every third entry at probability 0, and draws at the edges (0, just below 1) and spread
+    # between them.
+    probs = torch.rand(1, vocab, generator=seeded(3), dtype=torch.float64).float()
     probs[:, ::3] = 0.0
     probs /= probs.sum()
     draws = torch.cat([torch.tensor([0.0, 1.0 - 2 ** -53]),
                        torch.rand(20000, generator=seeded(4), dtype=torch.float64)])[:, None]
     tokens = inverse_cdf_sample(probs.expand(len(draws), -1), draws)
-    assert tokens.min() >= 0 and tokens.max() < 3000
+    assert tokens.min() >= 0 and tokens.max() < vocab
     assert not bool((tokens % 3 == 0).any())
     # Draws sorted give tokens sorted: the cumulative order is the vocabulary's.
     order = draws[:, 0].argsort()
     assert bool((tokens[order].diff() >= 0).all())
-    counts = torch.bincount(tokens, minlength=3000).double() / len(draws)
+    counts = torch.bincount(tokens, minlength=vocab).double() / len(draws)
     # Per 100-token bucket, the frequency is the probability mass within sampling noise.
-    assert torch.allclose(counts.view(30, 100).sum(-1), probs[0].double().view(30, 100).sum(-1),
+    buckets = vocab // 100
+    assert torch.allclose(counts[:buckets * 100].view(buckets, 100).sum(-1),
+                          probs[0, :buckets * 100].double().view(buckets, 100).sum(-1),
                           atol=0.004)
 
 
