@@ -49,6 +49,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="report usage.prompt_tokens_details.cached_tokens (off by default: "
                             "on a shared server it tells a client how much of its prompt "
                             "matched earlier requests, perhaps another client's)")
+    group.add_argument("--generation-config", default="auto",
+                       help="sampling defaults (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty) for requests that leave them unset: 'auto' "
+                            "(default) reads the model directory's generation_config.json, "
+                            "'vllm' uses none, or a directory holding a generation_config.json")
     group.add_argument("--max-request-body-bytes", default="8MiB",
                        help="largest request body accepted, e.g. 8MiB (default) or 1048576; "
                             "larger ones get a 413 before they are read")
@@ -99,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.engine.kv_events import KVEventsConfig, make_event_publisher
     from kvtier.entrypoints.openai.app import build_app
     from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
+    from kvtier.entrypoints.openai.sampling import load_sampling_defaults
 
     events_config = None
     if args.kv_events_config is not None:
@@ -107,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
             config = dataclasses.replace(config, cache=dataclasses.replace(
                 config.cache, enable_kv_cache_events=True))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    sampling_defaults = load_sampling_defaults(args.generation_config, config.model.model)
+    if sampling_defaults:
+        logger.info("requests that leave them unset sample with %s (from the generation config; "
+                    "--generation-config vllm for none)", sampling_defaults)
     # Bind the event socket before loading the model: a taken port fails fast.
     publisher = make_event_publisher(events_config)
     try:
@@ -120,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
                         ServerMetrics(engine.metrics),
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                        kv_events_info=_kv_events_info(events_config, config))
+                        kv_events_info=_kv_events_info(events_config, config),
+                        sampling_defaults=sampling_defaults)
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
                     max_request_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(

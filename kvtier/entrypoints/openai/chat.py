@@ -55,7 +55,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     check_text(body)  # first: an error message quoting a bad string could not be sent
     ctx.check_model(body.model)
     check_token_ids(body, ctx.vocab_size)
-    params = chat_sampling_params(body)
+    params = chat_sampling_params(body, ctx.sampling_defaults)
     prompt = await ctx.prepare(message_chars(body.messages), chat_prompt, ctx, body)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"

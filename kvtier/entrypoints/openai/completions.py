@@ -55,7 +55,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     ctx.check_model(body.model)
     check_token_ids(body, ctx.vocab_size)
     prompts = await ctx.prepare(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
-    params = completion_sampling_params(body, len(prompts))
+    params = completion_sampling_params(body, len(prompts), ctx.sampling_defaults)
     if body.echo and body.logprobs is not None:
         raise BadRequestError("echo together with logprobs is not supported", param="echo",
                               code="unsupported_parameter")

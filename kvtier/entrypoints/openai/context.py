@@ -53,6 +53,8 @@ class ServerContext:
     metrics: ServerMetrics
     # Report usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details).
     enable_prompt_tokens_details: bool = False
+    # What a request that leaves a sampling field unset gets (--generation-config).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
     # What GET /v1/kv_events_info answers: where KV events are published and how blocks are
     # hashed; None: the server publishes none.
     kv_events_info: dict[str, Any] | None = None

@@ -7,8 +7,11 @@ not implement, so nothing is silently ignored. Each refusal names the request fi
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+from collections.abc import Mapping
 
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import (
@@ -24,13 +27,19 @@ MAX_CHOICES = 128
 MAX_LOGPROBS = 20
 _SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
+# Sampling fields a request may leave unset, and what they are then without a generation config.
+_FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+              "repetition_penalty": 1.0}
+DEFAULTED_FIELDS = tuple(_FALLBACKS)
+GENERATION_CONFIG = "generation_config.json"
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 # logit_bias values are clamped to +-this.
 MAX_LOGIT_BIAS = 100.0
 
 
-def completion_sampling_params(request: CompletionRequest, num_prompts: int) -> SamplingParams:
+def completion_sampling_params(request: CompletionRequest, num_prompts: int,
+                               defaults: Mapping[str, float] | None = None) -> SamplingParams:
     _check_common(request, num_prompts)
     if request.best_of is not None and request.best_of != request.n:
         raise BadRequestError("best_of other than n is not supported", param="best_of",
@@ -40,10 +49,11 @@ def completion_sampling_params(request: CompletionRequest, num_prompts: int) -> 
                               code="unsupported_parameter")
     _check_logprobs(request.logprobs, "logprobs")
     return _build(request, max_tokens=request.max_tokens, max_tokens_param="max_tokens",
-                  logprobs=request.logprobs)
+                  logprobs=request.logprobs, defaults=defaults)
 
 
-def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
+def chat_sampling_params(request: ChatCompletionRequest,
+                         defaults: Mapping[str, float] | None = None) -> SamplingParams:
     _check_common(request, 1)
     if request.tools:
         raise BadRequestError("tools are not supported", param="tools",
@@ -59,7 +69,8 @@ def chat_sampling_params(request: ChatCompletionRequest) -> SamplingParams:
     param = "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens"
     max_tokens = request.max_completion_tokens if param == "max_completion_tokens" \
         else request.max_tokens
-    return _build(request, max_tokens=max_tokens, max_tokens_param=param, logprobs=logprobs)
+    return _build(request, max_tokens=max_tokens, max_tokens_param=param, logprobs=logprobs,
+                  defaults=defaults)
 
 
 def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
@@ -111,20 +122,56 @@ def _check_logprobs(value: int | None, param: str) -> None:
                               param=param, code="invalid_value")
 
 
+def load_sampling_defaults(source: str, model_path: str | None) -> dict[str, float]:
+    """The sampling defaults a request that leaves those fields unset gets, vLLM's way
+    (--generation-config): "auto" reads the model directory's generation_config.json (a
+    model without one, a GGUF file, gives none), "vllm" takes none, and any other value is a
+    directory holding a generation_config.json. Only DEFAULTED_FIELDS are taken; ValueError
+    names a file whose values are not numbers."""
+    if source == "vllm":
+        return {}
+    if source == "auto":
+        if model_path is None or not os.path.isdir(model_path):
+            return {}
+        path = os.path.join(model_path, GENERATION_CONFIG)
+        if not os.path.isfile(path):
+            return {}
+    else:
+        path = os.path.join(source, GENERATION_CONFIG)
+        if not os.path.isfile(path):
+            raise ValueError(f"--generation-config {source}: no {GENERATION_CONFIG} there; give "
+                             "a directory that holds one, 'auto' (the model's) or 'vllm' (none)")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable as JSON ({exc})") from exc
+    defaults = {}
+    for name in DEFAULTED_FIELDS:
+        value = config.get(name) if isinstance(config, dict) else None
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{path}: {name} must be a number, got {value!r}")
+        defaults[name] = value
+    try:
+        SamplingParams(**defaults)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    return defaults
+
+
 def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
-           logprobs: int | None) -> SamplingParams:
+           logprobs: int | None, defaults: Mapping[str, float] | None) -> SamplingParams:
     if max_tokens is not None and max_tokens < 1:
         raise BadRequestError(f"{max_tokens_param} must be >= 1, got {max_tokens}",
                               param=max_tokens_param, code="invalid_value")
+    defaults = defaults or {}
+    sampling = {name: defaults.get(name, fallback) if getattr(request, name) is None
+                else getattr(request, name) for name, fallback in _FALLBACKS.items()}
     options = dict(
-        n=request.n,
-        temperature=1.0 if request.temperature is None else request.temperature,
-        top_p=1.0 if request.top_p is None else request.top_p,
-        top_k=0 if request.top_k is None else request.top_k,
-        min_p=0.0 if request.min_p is None else request.min_p,
+        n=request.n, **sampling,
         presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
-        repetition_penalty=(1.0 if request.repetition_penalty is None
-                            else request.repetition_penalty),
         logit_bias=logit_bias(request),
         seed=request.seed, max_tokens=max_tokens, min_tokens=request.min_tokens,
         stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
