@@ -124,7 +124,7 @@ class Sampler:
         # Inverse-CDF sampling: one uniform draw per row, from the row's own generator (a
         # seeded request gets the same tokens in any batch). An exponential race (argmax
         # p / Exp(1)) draws one number per vocabulary entry instead: 66 ms for 64 rows of a 49k
-        # vocabulary on 2 cores, against ~3 ms for this.
+        # vocabulary on 2 cores, against ~6 ms for all of this sampling.
         draws = torch.empty(len(rows), 1, dtype=torch.float64, device=device)
         for i, row in enumerate(rows):
             draws[i].uniform_(generator=row.generator or self.generator)
@@ -189,8 +189,9 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
 
     Only the logits of tokens a row has seen change, so they are gathered, changed and put
     back (a token seen twice gets the same value written twice) instead of passing over the
-    whole (rows, vocabulary) batch once per operation: ~1 ms against ~50 ms for 64 rows of a
-    49k vocabulary here."""
+    whole (rows, vocabulary) batch once per operation: 16 against 58 ms for 64 rows of 1,100
+    tokens each and a 49k vocabulary here, most of it now turning the token lists into
+    tensors."""
     penalized = [i for i, r in enumerate(rows) if r.params.has_penalties]
     if not penalized:
         return logits
