@@ -121,9 +121,12 @@ class ModelRunner:
     def _sampling_row(self, state: RequestState) -> SamplingRow:
         params = state.params
         eos = () if params.ignore_eos else self.eos_token_ids
+        if params.repetition_penalty != 1.0 and state.prompt_tensor is None:
+            state.prompt_tensor = torch.tensor(state.token_ids[:state.num_prompt_tokens],
+                                               dtype=torch.long, device=self.device)
         return SamplingRow(params, self.states.generators.get(state.req_id),
                            eos + tuple(params.stop_token_ids), state.token_ids,
-                           state.num_prompt_tokens)
+                           state.num_prompt_tokens, state.prompt_tensor)
 
     def shutdown(self) -> KVConnectorOutput | None:
         """Stop the connector's worker half; returns its last report, on the transfers that

@@ -20,6 +20,9 @@ class RequestState:
     # Block ids per KV cache group, append-only while the request runs.
     block_ids: list[list[int]]
     num_computed_tokens: int
+    # The prompt's token ids as a tensor, made at the first step that needs them (a repetition
+    # penalty looks at them every step).
+    prompt_tensor: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:

@@ -176,3 +176,15 @@ def test_top_k_top_p_among_candidates_equals_the_cut_over_the_sorted_vocabulary(
     expected = top_k_top_p_sorted(logits, [k or vocab for k, _ in settings],
                                    [p for _, p in settings])
     assert torch.equal(apply_top_k_top_p(logits, rows), expected)
+
+
+def test_a_kept_prompt_tensor_gives_the_same_penalties_as_the_token_list():
+    logits = torch.randn(2, 40, generator=seeded(5))
+    params = SamplingParams(**GREEDY_ONE, repetition_penalty=1.7, frequency_penalty=0.3)
+    prompt, output = [3, 9, 9, 17], [21, 3, 30, 21]
+    listed = row(params, prompt=prompt, output=output)
+    kept = SamplingRow(params, None, (), prompt + output, len(prompt), torch.tensor(prompt))
+    expected = greedy_token(logits[0].tolist(), params, prompt=prompt, output=output)
+    sampler = Sampler(CPU, 0)
+    assert sampler.sample(logits[:1], [kept]).token_ids == [expected]
+    assert sampler.sample(logits, [kept, listed]).token_ids[0] == expected
