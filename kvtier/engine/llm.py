@@ -11,6 +11,7 @@ from kvtier.config import EngineConfig
 from kvtier.connector.config import KVTransferConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.outputs import RequestOutput
+from kvtier.models.generation_config import load_sampling_defaults
 from kvtier.sampling_params import SamplingParams
 
 # A text prompt, or {"prompt_token_ids": [...]} (optionally with "prompt" for display).
@@ -49,6 +50,12 @@ class LLM:
     def _start(self, config: EngineConfig) -> None:
         self.engine = Engine(config)
         self._ids = itertools.count()
+        # What generate() samples with when given no parameters: SamplingParams' defaults, less
+        # what the model's generation_config.json sets (as vLLM's LLM does).
+        self._sampling_defaults = load_sampling_defaults("auto", config.model.model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return SamplingParams(**self._sampling_defaults)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -59,6 +66,8 @@ class LLM:
         """Outputs in the order of `prompts`, each finished."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _per_prompt(sampling_params, len(prompts))
         request_ids: list[str] = []
         try:
@@ -114,10 +123,8 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+def _per_prompt(params: SamplingParams | Sequence[SamplingParams],
                 count: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(count)]
     if isinstance(params, SamplingParams):
         return [params] * count
     if len(params) != count:

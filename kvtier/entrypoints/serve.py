@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.engine.kv_events import KVEventsConfig, make_event_publisher
     from kvtier.entrypoints.openai.app import build_app
     from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
-    from kvtier.entrypoints.openai.sampling import load_sampling_defaults
+    from kvtier.models.generation_config import load_sampling_defaults
 
     events_config = None
     if args.kv_events_config is not None:

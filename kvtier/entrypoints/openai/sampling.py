@@ -7,9 +7,7 @@ not implement, so nothing is silently ignored. Each refusal names the request fi
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from collections.abc import Mapping
 
@@ -27,11 +25,10 @@ MAX_CHOICES = 128
 MAX_LOGPROBS = 20
 _SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 _FIELD_IN_MESSAGE = re.compile(r"SamplingParams\.(\w+)")
-# Sampling fields a request may leave unset, and what they are then without a generation config.
+# Sampling fields a request may leave unset (the generation config's, see
+# kvtier/models/generation_config.py), and what they are without one.
 _FALLBACKS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
               "repetition_penalty": 1.0}
-DEFAULTED_FIELDS = tuple(_FALLBACKS)
-GENERATION_CONFIG = "generation_config.json"
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                  "repetition_penalty")
 # logit_bias values are clamped to +-this.
@@ -120,45 +117,6 @@ def _check_logprobs(value: int | None, param: str) -> None:
     if value is not None and not 0 <= value <= MAX_LOGPROBS:
         raise BadRequestError(f"{param} must be in [0, {MAX_LOGPROBS}], got {value}",
                               param=param, code="invalid_value")
-
-
-def load_sampling_defaults(source: str, model_path: str | None) -> dict[str, float]:
-    """The sampling defaults a request that leaves those fields unset gets, vLLM's way
-    (--generation-config): "auto" reads the model directory's generation_config.json (a
-    model without one, a GGUF file, gives none), "vllm" takes none, and any other value is a
-    directory holding a generation_config.json. Only DEFAULTED_FIELDS are taken; ValueError
-    names a file whose values are not numbers."""
-    if source == "vllm":
-        return {}
-    if source == "auto":
-        if model_path is None or not os.path.isdir(model_path):
-            return {}
-        path = os.path.join(model_path, GENERATION_CONFIG)
-        if not os.path.isfile(path):
-            return {}
-    else:
-        path = os.path.join(source, GENERATION_CONFIG)
-        if not os.path.isfile(path):
-            raise ValueError(f"--generation-config {source}: no {GENERATION_CONFIG} there; give "
-                             "a directory that holds one, 'auto' (the model's) or 'vllm' (none)")
-    try:
-        with open(path) as f:
-            config = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: not readable as JSON ({exc})") from exc
-    defaults = {}
-    for name in DEFAULTED_FIELDS:
-        value = config.get(name) if isinstance(config, dict) else None
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{path}: {name} must be a number, got {value!r}")
-        defaults[name] = value
-    try:
-        SamplingParams(**defaults)
-    except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
-    return defaults
 
 
 def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
