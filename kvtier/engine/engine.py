@@ -135,7 +135,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", list(params.logit_bias or ()))):
-            bad = next((t for t in ids if t >= vocab), None)
+            bad = first_outside(ids, vocab)
             if bad is not None:
                 raise ValueError(f"SamplingParams.{name} holds token id {bad}, outside the "
                                  f"vocabulary [0, {vocab})")

@@ -11,6 +11,7 @@ import math
 import re
 from collections.abc import Mapping
 
+from kvtier.common.token_ids import first_outside
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -75,7 +76,7 @@ def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
     would fail the sampling step of every request batched with it."""
     for param, ids in (("stop_token_ids", request.stop_token_ids or ()),
                        ("logit_bias", logit_bias(request) or ())):
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        bad = first_outside(list(ids), vocab_size)
         if bad is not None:
             raise BadRequestError(f"{param} holds token id {bad}, outside the vocabulary "
                                   f"[0, {vocab_size})", param=param, code="invalid_value")
