@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvtier.common.huge_pages import advise_huge_pages
 from kvtier.kv import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -81,5 +82,16 @@ def allocate_kv_caches(config: KVCacheConfig, *, layer_names: Sequence[str], dty
         else:
             # (K|V, num_blocks, block_size, num_kv_heads, head_dim)
             shape = (2, config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        caches.append(torch.zeros(shape, dtype=dtype, device=device))
+        caches.append(_zeros(shape, dtype, device))
     return caches
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """torch.zeros; on the CPU, on transparent huge pages where the OS gives them (asked for
+    before the zeroing faults the pages in): loads and stores copy pages in and out of scattered
+    blocks, which 4 KB pages slow down in a large cache (kvtier.common.huge_pages)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    tensor = torch.empty(shape, dtype=dtype)
+    advise_huge_pages(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+    return tensor.zero_()
