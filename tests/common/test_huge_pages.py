@@ -9,7 +9,8 @@ import torch
 from kvtier.common.huge_pages import HUGE_PAGE_BYTES, advise_huge_pages
 from kvtier.kv import KVCacheConfig
 from kvtier.worker.kv_cache import allocate_kv_caches, build_kv_cache_groups
-from tests.worker.test_kv_cache import model_config
+
+from ..worker.test_kv_cache import model_config
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 needs_thp = pytest.mark.skipif(

@@ -148,7 +148,7 @@ inline void score_rows(const uint32_t* const* qr, int64_t n, const uint32_t* kp,
 // The tiles walk their keys kKeyChunkPages pages (kKeyChunk keys) at a time. 128 keys: a KV
 // head's K and V of one chunk (32 KB at head dim 64) stay in a 48 KB L1 while every row of the
 // tile reads them; with 256 keys, on the Zen 5 VM of docs/benchmarks.md, a 2,048-token prompt
-// ran at 564-593 GFLOP/s against 639-698 (64 keys: 639-656), runs alternated.
+// ran at 564-593 GFLOP/s against 644-698 (64 keys: 639-656), runs alternated.
 constexpr int64_t kKeyChunkPages = 8, kKeyChunk = kKeyChunkPages * 16;
 
 // What a part of a tile's keys leaves for merge_parts_bf16 (see TileParts): per row, its fp32
