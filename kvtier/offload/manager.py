@@ -1,19 +1,22 @@
 """The tiering manager: the host tier in front of the secondary tiers.
 
-Host-centric: every chunk enters through the host area and leaves through it. A chunk from the
-device is pushed to the secondary tiers (the cascade), each by its own policies (TierSpec): a
-write_through tier gets it as soon as its device->host store completes; a write_back tier only
-once the host tier runs short of clean slots (the oldest dirty chunks first) or at
-`write_back_all` (shutdown). A tier with `admit_after_hits` N takes a chunk only once it has been
-loaded from host memory N times (a write_through tier at that N-th load), and a tier with
-`max_pending_stores` stores in flight gets no new store: it is dropped and counted, so a slow
-tier never holds host slots.
+Host-centric: every chunk enters through the host area and, but for the loads straight from a
+mapped file below, leaves through it. A chunk from the device is pushed to the secondary tiers
+(the cascade), each by its own policies (TierSpec): a write_through tier gets it as soon as its
+device->host store completes; a write_back tier only once the host tier runs short of clean
+slots (the oldest dirty chunks first) or at `write_back_all` (shutdown). A tier with
+`admit_after_hits` N takes a chunk only once it has been loaded from host memory N times (a
+write_through tier at that N-th load), and a tier with `max_pending_stores` stores in flight
+gets no new store: it is dropped and counted, so a slow tier never holds host slots.
 A lookup that misses the host asks the secondary tiers in order; the first that has the chunk
 promotes it into the host asynchronously and the answer is RETRY, so the scheduler asks again
-next step instead of waiting. Everything here runs on the engine thread; tiers do their I/O on
-their own threads and report through `get_finished_jobs`, drained by `poll`, and a tier built on
-ThreadedTier also tells the promotion watch as each job ends (`TierContext.on_job_end`), so an
-engine with nothing else to do sleeps until a waiting request's promotions are in.
+next step instead of waiting; a tier that can hand the chunk over from a file mapped into the
+process (checked, and in memory: the disk tier) answers MAPPED instead, and the chunk is loaded
+into the device from there in the step that admits the request, with no promotion. Everything
+here runs on the engine thread; tiers do their I/O on their own threads and report through
+`get_finished_jobs`, drained by `poll`, and a tier built on ThreadedTier also tells the
+promotion watch as each job ends (`TierContext.on_job_end`), so an engine with nothing else to
+do sleeps until a waiting request's promotions are in.
 
 Failures never propagate: a tier that raises, reports a failed job or misses its deadline costs a
 counted error, and a chunk that failed to come back from a tier is not asked of that tier again
@@ -42,9 +45,11 @@ from kvtier.offload.keys import ChunkKey
 from kvtier.offload.metrics import OffloadMetrics
 from kvtier.offload.policies import make_policy
 from kvtier.offload.promotion_watch import PromotionWatch
+from kvtier.offload.tier_queries import TierQueries
 from kvtier.offload.tiers.base import (
     JobResult,
     LookupResult,
+    MappedChunk,
     SecondaryTier,
     TierContext,
     TransferJob,
@@ -59,15 +64,12 @@ from kvtier.offload.tiers.registry import create_tier
 WRITE_BACK_RESERVE = 0.1
 # How often `flush` polls the tiers.
 _FLUSH_POLL_S = 0.002
-# A tier whose load of a chunk failed is not asked for that chunk again for this long: a damaged
-# chunk costs one failed read a minute at most, and a chunk that failed while its store or peer
-# was down is found again once it is back (a p2p tier never stores, so no later store of the
-# chunk would clear the failure).
-FAILED_LOAD_RETRY_S = 60.0
 
 
 class Lookup(enum.Enum):
     HIT = "hit"  # in host memory now
+    # Checked and in memory in a tier's mapped file: loaded from there now (`pin_mapped`)
+    MAPPED = "mapped"
     MISS = "miss"
     RETRY = "retry"  # on its way into host memory; ask again next step
 
@@ -118,10 +120,7 @@ class TieringManager:
         # Inside `promotions()`: the loads its lookups started, per tier, not yet submitted.
         self._held_loads: dict[int, list[TransferJob]] | None = None
         remembered = 16 * self.area.num_slots  # chunks each of these remembers at most
-        # (tier index, key) -> when its load failed
-        self._failed: BoundedDict[tuple[int, ChunkKey], float] = BoundedDict(remembered)
-        # (tier index, key) pairs whose tier answered UNKNOWN to a counted query
-        self._undecided: BoundedDict[tuple[int, ChunkKey], None] = BoundedDict(remembered)
+        self.queries = TierQueries(self.tiers, self.metrics, clock, remembered)
         # Requests seen per chunk, for store_threshold.
         self._uses: BoundedDict[ChunkKey, int] = BoundedDict(remembered)
         # Loads from host memory into the device per chunk, for admit_after_hits.
@@ -147,11 +146,13 @@ class TieringManager:
             return Lookup.RETRY
         if key in self.host.entries:
             return Lookup.MISS  # arriving from the device; its blocks are still there
-        for index, tier in enumerate(self.tiers):
-            answer = self._ask_tier(index, tier, key, req_context, record)
+        for index in range(len(self.tiers)):
+            answer = self.queries.ask(index, key, req_context, record)
             if answer is LookupResult.UNKNOWN:
                 return Lookup.RETRY
             if answer is LookupResult.FOUND:
+                if self.queries.can_map(index, key, num_bytes):
+                    return Lookup.MAPPED
                 # Promoting, or every host slot is busy for now: ask again later (a MISS would
                 # recompute what the tier holds). A failed submit marks the tier failed for
                 # this key, so the next ask goes on to the tiers below.
@@ -188,31 +189,13 @@ class TieringManager:
                 jobs.append(job_id)
         return jobs
 
-    def _ask_tier(self, index: int, tier: SecondaryTier, key: ChunkKey,
-                  req_context: Any, record: bool) -> LookupResult:
-        failed_at = self._failed.get((index, key))
-        if failed_at is not None:
-            if self._clock() - failed_at < FAILED_LOAD_RETRY_S:
-                return LookupResult.NOT_FOUND
-            del self._failed[(index, key)]
-        start = self._clock()
-        try:
-            answer = tier.lookup(key, req_context)
-        except Exception:  # a broken tier is a miss, never a crash
-            self.metrics.error(self.tier_names[index])
-            return LookupResult.NOT_FOUND
-        # A query counts once, with its final answer: a tier that answered UNKNOWN (a remote
-        # check in flight) is asked again with record=False, and that answer is the one counted.
-        if answer is LookupResult.UNKNOWN:
-            if record:
-                self._undecided[(index, key)] = None
-            return answer
-        if self._undecided.pop((index, key), False) is None:
-            record = True
-        if record:
-            self.metrics.lookup(self.tier_names[index], answer is LookupResult.FOUND,
-                                self._clock() - start)
-        return answer
+    def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
+        """Pin `key` (MAPPED) in a tier's mapped file for a load, or None (gone since)."""
+        return self.queries.pin_mapped(key, num_bytes)
+
+    def release_mapped(self, chunk: MappedChunk) -> None:
+        """The load of a pinned chunk into the device ended."""
+        self.queries.release_mapped(chunk)
 
     def _promote(self, index: int, key: ChunkKey, num_bytes: int) -> None:
         """Start copying `key` up from tier `index`, unless no host slot is free right now."""
@@ -241,7 +224,7 @@ class TieringManager:
         self._promoting.pop(key, None)
         self.host.complete_store(key, ok)
         if not ok:
-            self._mark_failed(index, key)
+            self.queries.mark_failed(index, key)
 
     # ---- device <-> host (two-phase; the connector moves the bytes) ------------------------
 
@@ -383,7 +366,7 @@ class TieringManager:
             self.host.complete_load(job.key)
             self._pending_stores[job.tier] -= 1
             if ok:
-                self._failed.pop((job.tier, job.key), None)
+                self.queries.mark_stored(job.tier, job.key)
         if ok:
             source, destination = (name, HOST) if job.kind == "promote" else (HOST, name)
             self._events.append(TierMoveEvent(job.key, source, destination,
@@ -406,10 +389,7 @@ class TieringManager:
             if job.kind == "promote":
                 self.watch.ended(job_id)
                 self._promoting.pop(job.key, None)
-                self._mark_failed(job.tier, job.key)
-
-    def _mark_failed(self, index: int, key: ChunkKey) -> None:
-        self._failed[(index, key)] = self._clock()
+                self.queries.mark_failed(job.tier, job.key)
 
     # ---- events, stats, shutdown ----------------------------------------------------------
 

@@ -11,7 +11,8 @@ attention pairs (each token attends to the context and to the chunk up to itself
 makes long prompts slower than their length alone says. A decoding sequence reads its whole
 context once a step. A prefix loaded from a tier costs its bytes times that tier's
 `load_s_per_byte` (a chunk on disk is read into host memory and then copied to the device: both
-costs). A chunk stored to a tier (the device's copy into host memory, host memory's write to a
+costs; the disk tier's loads straight from the page cache cost less, which the plan does not
+count). A chunk stored to a tier (the device's copy into host memory, host memory's write to a
 secondary tier) costs its bytes times that tier's `store_s_per_byte`, charged to the step that
 computed it: the stores run on threads beside the steps, and on a machine without spare cores
 they take the steps' time. Serving adds `server_s_per_step` to every step and

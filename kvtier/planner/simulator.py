@@ -201,6 +201,8 @@ class Simulation:
         kv.status = RequestStatus.RUNNING
         kv.num_computed_tokens = num_device + num_external
         request.num_prefilled = num_device + num_external
+        if pinned:  # what it loads is in memory already (host, a mapped file): not stored
+            request.num_stored_chunks = max(request.num_stored_chunks, first_chunk + len(pinned))
         return self._count_hits(request, num_device, num_external, pinned)
 
     def _offloaded_chunks(self, request: SimRequest, num_device: int) -> list[tuple[Any, int]]:

@@ -8,7 +8,10 @@ as their own indexes are), over a slot count instead of a buffer. The manager's 
 followed: stores only once a chunk was used `store_threshold` times, write-through tiers get a
 chunk when host memory does (from its `admit_after_hits`-th host load, if set), write-back tiers
 when host memory evicts it, and a chunk found on a secondary tier is promoted into host memory
-before it is loaded. Transfers are instantaneous here; their time is the cost model's.
+before it is loaded, but for one the disk tier loads straight from its mapped file
+(`direct_loads`): the engine does that when the chunk's pages are in the page cache, which the
+plan takes them to be (what a plan cannot see: the page cache of a disk tier larger than memory).
+Transfers are instantaneous here; their time is the cost model's.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ class SimTier:
     capacity_bytes: int | None
     write_back: bool = False
     admit_after_hits: int = 0
+    # Loads its chunks into the device straight from a mapped file: no promotion into host.
+    maps: bool = False
 
 
 class SimulatedOffload:
@@ -75,6 +80,7 @@ class SimulatedOffload:
         tier = _tier(spec.name, spec.type, budget, self._slot_bytes(spec.type), "lru",
                      self.chunk_bytes)
         tier.write_back, tier.admit_after_hits = write_back, spec.admit_after_hits
+        tier.maps = getattr(spec.options, "direct_loads", False)
         return tier
 
     def _slot_bytes(self, kind: str) -> int:
@@ -106,9 +112,11 @@ class SimulatedOffload:
                 host.prepare_load(key, count_use=False)
         pinned = []
         for key, level in found:
-            if level > 0 and not self._promote(key, level):
+            if level > 0 and self.tiers[level - 1].maps:
+                self.tiers[level - 1].cache.prepare_load(key)  # pinned in the file
+            elif level > 0 and not self._promote(key, level):
                 break
-            if level > 0:
+            elif level > 0:
                 host.prepare_load(key, count_use=False)
             pinned.append((key, level))
         for key, level in found[len(pinned):]:
@@ -127,7 +135,10 @@ class SimulatedOffload:
         """End the loads of pinned chunks; `loaded`: the request used them (a host hit each,
         which may admit them to write-through tiers with admit_after_hits)."""
         host = self.host.cache
-        for key, _ in pinned:
+        for key, level in pinned:
+            if level > 0 and self.tiers[level - 1].maps:
+                self.tiers[level - 1].cache.complete_load(key)  # no host hit
+                continue
             host.complete_load(key)
             if not loaded:
                 continue

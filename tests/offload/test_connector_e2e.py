@@ -1,6 +1,7 @@
 """OffloadingConnector end to end: a tiny random Llama whose device KV cache is too small for
 the working set, checked token for token against HF transformers (fp32, greedy)."""
 
+import itertools
 import json
 import os
 import subprocess
@@ -104,24 +105,86 @@ def test_a_host_hit_takes_as_many_steps_as_a_device_hit(model):
         llm.engine.shutdown()
 
 
+def _disk_tier_config(directory, **options):
+    tier = {"type": "disk", "root_dir": str(directory), "max_bytes": 64 * 2**20, **options}
+    return {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 2**20,
+        "secondary_tiers": [tier]}}
+
+
+def _disk_maps(llm):
+    return llm.engine.scheduler.connector.manager.tiers[0]._mapping is not None
+
+
+def _restarted_on_disk(model_dir, prompt, directory, **options):
+    """An engine on a disk tier a first engine wrote `prompt`'s chunks to, its start-up check
+    done."""
+    first = _llm(model_dir, kv_transfer_config=_disk_tier_config(directory, **options))
+    try:
+        _generate(first, [prompt])
+        _wait_for_cascade(first)
+    finally:
+        first.engine.shutdown()
+    llm = _llm(model_dir, kv_transfer_config=_disk_tier_config(directory, **options))
+    checker = llm.engine.scheduler.connector.manager.tiers[0]._checker
+    if checker is not None:
+        checker.join(10)
+    return llm
+
+
 def test_a_disk_hit_takes_one_step_more_than_a_device_hit(model, tmp_path, monkeypatch):
     """The step that finds the chunks on disk starts their promotions and, with nothing else to
     compute, sleeps until they are in host memory; the next step takes them and admits."""
     model_dir, prompts, expected = model
     # An idle step's wait far longer than the promotions: only their end ends it.
     monkeypatch.setattr(engine_module, "IDLE_STEP_WAIT_S", 60.0)
-    first = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path}:64MiB")
-    try:
-        _generate(first, prompts[:1])
-        _wait_for_cascade(first)
-    finally:
-        first.engine.shutdown()
-    llm = _llm(model_dir, kv_offload=f"host=1MiB,disk={tmp_path}:64MiB")  # a restart
+    llm = _restarted_on_disk(model_dir, prompts[0], tmp_path, direct_loads=False)
     try:
         assert _steps_to_first_token(llm, "disk", prompts[0]) == 2
         assert _tier(llm.get_metrics(), "hits", "disk") == 7
         assert _steps_to_first_token(llm, "device", prompts[0]) == 1
         assert _generate(llm, prompts[:1])[0] == expected[:1]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_checked_disk_hit_in_memory_loads_from_the_file_in_one_step(model, tmp_path):
+    """After a restart on a warm page cache the disk tier's checked chunks are loaded straight
+    from its mapped file in the step that admits the request, as a host hit is."""
+    model_dir, prompts, expected = model
+    llm = _restarted_on_disk(model_dir, prompts[0], tmp_path)
+    try:
+        if not _disk_maps(llm):
+            pytest.skip("no file mapping with residency checks here")
+        assert _steps_to_first_token(llm, "disk", prompts[0]) == 1
+        metrics = llm.get_metrics()
+        assert _tier(metrics, "hits", "disk") == 7
+        assert _bytes(metrics, "disk_to_device") == 7 * CHUNK_BYTES
+        assert _bytes(metrics, "host_to_device") == _bytes(metrics, "disk_to_host") == 0
+        assert _generate(llm, prompts[:1])[0] == expected[:1]
+        assert not llm.engine.scheduler.connector.manager.tiers[0]._readers_of  # released
+        llm.engine.check_invariants()
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_mapped_chunk_gone_from_memory_before_its_copy_is_recomputed(model, tmp_path,
+                                                                       monkeypatch):
+    model_dir, prompts, expected = model
+    llm = _restarted_on_disk(model_dir, prompts[0], tmp_path)
+    try:
+        tier = llm.engine.scheduler.connector.manager.tiers[0]
+        if tier._mapping is None:
+            pytest.skip("no file mapping with residency checks here")
+        # In memory when looked up (7 chunks), gone by the worker's check before the copy.
+        checks = itertools.count()
+        monkeypatch.setattr(tier._mapping, "is_resident", lambda *_: next(checks) < 7)
+        assert _generate(llm, prompts[:1])[0] == expected[:1]
+        metrics = llm.get_metrics()
+        assert _bytes(metrics, "disk_to_device") == 0
+        assert _tier(metrics, "errors", "disk") == 1  # one failed batch
+        assert not tier._readers_of
+        llm.engine.check_invariants()
     finally:
         llm.engine.shutdown()
 
@@ -158,7 +221,10 @@ def test_evicted_from_host_reloads_from_disk(model, tmp_path, tier):
         # still protected by an in-flight store; it is then asked again, so under load the
         # counts may exceed 14 (timing), never fall short.
         assert _tier(metrics, "hits", tier) >= 14
-        assert _bytes(metrics, f"{tier}_to_host") >= 14 * CHUNK_BYTES
+        # The disk tier's chunks, stored by this process and in the page cache, go straight
+        # from its mapped file into the device; the fs tier's through host memory.
+        moved = f"{tier}_to_device" if tier == "disk" and _disk_maps(llm) else f"{tier}_to_host"
+        assert _bytes(metrics, moved) >= 14 * CHUNK_BYTES
         assert _tier(metrics, "errors", tier) == 0
     finally:
         llm.engine.shutdown()

@@ -10,6 +10,8 @@ from kvtier.connector.offloading.transfer import ChunkCopier
 from kvtier.models import cpu_kernels
 from kvtier.offload.host_area import HostArea
 from kvtier.offload.layout import ChunkLayout
+from kvtier.offload.tiers.base import MappedChunk
+from kvtier.offload.tiers.slot_file import MappedFile
 
 NUM_BLOCKS, BLOCK, HEADS, HEAD_DIM, LAYERS, PER_CHUNK = 6, 4, 2, 3, 2, 2
 
@@ -175,3 +177,28 @@ def test_state_pages_of_a_second_group_round_trip_in_one_piece(use_numpy):
     for layer in range(3):
         assert torch.equal(states[layer][0, 2], before[layer][0, 4])
         assert torch.equal(states[layer][0, :2], before[layer][0, :2])
+
+
+@pytest.mark.parametrize("path", ["kernel", "numpy", "torch"])
+def test_loads_from_a_mapped_file_write_what_host_loads_write(tmp_path, path):
+    """A load straight from a tier's mapped file (MappedChunk) and one from a host slot holding
+    the same bytes fill the blocks alike, in the same call."""
+    if path == "kernel" and cpu_kernels.ops() is None:
+        pytest.skip("the C++ CPU kernels are not built")
+    caches, layout, area, copier = _setup(torch.bfloat16, use_numpy=path != "torch",
+                                          use_kernel={"kernel": True}.get(path, False))
+    copier.device_to_host([_transfer(0, [0, 1], [1, 2])])
+    path_of_file = tmp_path / "slots"
+    path_of_file.write_bytes(bytes(4096) + area.slot_array(0)[:layout.chunk_bytes].tobytes())
+    with open(path_of_file, "rb") as f:
+        mapping = MappedFile.open(f.fileno(), 4096 + layout.chunk_bytes)
+    if mapping is None:
+        pytest.skip("no file mapping with residency checks here")
+    mapped = MappedChunk(None, mapping, 4096, layout.chunk_bytes, 0)
+    before = [cache.clone() for cache in caches]
+    loads = [ChunkTransfer(1, "req", 0, None, (0, 1), (4, 5), mapped), _transfer(0, [1], [3])]
+    assert copier.host_to_device(loads) == 3 * layout.block_bytes
+    for layer in range(LAYERS):
+        assert torch.equal(caches[layer][:, 4], before[layer][:, 1])
+        assert torch.equal(caches[layer][:, 5], before[layer][:, 2])
+        assert torch.equal(caches[layer][:, 3], before[layer][:, 2])

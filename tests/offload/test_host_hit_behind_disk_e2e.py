@@ -13,6 +13,7 @@ scheduler to that case with a connector whose loads are asynchronous.)
 import time
 
 from kvtier import LLM, SamplingParams
+from kvtier.offload.config import CONNECTOR_NAME, parse_kv_offload
 
 from ..tiny_models import hf_greedy, make_hf_model, random_prompts
 
@@ -29,9 +30,14 @@ TRANSFER_WAIT_S = 0.5
 
 
 def _llm(model_dir, disk_dir) -> LLM:
+    # The on-disk chunks come up through host memory, so that a request waits for them: loads
+    # straight from the disk tier's mapped file (no wait) are off.
+    extra = parse_kv_offload(f"host=1MiB,disk={disk_dir}:64MiB")
+    extra["secondary_tiers"][0]["direct_loads"] = False
     # 24 usable device blocks: either prompt fits (16 blocks with its output), not both.
     return LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=25, max_num_seqs=2,
-               kv_offload=f"host=1MiB,disk={disk_dir}:64MiB")
+               kv_transfer_config={"kv_connector": CONNECTOR_NAME,
+                                   "kv_connector_extra_config": extra})
 
 
 def _generate(llm: LLM, prompt: list[int]) -> None:

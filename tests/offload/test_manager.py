@@ -5,7 +5,8 @@ import pytest
 
 from kvtier.engine.metrics import MetricsRegistry
 from kvtier.offload.events import TierMoveEvent
-from kvtier.offload.manager import FAILED_LOAD_RETRY_S, Lookup
+from kvtier.offload.manager import Lookup
+from kvtier.offload.tier_queries import FAILED_LOAD_RETRY_S
 from kvtier.offload.tiers.disk import FILE_HEADER_BYTES, slot_stride
 
 from .offload_helpers import (
@@ -270,7 +271,9 @@ def test_write_back_keeps_the_eviction_order(make_manager):
     assert list(manager.host.policy.t1) == [key(1), key(2)] and not manager.host.policy.t2
 
 
-@pytest.mark.parametrize("tier", [{"type": "fs"}, {"type": "disk", "max_bytes": "1MiB"}],
+# Disk: with its loads straight from the mapped file off (a test of those is below).
+@pytest.mark.parametrize("tier", [{"type": "fs"},
+                                  {"type": "disk", "max_bytes": "1MiB", "direct_loads": False}],
                          ids=["fs", "disk"])
 def test_manager_promotes_from_a_file_tier_after_host_eviction(make_manager, tmp_path, tier):
     name = tier["type"]
@@ -286,6 +289,26 @@ def test_manager_promotes_from_a_file_tier_after_host_eviction(make_manager, tmp
     assert stats[f'kvtier:offload_tier_hits_total{{tier="{name}"}}'] == 1
     assert stats[f'kvtier:offload_bytes_total{{direction="host_to_{name}"}}'] == 3 * CHUNK
     assert stats[f'kvtier:offload_bytes_total{{direction="{name}_to_host"}}'] == CHUNK
+
+
+def test_a_chunk_in_the_disk_tiers_mapped_file_is_pinned_for_a_load(make_manager, tmp_path):
+    manager = make_manager(offload_config(2, [{"type": "disk", "max_bytes": "1MiB",
+                                               "root_dir": str(tmp_path)}]))
+    if manager.tiers[0]._mapping is None:
+        pytest.skip("no file mapping with residency checks here")
+    for n in (1, 2, 3):  # 3 evicts 1 from the two host slots; 1 lives on in the disk tier
+        store_from_device(manager, n)
+        drain(manager)
+    assert manager.lookup(key(1), CHUNK) is Lookup.MAPPED  # no promotion: loadable now
+    assert manager.num_jobs_in_flight() == 0
+    chunk = manager.pin_mapped(key(1), CHUNK)
+    assert bytes(chunk.mapping.array[chunk.offset:chunk.offset + CHUNK]) == chunk_bytes(1)
+    assert manager.tiers[0]._readers_of == {chunk.pin: 1}
+    manager.release_mapped(chunk)
+    assert not manager.tiers[0]._readers_of and manager.pin_mapped(key(9), CHUNK) is None
+    stats = manager.metrics.snapshot()
+    assert stats['kvtier:offload_tier_hits_total{tier="disk"}'] == 1
+    assert stats.get('kvtier:offload_bytes_total{direction="disk_to_host"}', 0) == 0
 
 
 def test_a_disk_tier_overwriting_a_chunk_is_an_eviction_event(make_manager, tmp_path):

@@ -91,7 +91,9 @@ def test_interrupt_ends_the_wait_under_way_and_the_next_one():
     assert timed_wait(watch, timeout_s=0.05) >= 0.05  # consumed: the next wait is a wait
 
 
-@pytest.mark.parametrize("tier", [{"type": "fs"}, {"type": "disk", "max_bytes": "1MiB"}],
+# Disk: with its loads straight from the mapped file off (they need no promotion).
+@pytest.mark.parametrize("tier", [{"type": "fs"},
+                                  {"type": "disk", "max_bytes": "1MiB", "direct_loads": False}],
                          ids=["fs", "disk"])
 def test_a_file_tier_tells_the_watch_as_each_promotion_ends(make_manager, tmp_path, tier):
     manager = make_manager(offload_config(2, [{**tier, "root_dir": str(tmp_path)}]))

@@ -13,7 +13,7 @@ from kvtier.config import EngineConfig
 from kvtier.entrypoints.bench import EngineTarget
 from kvtier.entrypoints.bench.trace import TraceScaling
 from kvtier.entrypoints.bench.trace_runner import TraceReplayConfig, run_trace
-from kvtier.offload.config import OffloadConfig, parse_kv_offload
+from kvtier.offload.config import CONNECTOR_NAME, OffloadConfig, parse_kv_offload
 from kvtier.planner.model_kv import model_kv
 from kvtier.planner.plan import PlanConfig, run_plan
 from kvtier.planner.simulator import SchedulerLimits
@@ -38,9 +38,20 @@ def model_dir(tmp_path_factory):
     return str(directory)
 
 
+def _offload_extra(kv_offload: str) -> dict:
+    # The planner stores the chunks of prompts only (a trace names no output tokens), so the
+    # engine does too: with a disk tier that loads straight from its file, a chunk output
+    # tokens filled would take a host slot the plan keeps for a prompt's.
+    return {**parse_kv_offload(kv_offload), "offload_prompt_only": True}
+
+
 def _replay(model_dir: str, num_device_blocks: int, kv_offload: str | None) -> dict:
+    transfer = None if kv_offload is None else {"kv_connector": CONNECTOR_NAME,
+                                                "kv_connector_extra_config":
+                                                    _offload_extra(kv_offload)}
     engine = EngineConfig.create(model=model_dir, dtype="float32", block_size=BLOCK_SIZE,
-                                 num_device_blocks=num_device_blocks, kv_offload=kv_offload)
+                                 num_device_blocks=num_device_blocks,
+                                 kv_transfer_config=transfer)
     target = EngineTarget(engine, api="completions", request_timeout_s=60, run_timeout_s=120)
     config = TraceReplayConfig(TRACE, SCALING, max_concurrency=1)
     report = asyncio.run(run_trace(config, target, show_progress=False))
@@ -51,7 +62,7 @@ def _replay(model_dir: str, num_device_blocks: int, kv_offload: str | None) -> d
 def _plan(model_dir: str, num_device_blocks: int, kv_offload: str | None) -> dict:
     model = model_kv(model_dir, BLOCK_SIZE, "float32")
     offload = (None if kv_offload is None
-               else OffloadConfig.from_extra_config(parse_kv_offload(kv_offload)))
+               else OffloadConfig.from_extra_config(_offload_extra(kv_offload)))
     # One at a time, as the replay sends them; no cost model: hits only.
     config = PlanConfig(TRACE, model, num_device_blocks * model.bytes_per_block, offload,
                         scaling=SCALING, limits=SchedulerLimits(max_num_seqs=1))

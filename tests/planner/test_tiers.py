@@ -6,9 +6,10 @@ from kvtier.planner.tiers import SimulatedOffload
 CHUNK = 4096  # the disk tier's slot: a page of header and one page of chunk
 
 
-def _offload(flag_extra: dict) -> SimulatedOffload:
+def _offload(flag_extra: dict, direct_loads: bool = True) -> SimulatedOffload:
     raw = {"cpu_bytes_to_use": 2 * CHUNK, "secondary_tiers": [
-        {"type": "disk", "root_dir": "/nonexistent", "max_bytes": 3 * 2 * CHUNK + 4096}]}
+        {"type": "disk", "root_dir": "/nonexistent", "max_bytes": 3 * 2 * CHUNK + 4096,
+         "direct_loads": direct_loads}]}
     return SimulatedOffload(OffloadConfig.from_extra_config({**raw, **flag_extra}), CHUNK)
 
 
@@ -25,7 +26,7 @@ def test_write_through_keeps_what_host_memory_evicts():
 
 
 def test_pin_promotes_from_disk_and_protects_pinned_chunks():
-    offload = _offload({})
+    offload = _offload({}, direct_loads=False)
     for key in "abc":
         offload.store(key)
     pinned = offload.pin([("b", 0), ("a", 1)])
@@ -33,6 +34,21 @@ def test_pin_promotes_from_disk_and_protects_pinned_chunks():
     offload.release(pinned, loaded=True)
     # Promoting "a" evicted "c", the only host chunk not pinned.
     assert [offload.find(k) for k in "abc"] == [0, 0, 1]
+
+
+def test_a_disk_tier_loading_from_its_file_promotes_nothing():
+    offload = _offload({})
+    for key in "abc":
+        offload.store(key)
+    pinned = offload.pin([("b", 0), ("a", 1)])
+    assert pinned == [("b", 0), ("a", 1)]
+    offload.release(pinned, loaded=True)
+    # "a" went to the device from the disk tier's file: host memory still holds "b" and "c",
+    # and the disk's LRU order saw the use ("b" is its oldest now).
+    assert [offload.find(k) for k in "abc"] == [1, 0, 0]
+    offload.store("d")
+    assert offload.find("b") == 0 and offload.tiers[0].cache.is_ready("a")
+    assert not offload.tiers[0].cache.is_ready("b")
 
 
 def test_write_back_stores_only_what_host_memory_evicts():

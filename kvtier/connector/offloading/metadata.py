@@ -4,11 +4,13 @@ metadata (which chunks to copy) and the worker half's report (which copies finis
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 from kvtier.connector.base import KVConnectorMetadata, KVConnectorReport
+from kvtier.offload.tiers.base import MappedChunk
 
-Direction = Literal["device_to_host", "host_to_device"]
+# "device_to_host", "host_to_device", or "<tier>_to_device": loads straight from a tier's
+# mapped file (MappedChunk).
+Direction = str
 
 
 @dataclass(frozen=True)
@@ -16,8 +18,9 @@ class ChunkTransfer:
     """Copy some blocks of one chunk of one KV cache group between a host slot and the device.
 
     `block_offsets[i]` is the block's place inside the chunk, `block_ids[i]` the device block.
-    A load whose `slot` is None has lost its chunk since the lookup: its blocks are reported as
-    load errors, so the scheduler recomputes them.
+    A load comes from host slot `slot`, or, with `mapped`, straight from a tier's mapped file.
+    A load with neither has lost its chunk since the lookup: its blocks are reported as load
+    errors, so the scheduler recomputes them.
     """
 
     job_id: int
@@ -26,6 +29,7 @@ class ChunkTransfer:
     slot: int | None
     block_offsets: tuple[int, ...]
     block_ids: tuple[int, ...]
+    mapped: MappedChunk | None = None
 
 
 @dataclass

@@ -1,14 +1,14 @@
 """OffloadingConnector, scheduler half: which chunks to load from and store to the host tier.
 
 Lookups walk a waiting request's chunks left to right from its local prefix hit: host hits
-extend the answer, a chunk on its way up from a secondary tier makes the answer None (RETRY: the
-scheduler asks again next step; for at most `tier_job_timeout_s`, then the host's chunks are
-taken as they are), the first miss ends it. An answer therefore only ever counts chunks in host
-memory, and their load is synchronous: the worker copies them before the forward of the step
-that admits the request. Stores are planned every step for the
-chunks that became full, the prompt's and (unless `offload_prompt_only`) those decoding fills,
-which a conversation's next turn starts with; the worker copies them after the forward and the
-cascade to secondary tiers starts when the copy is reported.
+and chunks a tier can hand over from its mapped file (MAPPED) extend the answer, a chunk on its
+way up from a secondary tier makes the answer None (RETRY: the scheduler asks again next step;
+for at most `tier_job_timeout_s`, then the host's chunks are taken as they are), the first miss
+ends it. An answer therefore only counts chunks in memory, and their load is synchronous: the
+worker copies them before the forward of the step that admits the request. Stores are planned
+every step for the chunks that became full, the prompt's and (unless `offload_prompt_only`)
+those decoding fills, which a conversation's next turn starts with; the worker copies them after
+the forward and the cascade to secondary tiers starts when the copy is reported.
 
 Hybrid models: a full-attention group needs every chunk of the hit, a sliding-window group only
 the chunks its window reaches at the end of the hit, a Mamba group only the last one (whose
@@ -40,6 +40,7 @@ from kvtier.offload.config import OffloadConfig
 from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
 from kvtier.offload.keys import ChunkKey, chunk_identity, make_chunk_key
 from kvtier.offload.manager import Lookup, TieringManager
+from kvtier.offload.tiers.base import MappedChunk
 
 _NULL_BLOCK_ID = 0
 # Shutdown's flush waits for the tier jobs' own deadline plus this long.
@@ -64,8 +65,7 @@ class _RequestState:
     """What this half knows about one request, from its first lookup to request_finished."""
 
     request: Any
-    # Device block ids per group, as the scheduler has handed them out so far; None until
-    # the request is first admitted.
+    # Device block ids per group as handed out so far; None until first admitted.
     block_ids: list[list[int]] | None = None
     # Chunks before this one were already planned for storing.
     next_store_chunk: int = 0
@@ -73,8 +73,7 @@ class _RequestState:
     # whole at admission then, the ones decoding fills as they fill.
     num_used_chunks: int = 0
     plan: _Plan | None = None
-    # (group, chunk) pairs looked up: a request re-asks while they are promoted, and the tier
-    # counters count each once.
+    # (group, chunk) pairs looked up (the tier counters count a re-ask while promoted once).
     asked: set[tuple[int, int]] = field(default_factory=set)
     # When a lookup first answered RETRY; None while not waiting for promotions.
     retrying_since: float | None = None
@@ -83,8 +82,7 @@ class _RequestState:
     # The last lookup also answered RETRY for a chunk not on its way up (a tier that cannot
     # tell yet, no host slot free): ask again next step, whatever `promoting` holds.
     rescan: bool = False
-    # Per group, the keys of the request's first chunks, made once: its lookups, loads, stores
-    # and use counts all name the same chunks.
+    # Per group, the request's chunk keys, made once for its lookups, loads, stores and uses.
     keys: dict[int, list[ChunkKey]] = field(default_factory=dict)
 
 
@@ -105,8 +103,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         self._job_ids = itertools.count()
         self._states: dict[str, _RequestState] = {}
         self._pending_loads: list[ChunkTransfer] = []
-        # Copies handed to the worker half and not yet reported: job id -> chunk.
-        self._transfers: dict[int, ChunkKey] = {}
+        # Copies handed to the worker half and not yet reported: job id -> chunk, and what a
+        # load straight from a tier's mapped file pinned.
+        self._transfers: dict[int, tuple[ChunkKey, MappedChunk | None]] = {}
         # Block hashes of the event group's chunks, so tier moves go out named by block hash;
         # None when the engine publishes no events (then no chunk is named, no event made).
         self._event_group = self._scan_groups()[0] if context.kv_events else None
@@ -259,8 +258,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         for g in range(len(self.groups)):
             for chunk in self._needed_chunks(g, start, end):
                 self._plan_load(state, g, chunk, block_ids[g], first_block, end_block)
-        if all(load.slot is not None for load in self._pending_loads[num_planned:]):
-            # What it loads is in host memory: no store to plan for those chunks (an 8k-token
+        if all(load.slot is not None or load.mapped is not None
+               for load in self._pending_loads[num_planned:]):
+            # What it loads is in memory: no store to plan for those chunks (an 8k-token
             # hit's 511 would each be asked for nothing). A chunk that left host memory since
             # the lookup is recomputed, and stored then.
             state.next_store_chunk = max(state.next_store_chunk, end)
@@ -274,11 +274,13 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         key = self._key(state, group_id, chunk)
         # Another request's promotion may have evicted it since this request's lookup.
         slot = self.manager.prepare_load(key) if self.manager.host.is_ready(key) else None
+        mapped = None if slot is not None else self.manager.pin_mapped(
+            key, self.layouts[group_id].chunk_bytes)
         transfer = ChunkTransfer(next(self._job_ids), state.request.request_id, group_id, slot,
-                                 offsets, ids)
+                                 offsets, ids, mapped)
         self._pending_loads.append(transfer)
-        if slot is not None:
-            self._transfers[transfer.job_id] = key
+        if slot is not None or mapped is not None:
+            self._transfers[transfer.job_id] = key, mapped
 
     def _blocks_of_chunk(self, group_id: int, chunk: int, block_ids: list[int],
                          first_block: int,
@@ -370,7 +372,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if slot is None:
             return
         job_id = next(self._job_ids)
-        self._transfers[job_id] = key
+        self._transfers[job_id] = key, None
         stores.append(ChunkTransfer(job_id, state.request.request_id, group_id, slot, offsets,
                                     ids))
 
@@ -389,19 +391,22 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if done.ok:
             self.manager.metrics.transfer(done.direction, done.num_bytes, done.seconds,
                                           done.ended)
-        else:
-            self.manager.metrics.error("host")
+        else:  # a copy from or to the host, or from a tier's mapped file, failed
+            source = done.direction.split("_to_")[0]
+            self.manager.metrics.error("host" if source == "device" else source)
         for job_id in done.job_ids:
-            key = self._transfers.pop(job_id)
+            key, mapped = self._transfers.pop(job_id)
             if done.direction == "device_to_host":
                 self.manager.complete_store(key, done.ok)
+            elif mapped is not None:
+                self.manager.release_mapped(mapped)
             else:
                 self.manager.complete_load(key, done.ok)
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Stores never need the blocks kept: the worker fences them before the next forward.
-        # Its copies in flight are tracked by job, so they end well without it.
+        # Stores never need the blocks kept: the worker fences them before the next forward;
+        # its copies in flight are tracked by job, so they end well without it.
         self._states.pop(request.request_id, None)
         return False, None
 

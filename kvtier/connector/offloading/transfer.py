@@ -6,7 +6,8 @@ state (1, num_blocks, *state shape). Host slot (standard layout, kvtier.offload.
 (blocks_per_chunk, num_layers, page) with page = its parts in order (K then V), each
 contiguous.
 
-Every byte is copied once, straight between the cache and the host area: no staging buffer.
+Every byte is copied once, straight between the cache and the host area (or, for a load from a
+tier's mapped file, straight from that file's pages in memory): no staging buffer.
 A step's blocks are first cut into runs (consecutive device block ids landing on consecutive
 host pages, common since the block pool hands out blocks in order), and each run is one strided
 copy per layer whatever its length. On CPU the copies are numpy assignments between byte views
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -89,7 +90,7 @@ class ChunkCopier:
         """Copy the transfers' device blocks into their host slots; returns bytes copied."""
         num_bytes = 0
         with self._on_copy_stream(after):
-            for group_id, runs in self._runs_by_group(transfers).items():
+            for (group_id, _), runs in self._runs_by_group(transfers).items():
                 if self.use_numpy:
                     self._store_numpy(group_id, runs)
                 else:
@@ -100,47 +101,49 @@ class ChunkCopier:
 
     @torch.inference_mode()
     def host_to_device(self, transfers: Sequence[ChunkTransfer]) -> int:
-        """Copy the transfers' host pages into their device blocks; returns bytes copied."""
+        """Copy the transfers' host (or mapped file) pages into their device blocks; returns
+        bytes copied."""
         num_bytes = 0
         with self._on_copy_stream(None):
-            for group_id, runs in self._runs_by_group(transfers).items():
+            for (group_id, mapping), runs in self._runs_by_group(transfers).items():
+                source = self.host_bytes if mapping is None else mapping.tensor
                 if self.page_loaders[group_id] is not None:
-                    self._load_kernel(group_id, runs)
+                    self._load_kernel(group_id, runs, source)
                 elif self.use_numpy:
-                    self._load_numpy(group_id, runs)
+                    self._load_numpy(group_id, runs, source.numpy())
                 else:
                     for batch in self._batches(group_id, runs):
-                        self._load_torch(group_id, batch)
+                        self._load_torch(group_id, batch, source)
                 num_bytes += _num_blocks(runs) * self.layouts[group_id].block_bytes
         return num_bytes
 
     def _store_numpy(self, group_id: int, runs: list[_Run]) -> None:
         for run in runs:
-            pages = self._host_parts(group_id, run)
+            pages = self._host_parts(group_id, run, self.host_area)
             for layer, cache in enumerate(self.cache_parts[group_id]):
                 pages[:, layer] = cache[run.first_block:run.first_block + run.num_blocks]
 
-    def _load_numpy(self, group_id: int, runs: list[_Run]) -> None:
+    def _load_numpy(self, group_id: int, runs: list[_Run], source: np.ndarray) -> None:
         for run in runs:
-            pages = self._host_parts(group_id, run)
+            pages = self._host_parts(group_id, run, source)
             for layer, cache in enumerate(self.cache_parts[group_id]):
                 cache[run.first_block:run.first_block + run.num_blocks] = pages[:, layer]
 
-    def _load_kernel(self, group_id: int, runs: list[_Run]) -> None:
+    def _load_kernel(self, group_id: int, runs: list[_Run], source: torch.Tensor) -> None:
         block_bytes = self.layouts[group_id].block_bytes
         offsets = [run.host_offset + i * block_bytes for run in runs
                    for i in range(run.num_blocks)]
         load_pages = self.page_loaders[group_id]
-        load_pages(self.host_bytes, torch.tensor(offsets, dtype=torch.int64),
+        load_pages(source, torch.tensor(offsets, dtype=torch.int64),
                    _block_ids(runs, torch.device("cpu")), list(self.group_caches[group_id]))
 
-    def _host_parts(self, group_id: int, run: _Run) -> np.ndarray:
-        """The run's host pages as (num_blocks, num_layers, parts, part bytes)."""
+    def _host_parts(self, group_id: int, run: _Run, buffer: np.ndarray) -> np.ndarray:
+        """The run's host (`buffer`) pages as (num_blocks, num_layers, parts, part bytes)."""
         layout = self.layouts[group_id]
         parts = self.group_caches[group_id][0].shape[0]
         part = layout.page_bytes // parts
         return np.ndarray((run.num_blocks, layout.num_layers, parts, part), dtype=np.uint8,
-                          buffer=self.host_area, offset=run.host_offset,
+                          buffer=buffer, offset=run.host_offset,
                           strides=(layout.block_bytes, layout.page_bytes, part, 1))
 
     def _store_torch(self, group_id: int, runs: list[_Run]) -> None:
@@ -151,10 +154,11 @@ class ChunkCopier:
         pages = pages.permute(2, 0, 1, *range(3, pages.dim())).contiguous()
         start = 0
         for run in runs:
-            self._host_run(group_id, run).copy_(pages[start:start + run.num_blocks])
+            self._host_run(group_id, run, self.host_bytes).copy_(
+                pages[start:start + run.num_blocks])
             start += run.num_blocks
 
-    def _load_torch(self, group_id: int, runs: list[_Run]) -> None:
+    def _load_torch(self, group_id: int, runs: list[_Run], source: torch.Tensor) -> None:
         caches = self.group_caches[group_id]
         ids = _block_ids(runs, caches[0].device)
         # (n, L, parts, *part) on the device, filled run by run from the host
@@ -162,18 +166,19 @@ class ChunkCopier:
                             dtype=caches[0].dtype, device=caches[0].device)
         start = 0
         for run in runs:
-            pages[start:start + run.num_blocks].copy_(self._host_run(group_id, run),
+            pages[start:start + run.num_blocks].copy_(self._host_run(group_id, run, source),
                                                       non_blocking=True)
             start += run.num_blocks
         for layer, cache in enumerate(caches):
             # (n, parts, *part) -> (parts, n, *part), scattered to the block ids
             cache.index_copy_(1, ids, pages[:, layer].transpose(0, 1))
 
-    def _host_run(self, group_id: int, run: _Run) -> torch.Tensor:
-        """The run's host bytes as (num_blocks, num_layers, parts, *part) of the cache dtype."""
+    def _host_run(self, group_id: int, run: _Run, source: torch.Tensor) -> torch.Tensor:
+        """The run's host (`source`) bytes as (num_blocks, num_layers, parts, *part) of the
+        cache dtype."""
         cache = self.group_caches[group_id][0]
         layout = self.layouts[group_id]
-        raw = self.host_bytes[run.host_offset:run.host_offset + run.num_blocks * layout.block_bytes]
+        raw = source[run.host_offset:run.host_offset + run.num_blocks * layout.block_bytes]
         return raw.view(cache.dtype).view(run.num_blocks, layout.num_layers, cache.shape[0],
                                           *cache.shape[2:])
 
@@ -181,13 +186,16 @@ class ChunkCopier:
         block_bytes = self.layouts[group_id].block_bytes
         return _batches(runs, max(1, _GATHER_BYTES // block_bytes), block_bytes)
 
-    def _runs_by_group(self, transfers: Sequence[ChunkTransfer]) -> dict[int, list[_Run]]:
-        """group id -> the transfers' blocks as runs, in transfer order."""
-        runs: dict[int, list[_Run]] = defaultdict(list)
+    def _runs_by_group(self, transfers: Sequence[ChunkTransfer]) -> dict[tuple[int, Any],
+                                                                         list[_Run]]:
+        """(group id, mapped file or None: the host area) -> the transfers' blocks as runs (at
+        byte offsets of that source), in transfer order."""
+        runs: dict[tuple[int, Any], list[_Run]] = defaultdict(list)
         for transfer in transfers:
             block_bytes = self.layouts[transfer.group_id].block_bytes
-            group_runs = runs[transfer.group_id]
-            base = transfer.slot * self.slot_bytes
+            mapped = transfer.mapped
+            group_runs = runs[(transfer.group_id, None if mapped is None else mapped.mapping)]
+            base = transfer.slot * self.slot_bytes if mapped is None else mapped.offset
             for offset, block_id in zip(transfer.block_offsets, transfer.block_ids):
                 host_offset = base + offset * block_bytes
                 last = group_runs[-1] if group_runs else None

@@ -5,15 +5,17 @@ It needs nothing but what the engine hands it: the host area and chunk layouts i
 back to the scheduler half in its `OffloadingConnectorReport`.
 
 Loads (host -> device) are synchronous: the scheduler half plans one only for chunks already in
-host memory, so `start_load_kv` copies them on the engine thread before the forward that reads
-them, and a host hit costs no more scheduler steps than a device hit. A load that cannot happen
-(its chunk left host memory since the lookup) or fails reports its blocks as load errors; the
-scheduler recomputes from there. Stores (device -> host) run on one copy thread, so they overlap
-sampling, scheduling and the next forward's preparation. They read full blocks, which never
-change while allocated; a block can only be reused after its request is freed, so the next
-step's `start_load_kv` first waits (with a deadline) for the previous step's stores. That fence
-is why the scheduler half never has to delay a free until `finished_sending`, and why no store
-runs while a load writes.
+host memory (or pinned in a tier's mapped file), so `start_load_kv` copies them on the engine
+thread before the forward that reads them, and a host hit costs no more scheduler steps than a
+device hit. A mapped chunk is checked to be in memory again right before the copy (see
+offload/tiers/slot_file.py): one that left fails the load, and its request recomputes. A load
+that cannot happen (its chunk left host memory since the lookup) or fails reports its blocks as
+load errors; the scheduler recomputes from there. Stores (device -> host) run on one copy
+thread, so they overlap sampling, scheduling and the next forward's preparation. They read full
+blocks, which never change while allocated; a block can only be reused after its request is
+freed, so the next step's `start_load_kv` first waits (with a deadline) for the previous step's
+stores. That fence is why the scheduler half never has to delay a free until `finished_sending`,
+and why no store runs while a load writes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import defaultdict
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -78,12 +81,18 @@ class OffloadingConnectorWorker(KVConnectorWorker):
 
     def start_load_kv(self, forward_context: Any) -> None:
         self._fence_stores()
-        loads = self.connector_metadata.loads
-        copies = [transfer for transfer in loads if transfer.slot is not None]
-        copied = self._run_loads(copies) if copies else True
-        for transfer in loads:
-            if transfer.slot is None or not copied:
+        batches: dict[Direction, list[ChunkTransfer]] = defaultdict(list)
+        for transfer in self.connector_metadata.loads:
+            if transfer.slot is not None:
+                batches["host_to_device"].append(transfer)
+            elif transfer.mapped is not None:
+                batches[f"{transfer.mapped.owner.context.name}_to_device"].append(transfer)
+            else:
                 self._load_errors.update(transfer.block_ids)
+        for direction, loads in batches.items():
+            if not self._run_loads(direction, loads):
+                for transfer in loads:
+                    self._load_errors.update(transfer.block_ids)
 
     def wait_for_save(self) -> None:
         stores = self.connector_metadata.stores
@@ -116,15 +125,21 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         # the deadline; the last report then carries them to the scheduler half.
         self._copy_thread.shutdown(self._timeout_s)
 
-    def _run_loads(self, loads: list[ChunkTransfer]) -> bool:
-        """Copy every load of one step; False if the copy failed (all its blocks are bad)."""
+    def _run_loads(self, direction: Direction, loads: list[ChunkTransfer]) -> bool:
+        """Copy one step's loads from one source; False if the copy failed (all its blocks are
+        bad)."""
         start, num_bytes = time.monotonic(), 0
         try:
+            for transfer in loads:
+                mapped = transfer.mapped
+                if mapped is not None and not mapped.mapping.is_resident(mapped.offset,
+                                                                         mapped.num_bytes):
+                    raise OSError(f"{direction}: a mapped chunk left memory since its lookup")
             num_bytes = self._copier.host_to_device(loads)
             ok = True
         except Exception:  # a failed copy is a load error; the requests recompute
             ok = False
-        self._report("host_to_device", loads, ok, num_bytes, start)
+        self._report(direction, loads, ok, num_bytes, start)
         return ok
 
     # ---- on the copy thread ----------------------------------------------------------------

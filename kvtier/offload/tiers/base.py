@@ -1,6 +1,7 @@
 """The secondary-tier API: four methods between the tiering manager and a storage back end
-(and two optional ones: `take_evicted`, for KV events, and `submit_loads`, several loads in one
-call).
+(and optional ones: `take_evicted`, for KV events; `submit_loads`, several loads in one call;
+`can_map`, `pin_mapped` and `release_mapped`, for a tier whose chunks sit in a file mapped into
+the process, loaded into the device from there).
 
 A tier never sees device memory. Every job hands it a `memoryview` of one host slot: a store job
 reads the chunk from it, a load job writes the chunk into it. Calls come from the engine thread
@@ -53,6 +54,21 @@ class JobResult:
     # time.monotonic() when that I/O ended, so that jobs running at the same time count their
     # shared seconds once in the busy time; None: when the manager collects the result.
     ended: float | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class MappedChunk:
+    """A chunk a tier holds in a file mapped into the process (`mapping`, a
+    offload/tiers/slot_file.MappedFile), pinned there by `owner` (never overwritten) until
+    `owner.release_mapped(chunk)`. A load copies its `num_bytes` bytes at `offset` of the
+    mapping straight into the device, with no promotion into a host slot."""
+
+    owner: SecondaryTier
+    mapping: Any
+    offset: int
+    num_bytes: int
+    # The owner's handle on what it pinned (the disk tier: the slot).
+    pin: int
 
 
 @dataclass(frozen=True)
@@ -121,6 +137,18 @@ class SecondaryTier(ABC):
 
     @abstractmethod
     def get_finished_jobs(self) -> Iterable[JobResult]: ...
+
+    def can_map(self, key: ChunkKey, num_bytes: int) -> bool:
+        """`key` (FOUND) can be loaded straight from the tier's mapped file now: checked and in
+        memory. This default: never."""
+        return False
+
+    def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
+        """Pin `key` in the mapped file for a load, or None if it can no longer be."""
+        return None
+
+    def release_mapped(self, chunk: MappedChunk) -> None:
+        """The load of a pinned chunk ended: the tier may overwrite it again."""
 
     def take_evicted(self) -> list[ChunkKey]:
         """Keys this tier dropped to make room since the last call, for KV events; a tier that

@@ -23,6 +23,17 @@ as a tier error. A slot whose header, key, length, checksum or MAC does not matc
 never data: a store torn by a crash fails its checksum at load and the slot is reused. A file of
 another stride is started afresh.
 
+Loads straight from the page cache: the file is also mapped read-only into the process
+(slot_file.MappedFile). A chunk whose payload this process has checked (it stored the slot, read
+it through a checked load, or checked it at start-up) and whose pages are all in memory is
+loaded into the device from the mapping in the step that admits its request, as a host hit is,
+instead of being promoted into a host slot first and loaded a step later (`can_map`,
+`pin_mapped`). Its checksum is not computed again on the way: the file is this instance's alone
+(locked), so its bytes change only by this tier's own stores, which take the slot out of the
+checked ones first. At start-up a thread checks the indexed slots whose pages are in memory, the
+most recently stored first, so that a restart on a warm page cache loads this way at once. Off
+with `direct_loads=False`, and with a chunk secret (every load then checks its chunk's MAC).
+
 The root directory is resolved once at start-up (a symlink to a real directory is normal) and
 the slot file is opened without following a symlink: one planted in its place is refused, never
 truncated or grown. The file is created 0600 in a 0700 directory.
@@ -30,16 +41,13 @@ truncated or grown. The file is created 0600 in a 0700 directory.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import itertools
 import logging
+import math
 import os
-import stat
 import struct
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -57,9 +65,18 @@ from kvtier.offload.chunk_format import (
     write_description,
 )
 from kvtier.offload.keys import ChunkKey
-from kvtier.offload.safe_dir import DIR_MODE, FILE_MODE
-from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
-from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
+from kvtier.offload.safe_dir import DIR_MODE
+from kvtier.offload.tiers.base import LookupResult, MappedChunk, TierContext, TransferJob
+from kvtier.offload.tiers.slot_file import (
+    DiskTierError,
+    DiskTierInUseError,
+    DiskTierSetupError,
+    MappedFile,
+    open_locked,
+    pread_all,
+    pwrite_all,
+)
+from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options, lower_priority
 
 logger = logging.getLogger(__name__)
 
@@ -71,18 +88,11 @@ _PAGE = 4096  # the file header and each slot header take one page; payloads sta
 _SEQUENCE_AT = _PAGE - _SEQUENCE.size
 _MAX_KEY_BYTES = _SEQUENCE_AT - HEADER_BYTES - MAC_BYTES
 _SUFFIX = ".kvslots"
+# Seconds shutdown waits for the start-up check's thread (it stops between two slots).
+_SHUTDOWN_CHECKER_S = 1.0
 
-
-class DiskTierError(Exception):
-    """A slot does not hold the chunk asked for (evicted, damaged, or never stored)."""
-
-
-class DiskTierSetupError(ValueError):
-    """The slot file cannot be opened, locked or reserved at start-up (the message says why)."""
-
-
-class DiskTierInUseError(DiskTierSetupError):
-    """Another process (or tier) holds the slot file."""
+__all__ = ["DiskTier", "DiskTierError", "DiskTierInUseError", "DiskTierOptions",
+           "DiskTierSetupError", "FILE_HEADER_BYTES", "slot_stride"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +104,8 @@ class DiskTierOptions:
     num_write_threads: int = 2
     # Niceness added to the write threads (Linux; elsewhere ignored), see ThreadedTier.
     write_nice: int = 10
+    # Load checked chunks whose pages are in memory straight from the mapped file.
+    direct_loads: bool = True
 
     def __post_init__(self) -> None:
         require(isinstance(self.root_dir, str) and self.root_dir != "", "disk.root_dir",
@@ -101,6 +113,8 @@ class DiskTierOptions:
         object.__setattr__(self, "max_bytes", parse_size(self.max_bytes, "disk.max_bytes"))
         require(self.max_bytes > 0, "disk.max_bytes", "must be > 0", self.max_bytes)
         check_thread_options(self, "disk")
+        require(isinstance(self.direct_loads, bool), "disk.direct_loads", "must be true or "
+                "false", self.direct_loads)
 
 
 # The file's own header; the slots follow it.
@@ -132,7 +146,7 @@ class DiskTier(ThreadedTier):
             raise DiskTierSetupError(f"cannot create the disk tier's directory "
                                      f"{self.root}: {exc.strerror}; choose a writable "
                                      f"directory") from exc
-        self._fd = _open_locked(self.path)
+        self._fd = open_locked(self.path)
         try:
             self._prepare_file()
             entries, num_damaged = self._read_slot_headers(context.namespace)
@@ -140,7 +154,9 @@ class DiskTier(ThreadedTier):
             os.close(self._fd)
             raise
         if num_damaged:
-            _report_damaged(context, self.path, num_damaged)
+            _report_errors(context, f"{num_damaged} slot header(s) in {self.path} are damaged "
+                                    f"(or carry no MAC under a chunk secret); those slots are "
+                                    f"reused", num_damaged)
         if context.description is not None:
             write_description(self.root, context.namespace,
                               {**context.description, "format": f"KVTD/{FORMAT_VERSION} slots of "
@@ -166,6 +182,21 @@ class DiskTier(ThreadedTier):
             "kvtier:offload_disk_evictions", "Chunks overwritten to make room in the disk tier",
             ["tier"]).labels(**labels)
         self._set_used_gauge()
+        self._start_direct_loads(options)
+
+    def _start_direct_loads(self, options: DiskTierOptions) -> None:
+        """Map the file and start checking its resident slots (unless direct loads are off)."""
+        # slot -> payload bytes of the slots this process has checked (or stored)
+        self._checked: dict[int, int] = {}
+        self._mapping = MappedFile.open(self._fd, _PAGE + self.num_slots * self.stride) \
+            if options.direct_loads and self._secret is None else None
+        self._stop = threading.Event()
+        self._checker: threading.Thread | None = None
+        if self._mapping is not None and self._index:
+            self._checker = threading.Thread(target=self._check_resident_slots,
+                                             args=(options.write_nice,), daemon=True,
+                                             name=f"kvtier-{self.context.name}-check")
+            self._checker.start()
 
     def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
         with self._lock:
@@ -177,7 +208,34 @@ class DiskTier(ThreadedTier):
             self._evicted.clear()
         return evicted
 
+    def can_map(self, key: ChunkKey, num_bytes: int) -> bool:
+        if self._mapping is None:
+            return False
+        with self._lock:
+            slot = self._index.get(key)
+            if slot is None or self._checked.get(slot) != num_bytes:
+                return False
+        return self._mapping.is_resident(self._offset(slot) + _PAGE, num_bytes)
+
+    def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
+        if self._mapping is None:
+            return None
+        with self._lock:
+            slot = self._index.get(key)
+            if slot is None or self._checked.get(slot) != num_bytes:
+                return None
+            self._index.move_to_end(key)
+            self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
+        return MappedChunk(self, self._mapping, self._offset(slot) + _PAGE, num_bytes, slot)
+
+    def release_mapped(self, chunk: MappedChunk) -> None:
+        with self._lock:
+            self._unpin(chunk.pin)
+
     def shutdown(self) -> bool:
+        self._stop.set()
+        if self._checker is not None:  # it reads the file: done before the file is closed
+            self._checker.join(_SHUTDOWN_CHECKER_S)
         stopped = super().shutdown()
         # A thread stuck in I/O keeps the file: closed, its number could be reused by another
         # file the stuck write would then land in. The process's exit closes it.
@@ -197,13 +255,16 @@ class DiskTier(ThreadedTier):
                 self._index.move_to_end(job.key)
                 return
             slot = self._take_slot()
+            self._checked.pop(slot, None)
             sequence = next(self._sequence)
         try:
             header = bytearray(_PAGE)
             chunk_header = encode_header(job.key, job.buffer, self._secret)
             header[:len(chunk_header)] = chunk_header
             _SEQUENCE.pack_into(header, _SEQUENCE_AT, sequence)
-            _pwrite_all(self._fd, [header, job.buffer], self._offset(slot))
+            pwrite_all(self._fd, [header, job.buffer], self._offset(slot))
+            if self._mapping is not None:  # map its pages now, not in a later load's step
+                self._mapping.populate(self._offset(slot) + _PAGE, len(job.buffer))
         except BaseException:
             with self._lock:
                 self._free.append(slot)
@@ -213,34 +274,73 @@ class DiskTier(ThreadedTier):
                 self._free.append(slot)
             else:
                 self._index[job.key] = slot
+                self._checked[slot] = len(job.buffer)
             self._set_used_gauge()
 
-    def _load(self, job: TransferJob) -> None:
+    def _load(self, job: TransferJob, touch: bool = True) -> None:
+        """Read and check the chunk into the job's buffer; `touch`: count it as a use (LRU)."""
         with self._lock:
             slot = self._index.get(job.key)
             if slot is None:
                 raise DiskTierError("chunk not in the disk tier (overwritten since its lookup)")
-            self._index.move_to_end(job.key)
+            if touch:
+                self._index.move_to_end(job.key)
             self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
-        problem = None
+        problem, checked = None, False
         try:
             header = bytearray(_PAGE)
-            _pread_all(self._fd, [header, job.buffer], self._offset(slot))
+            pread_all(self._fd, [header, job.buffer], self._offset(slot))
             problem = _slot_problem(header, job.key, job.buffer, self._secret)
+            checked = problem is None
         finally:
             with self._lock:
+                if checked:
+                    self._checked[slot] = len(job.buffer)
                 if problem is not None and self._index.get(job.key) == slot:
                     del self._index[job.key]  # a bad slot: free it once no load reads it
+                    self._checked.pop(slot, None)
                     self._orphans.add(slot)
                     self._set_used_gauge()
-                self._readers_of[slot] -= 1
-                if not self._readers_of[slot]:
-                    del self._readers_of[slot]
-                    if slot in self._orphans:
-                        self._orphans.discard(slot)
-                        self._free.append(slot)
+                self._unpin(slot)
         if problem is not None:
             raise DiskTierError(f"slot {slot}: {problem}")
+
+    def _unpin(self, slot: int) -> None:
+        """A load no longer reads `slot` (under the lock); a dropped slot is free once none does."""
+        self._readers_of[slot] -= 1
+        if not self._readers_of[slot]:
+            del self._readers_of[slot]
+            if slot in self._orphans:
+                self._orphans.discard(slot)
+                self._free.append(slot)
+
+    def _check_resident_slots(self, nice: int) -> None:
+        """Check the indexed slots whose pages are in memory, most recently stored first, so
+        that their loads take the mapping, and map their pages (once, on its own thread, from
+        start-up)."""
+        lower_priority(nice)
+        with self._lock:
+            slots = list(reversed(self._index.items()))
+        payload = memoryview(bytearray(self.stride - _PAGE))
+        header = bytearray(_PAGE)
+        for key, slot in slots:
+            offset = self._offset(slot)
+            with self._lock:
+                if self._index.get(key) != slot or slot in self._checked:
+                    continue
+            if self._stop.is_set() or not self._mapping.is_resident(offset, self.stride):
+                continue
+            try:
+                pread_all(self._fd, [header], offset)
+                num_bytes = min(decode_header(header).payload_bytes, len(payload))
+                self._load(TransferJob(-1, key, payload[:num_bytes], math.inf), touch=False)
+                self._mapping.populate(offset + _PAGE, num_bytes)
+            except ChunkFormatError:
+                continue  # stored meanwhile: its header is being rewritten
+            except (DiskTierError, OSError) as exc:
+                if self._stop.is_set():
+                    return
+                _report_errors(self.context, f"{self.path}: {exc}", 1)
 
     def _take_slot(self) -> int:
         """A slot to write into; the least recently used chunk not being read gives way."""
@@ -268,7 +368,7 @@ class DiskTier(ThreadedTier):
         header = _FILE_HEADER.pack(FILE_MAGIC, FORMAT_VERSION, 0, self.stride)
         if os.pread(self._fd, _FILE_HEADER.size, 0) != header:
             os.ftruncate(self._fd, 0)  # new, or of another format or stride: start afresh
-            _pwrite_all(self._fd, [header], 0)
+            pwrite_all(self._fd, [header], 0)
         try:
             if os.fstat(self._fd).st_size != size:
                 os.ftruncate(self._fd, size)  # a smaller budget drops the slots past its end
@@ -313,13 +413,12 @@ class DiskTier(ThreadedTier):
         return key if key.startswith(namespace) else None
 
 
-def _report_damaged(context: TierContext, path: str, num_damaged: int) -> None:
-    """Log the slots left out of the index at start-up and count them as tier errors."""
-    logger.warning("disk tier %s: %d slot header(s) in %s are damaged (or carry no MAC under "
-                   "a chunk secret); those slots are reused", context.name, num_damaged, path)
+def _report_errors(context: TierContext, what: str, count: int) -> None:
+    """Log slots found bad outside a job (at start-up) and count them as tier errors."""
+    logger.warning("disk tier %s: %s", context.name, what)
     if context.metrics is not None:
         context.metrics.counter("kvtier:offload_tier_errors", "Failed tier operations",
-                                ["tier"]).labels(tier=context.name).inc(num_damaged)
+                                ["tier"]).labels(tier=context.name).inc(count)
 
 
 def _slot_problem(header: bytearray, key: ChunkKey, payload: memoryview,
@@ -334,60 +433,6 @@ def _slot_problem(header: bytearray, key: ChunkKey, payload: memoryview,
     except ChunkFormatError as exc:
         return str(exc)
     return None
-
-
-def _open_locked(path: str) -> int:
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise DiskTierSetupError(f"the disk tier's file {path} is a symlink; refused (it "
-                                     f"would write wherever it points): remove it") from None
-        raise DiskTierSetupError(f"cannot open the disk tier's file {path}: {exc.strerror}; "
-                                 f"choose a writable directory") from exc
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise DiskTierSetupError(f"the disk tier's file {path} is not a regular file; remove "
-                                 f"it")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DiskTierInUseError(
-            f"disk tier file {path} is in use by another kvtier instance; give each instance "
-            f"its own directory, or share a cache between instances with the fs tier "
-            f"(fs=DIR in --kv-offload)") from None
-    return fd
-
-
-def _pwrite_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
-    _whole(os.pwritev, fd, buffers, offset, OSError)
-
-
-def _pread_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
-    _whole(os.preadv, fd, buffers, offset, DiskTierError)
-
-
-def _whole(io: Callable[[int, list[memoryview], int], int], fd: int, buffers: Sequence[Any],
-           offset: int, error: type[Exception]) -> None:
-    """Repeat a vectored read or write (`io`) until every byte of `buffers` is moved."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        moved = io(fd, views, offset)
-        if moved == 0:
-            raise error(f"{io.__name__} moved nothing at offset {offset} of the slot file")
-        offset += moved
-        views = _advance(views, moved)
-
-
-def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
-    """`views` less their first `num_bytes` bytes."""
-    while views and num_bytes >= len(views[0]):
-        num_bytes -= len(views[0])
-        views = views[1:]
-    if views and num_bytes:
-        views = [views[0][num_bytes:]] + views[1:]
-    return views
 
 
 def _round_up(n: int, multiple: int) -> int:

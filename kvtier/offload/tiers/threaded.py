@@ -52,7 +52,7 @@ class ThreadedTier(SecondaryTier):
         self._readers = DaemonThreadPool(options.num_read_threads, f"kvtier-{context.name}-read")
         self._writers = DaemonThreadPool(options.num_write_threads,
                                          f"kvtier-{context.name}-write",
-                                         initializer=_lower_priority,
+                                         initializer=lower_priority,
                                          initargs=(options.write_nice,))
         # The latest deadline of any job submitted: shutdown waits for running jobs until then.
         self._last_deadline = 0.0
@@ -125,7 +125,7 @@ class ThreadedTier(SecondaryTier):
             self.context.on_job_end(result.job_id)
 
 
-def _lower_priority(nice: int) -> None:
+def lower_priority(nice: int) -> None:
     """Add `nice` to the calling thread's niceness (Linux keeps one per thread)."""
     if nice == 0 or not sys.platform.startswith("linux"):
         return

@@ -1,0 +1,97 @@
+"""Asking the secondary tiers for a chunk: each query counted once, failed chunks not re-asked.
+
+A tier that raises on a lookup answers NOT_FOUND (a counted error). A chunk that failed to come
+back from a tier is not asked of that tier again for FAILED_LOAD_RETRY_S (or until a store of it
+there succeeds): a damaged chunk costs one failed read a minute at most, and a chunk that failed
+while its store or peer was down is found again once it is back (a p2p tier never stores, so no
+later store would clear the failure). A tier that answers UNKNOWN (a remote check in flight) is
+asked again later without counting; the query counts once, with its final answer. The calls
+for loads straight from a tier's mapped file (`can_map`, `pin_mapped`, `release_mapped`) go
+through here too: a tier that raises there costs a counted error and a promotion instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.common.bounded import BoundedDict
+from kvtier.offload.keys import ChunkKey
+from kvtier.offload.metrics import OffloadMetrics
+from kvtier.offload.tiers.base import LookupResult, MappedChunk, SecondaryTier
+
+# See above: how long a chunk that failed to come back from a tier is not asked of it again.
+FAILED_LOAD_RETRY_S = 60.0
+
+
+class TierQueries:
+    def __init__(self, tiers: list[SecondaryTier], metrics: OffloadMetrics,
+                 clock: Callable[[], float], remembered: int) -> None:
+        """`remembered`: how many failed and undecided chunks each memory holds at most."""
+        self.tiers = tiers
+        self.names = [tier.context.name for tier in tiers]
+        self.metrics = metrics
+        self._clock = clock
+        # (tier index, key) -> when its load failed
+        self._failed: BoundedDict[tuple[int, ChunkKey], float] = BoundedDict(remembered)
+        # (tier index, key) pairs whose tier answered UNKNOWN to a counted query
+        self._undecided: BoundedDict[tuple[int, ChunkKey], None] = BoundedDict(remembered)
+
+    def ask(self, index: int, key: ChunkKey, req_context: Any, record: bool) -> LookupResult:
+        """Tier `index`'s answer for `key`; `record=False`: a repeated query, not counted."""
+        failed_at = self._failed.get((index, key))
+        if failed_at is not None:
+            if self._clock() - failed_at < FAILED_LOAD_RETRY_S:
+                return LookupResult.NOT_FOUND
+            del self._failed[(index, key)]
+        start = self._clock()
+        try:
+            answer = self.tiers[index].lookup(key, req_context)
+        except Exception:  # a broken tier is a miss, never a crash
+            self.metrics.error(self.names[index])
+            return LookupResult.NOT_FOUND
+        if answer is LookupResult.UNKNOWN:
+            if record:
+                self._undecided[(index, key)] = None
+            return answer
+        if self._undecided.pop((index, key), False) is None:
+            record = True
+        if record:
+            self.metrics.lookup(self.names[index], answer is LookupResult.FOUND,
+                                self._clock() - start)
+        return answer
+
+    def mark_failed(self, index: int, key: ChunkKey) -> None:
+        """`key` failed to come back from tier `index`: do not ask it again for a while."""
+        self._failed[(index, key)] = self._clock()
+
+    def mark_stored(self, index: int, key: ChunkKey) -> None:
+        """A store of `key` to tier `index` succeeded: it may be asked again at once."""
+        self._failed.pop((index, key), None)
+
+    def can_map(self, index: int, key: ChunkKey, num_bytes: int) -> bool:
+        """Tier `index` (which has `key`) can hand it over from its mapped file now."""
+        try:
+            return self.tiers[index].can_map(key, num_bytes)
+        except Exception:
+            self.metrics.error(self.names[index])
+            return False
+
+    def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
+        """`key` pinned in the first tier's mapped file that still has it, or None."""
+        for index, tier in enumerate(self.tiers):
+            try:
+                chunk = tier.pin_mapped(key, num_bytes)
+            except Exception:
+                self.metrics.error(self.names[index])
+                continue
+            if chunk is not None:
+                return chunk
+        return None
+
+    def release_mapped(self, chunk: MappedChunk) -> None:
+        """The load of a pinned chunk ended: the tier may overwrite it again."""
+        try:
+            chunk.owner.release_mapped(chunk)
+        except Exception:
+            self.metrics.error(chunk.owner.context.name)

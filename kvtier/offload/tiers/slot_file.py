@@ -1,0 +1,164 @@
+"""The disk tier's file: opened once under an exclusive lock, read and written whole with
+vectored calls, and mapped read-only into the process so that a chunk the page cache holds can
+be loaded into the device straight from there (`MappedFile`).
+
+A read through the mapping of a page that is not in memory faults it in from the disk, and an
+I/O error there is a SIGBUS for the whole process, not an exception. So a chunk is only taken
+from the mapping when `mincore` says every page of it is in memory, at the lookup and again right
+before the copy; what is left is a page the kernel reclaims in the moment between that check and
+the copy, read back inside the copy (an I/O error then is the SIGBUS). The tier fills the page
+table entries of the chunks it writes or checks ahead (MADV_POPULATE_READ, which reports an I/O
+error as an error), so that neither the check nor the copy faults them in: `mincore` over a 368 KB
+chunk takes ~2.5 us with its entries filled, ~9 us without, on the VM of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.offload.safe_dir import FILE_MODE
+
+_MADV_POPULATE_READ = 22  # Linux 5.14+ <sys/mman.h>
+# mincore's answer per page: bit 0 says resident, the other bits are reserved.
+_RESIDENT_BIT = bytes(value & 1 for value in range(256))
+_libc: Any = None
+
+
+class DiskTierError(Exception):
+    """A slot does not hold the chunk asked for (evicted, damaged, or never stored)."""
+
+
+class DiskTierSetupError(ValueError):
+    """The slot file cannot be opened, locked or reserved at start-up (the message says why)."""
+
+
+class DiskTierInUseError(DiskTierSetupError):
+    """Another process (or tier) holds the slot file."""
+
+
+class MappedFile:
+    """A file mapped read-only (shared: it shows what the file holds now) into the process."""
+
+    def __init__(self, fd: int, num_bytes: int) -> None:
+        # Through a descriptor of its own: a mapping keeps its open file alive, and with it a
+        # `flock` on that file, which must end when the owner closes `fd`.
+        own = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._map = mmap.mmap(own, num_bytes, mmap.MAP_SHARED, mmap.PROT_READ)
+        finally:
+            os.close(own)
+        self.array = np.frombuffer(self._map, dtype=np.uint8)
+        self._address = self.array.ctypes.data
+        with warnings.catch_warnings():  # read-only memory: nothing here ever writes to it
+            warnings.simplefilter("ignore", UserWarning)
+            self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
+
+    @classmethod
+    def open(cls, fd: int, num_bytes: int) -> MappedFile | None:
+        """The mapping, or None where residency cannot be checked (not Linux, no mincore)."""
+        if not sys.platform.startswith("linux") or _load_libc() is None:
+            return None
+        try:
+            return cls(fd, num_bytes)
+        except (OSError, ValueError):
+            return None
+
+    def is_resident(self, offset: int, num_bytes: int) -> bool:
+        """Every page of [offset, offset + num_bytes) is in memory (page-aligned `offset`)."""
+        pages = -(-num_bytes // mmap.PAGESIZE)
+        vector = (ctypes.c_ubyte * pages)()
+        if _libc.mincore(ctypes.c_void_p(self._address + offset), num_bytes, vector) != 0:
+            return False
+        return b"\x00" not in bytes(vector).translate(_RESIDENT_BIT)
+
+    def populate(self, offset: int, num_bytes: int) -> bool:
+        """Map the pages of [offset, offset + num_bytes) into the process before they are read;
+        False if one cannot be (an I/O error, or a kernel without MADV_POPULATE_READ)."""
+        try:
+            self._map.madvise(_MADV_POPULATE_READ, offset, num_bytes)
+        except (OSError, ValueError):
+            return False
+        return True
+
+
+def open_locked(path: str) -> int:
+    """The slot file, opened read-write (created 0600 if missing) and locked for this process."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise DiskTierSetupError(f"the disk tier's file {path} is a symlink; refused (it "
+                                     f"would write wherever it points): remove it") from None
+        raise DiskTierSetupError(f"cannot open the disk tier's file {path}: {exc.strerror}; "
+                                 f"choose a writable directory") from exc
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise DiskTierSetupError(f"the disk tier's file {path} is not a regular file; remove "
+                                 f"it")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise DiskTierInUseError(
+            f"disk tier file {path} is in use by another kvtier instance; give each instance "
+            f"its own directory, or share a cache between instances with the fs tier "
+            f"(fs=DIR in --kv-offload)") from None
+    return fd
+
+
+def pwrite_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
+    _whole(os.pwritev, fd, buffers, offset, OSError)
+
+
+def pread_all(fd: int, buffers: Sequence[Any], offset: int) -> None:
+    _whole(os.preadv, fd, buffers, offset, DiskTierError)
+
+
+def _whole(io: Callable[[int, list[memoryview], int], int], fd: int, buffers: Sequence[Any],
+           offset: int, error: type[Exception]) -> None:
+    """Repeat a vectored read or write (`io`) until every byte of `buffers` is moved."""
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        moved = io(fd, views, offset)
+        if moved == 0:
+            raise error(f"{io.__name__} moved nothing at offset {offset} of the slot file")
+        offset += moved
+        views = _advance(views, moved)
+
+
+def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
+    """`views` less their first `num_bytes` bytes."""
+    while views and num_bytes >= len(views[0]):
+        num_bytes -= len(views[0])
+        views = views[1:]
+    if views and num_bytes:
+        views = [views[0][num_bytes:]] + views[1:]
+    return views
+
+
+def _load_libc() -> Any:
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        if name is None:
+            return None
+        libc = ctypes.CDLL(name, use_errno=True)
+        if not hasattr(libc, "mincore"):
+            return None
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        libc.mincore.restype = ctypes.c_int
+        _libc = libc
+    return _libc

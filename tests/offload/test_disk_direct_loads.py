@@ -1,0 +1,126 @@
+"""Loads straight from the disk tier's mapped file: which chunks qualify (checked by this process
+and in memory), that a pinned slot is never overwritten, and the start-up check of a restart."""
+
+import mmap
+import os
+
+import pytest
+
+from kvtier.engine.metrics import MetricsRegistry
+from kvtier.offload.tiers.base import LookupResult, TierContext
+from kvtier.offload.tiers.disk import DiskTier, DiskTierOptions
+
+from .offload_helpers import CHUNK, NAMESPACE, chunk_bytes, key, tier_load, tier_store
+
+PAGE = 4096
+STRIDE = 2 * PAGE
+SECRET = b"s" * 32
+
+
+@pytest.fixture
+def make_tier(tmp_path):
+    open_tiers = []
+
+    def make(num_slots=4, secret=None, registry=None, **options):
+        tier = DiskTier(DiskTierOptions(root_dir=str(tmp_path), max_bytes=PAGE + num_slots * STRIDE,
+                                        **options),
+                        TierContext("disk", NAMESPACE, registry, max_chunk_bytes=CHUNK,
+                                    chunk_secret=secret))
+        if tier._checker is not None:  # the start-up check, done before the test looks
+            tier._checker.join(10)
+            assert not tier._checker.is_alive()
+        open_tiers.append(tier)
+        return tier
+
+    yield make
+    for tier in open_tiers:
+        tier.shutdown()
+
+
+def _restart(tier, make_tier, **kwargs):
+    tier.shutdown()
+    tier.shutdown = lambda: True  # done: the fixture's own shutdown at the end is a no-op
+    return make_tier(**kwargs)
+
+
+def _mapped_bytes(chunk):
+    return bytes(chunk.mapping.array[chunk.offset:chunk.offset + chunk.num_bytes])
+
+
+def _present(tier, numbers):
+    return [n for n in numbers if tier.lookup(key(n)) is LookupResult.FOUND]
+
+
+def test_a_stored_chunk_maps_and_stays_until_released(make_tier):
+    tier = make_tier(num_slots=4)
+    if tier._mapping is None:
+        pytest.skip("no file mapping with residency checks here")
+    assert tier_store(tier, 1)
+    assert tier.can_map(key(1), CHUNK)
+    assert not tier.can_map(key(1), CHUNK - 1)  # another group's size: never
+    assert not tier.can_map(key(9), CHUNK)
+    chunk = tier.pin_mapped(key(1), CHUNK)
+    assert _mapped_bytes(chunk) == chunk_bytes(1)
+    for n in (2, 3, 4, 5):  # 1 is the least recently used, but pinned: 2 makes room
+        assert tier_store(tier, n)
+    assert _present(tier, range(10)) == [1, 3, 4, 5]
+    assert _mapped_bytes(chunk) == chunk_bytes(1)
+    tier.release_mapped(chunk)
+    assert not tier._readers_of
+    assert tier_store(tier, 6)
+    assert _present(tier, range(10)) == [3, 4, 5, 6]
+    assert tier.pin_mapped(key(1), CHUNK) is None
+
+
+def test_a_restart_checks_resident_slots_without_reordering_them(make_tier):
+    tier = make_tier(num_slots=2)
+    if tier._mapping is None:
+        pytest.skip("no file mapping with residency checks here")
+    assert tier_store(tier, 1) and tier_store(tier, 2)
+    again = _restart(tier, make_tier, num_slots=2)
+    assert again.can_map(key(1), CHUNK) and again.can_map(key(2), CHUNK)
+    assert tier_store(again, 3)  # 1, stored first, still goes first
+    assert _present(again, range(5)) == [2, 3]
+
+
+def test_a_slot_damaged_while_down_is_dropped_by_the_start_up_check(make_tier):
+    tier = make_tier(num_slots=4)
+    if tier._mapping is None:
+        pytest.skip("no file mapping with residency checks here")
+    assert tier_store(tier, 1) and tier_store(tier, 2)
+    payload = PAGE + tier._index[key(2)] * STRIDE + PAGE
+    tier.shutdown()
+    tier.shutdown = lambda: True
+    with open(tier.path, "r+b") as f:
+        f.seek(payload + 5)
+        f.write(b"\xff")
+    registry = MetricsRegistry()
+    again = make_tier(num_slots=4, registry=registry)
+    assert again.can_map(key(1), CHUNK)
+    assert _present(again, [1, 2]) == [1]
+    assert registry.snapshot()['kvtier:offload_tier_errors_total{tier="disk"}'] == 1
+
+
+@pytest.mark.parametrize("how", ["off", "secret"])
+def test_no_mapped_loads_when_off_or_under_a_chunk_secret(make_tier, how):
+    tier = make_tier(**({"direct_loads": False} if how == "off" else {"secret": SECRET}))
+    assert tier_store(tier, 1)
+    assert tier._mapping is None and tier._checker is None
+    assert not tier.can_map(key(1), CHUNK) and tier.pin_mapped(key(1), CHUNK) is None
+    assert tier_load(tier, 1) == (True, chunk_bytes(1))
+
+
+def test_a_chunk_out_of_memory_is_read_not_mapped(make_tier):
+    tier = make_tier(num_slots=4)
+    if tier._mapping is None:
+        pytest.skip("no file mapping with residency checks here")
+    assert tier_store(tier, 1)
+    payload = PAGE + tier._index[key(1)] * STRIDE + PAGE
+    os.fsync(tier._fd)
+    tier._mapping._map.madvise(mmap.MADV_DONTNEED, payload, CHUNK)  # the store mapped them
+    os.posix_fadvise(tier._fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    if tier._mapping.is_resident(payload, CHUNK):
+        pytest.skip("the page cache keeps this file's pages (tmpfs)")
+    assert not tier.can_map(key(1), CHUNK)
+    assert tier_load(tier, 1) == (True, chunk_bytes(1))  # the checked read brings it back
+    assert tier.can_map(key(1), CHUNK)
