@@ -209,24 +209,27 @@ class DiskTier(ThreadedTier):
         return evicted
 
     def can_map(self, key: ChunkKey, num_bytes: int) -> bool:
-        if self._mapping is None:
-            return False
         with self._lock:
-            slot = self._index.get(key)
-            if slot is None or self._checked.get(slot) != num_bytes:
-                return False
-        return self._mapping.is_resident(self._offset(slot) + _PAGE, num_bytes)
+            slot = self._checked_slot(key, num_bytes)
+        return slot is not None and self._mapping.is_resident(self._offset(slot) + _PAGE,
+                                                              num_bytes)
 
     def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
-        if self._mapping is None:
-            return None
         with self._lock:
-            slot = self._index.get(key)
-            if slot is None or self._checked.get(slot) != num_bytes:
+            slot = self._checked_slot(key, num_bytes)
+            if slot is None:
                 return None
             self._index.move_to_end(key)
             self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
         return MappedChunk(self, self._mapping, self._offset(slot) + _PAGE, num_bytes, slot)
+
+    def _checked_slot(self, key: ChunkKey, num_bytes: int) -> int | None:
+        """`key`'s slot if it can be loaded from the mapping (checked, of `num_bytes`); under
+        the lock."""
+        slot = self._index.get(key)
+        if self._mapping is None or slot is None or self._checked.get(slot) != num_bytes:
+            return None
+        return slot
 
     def release_mapped(self, chunk: MappedChunk) -> None:
         with self._lock:

@@ -15,7 +15,6 @@ chunk takes ~2.5 us with its entries filled, ~9 us without, on the VM of docs/be
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import errno
 import fcntl
 import mmap
@@ -29,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.common.libc import load_libc
 from kvtier.offload.safe_dir import FILE_MODE
 
 _MADV_POPULATE_READ = 22  # Linux 5.14+ <sys/mman.h>
 # mincore's answer per page: bit 0 says resident, the other bits are reserved.
 _RESIDENT_BIT = bytes(value & 1 for value in range(256))
-_libc: Any = None
 
 
 class DiskTierError(Exception):
@@ -62,6 +61,7 @@ class MappedFile:
             os.close(own)
         self.array = np.frombuffer(self._map, dtype=np.uint8)
         self._address = self.array.ctypes.data
+        self._mincore = load_libc().mincore
         with warnings.catch_warnings():  # read-only memory: nothing here ever writes to it
             warnings.simplefilter("ignore", UserWarning)
             self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
@@ -69,7 +69,8 @@ class MappedFile:
     @classmethod
     def open(cls, fd: int, num_bytes: int) -> MappedFile | None:
         """The mapping, or None where residency cannot be checked (not Linux, no mincore)."""
-        if not sys.platform.startswith("linux") or _load_libc() is None:
+        libc = load_libc()
+        if not sys.platform.startswith("linux") or libc is None or not hasattr(libc, "mincore"):
             return None
         try:
             return cls(fd, num_bytes)
@@ -80,7 +81,7 @@ class MappedFile:
         """Every page of [offset, offset + num_bytes) is in memory (page-aligned `offset`)."""
         pages = -(-num_bytes // mmap.PAGESIZE)
         vector = (ctypes.c_ubyte * pages)()
-        if _libc.mincore(ctypes.c_void_p(self._address + offset), num_bytes, vector) != 0:
+        if self._mincore(ctypes.c_void_p(self._address + offset), num_bytes, vector) != 0:
             return False
         return b"\x00" not in bytes(vector).translate(_RESIDENT_BIT)
 
@@ -148,17 +149,3 @@ def _advance(views: list[memoryview], num_bytes: int) -> list[memoryview]:
         views = [views[0][num_bytes:]] + views[1:]
     return views
 
-
-def _load_libc() -> Any:
-    global _libc
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        if name is None:
-            return None
-        libc = ctypes.CDLL(name, use_errno=True)
-        if not hasattr(libc, "mincore"):
-            return None
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.mincore.restype = ctypes.c_int
-        _libc = libc
-    return _libc
