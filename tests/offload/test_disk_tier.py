@@ -236,13 +236,8 @@ def test_torn_slot_after_a_crash_is_dropped_at_load(make_tier, tmp_path):
     assert tier_load(again, 1) == (True, chunk_bytes(1))
 
 
-def test_concurrent_stores_and_loads_never_return_wrong_bytes(make_tier, tmp_path):
-    tier = make_tier(tmp_path, num_slots=4, num_read_threads=4, num_write_threads=4)
-    # Chunks on disk before the mix starts: reads (not niced) can run ahead of every write
-    # of the mix, and then some of them still find what they ask for.
-    for n in range(4):
-        assert tier_store(tier, n)
-    rng = random.Random(0)
+def _mix_stores_and_loads(tier, rng):
+    """400 stores and loads of 12 chunks at once: (chunk, bytes) of each load that succeeded."""
     jobs, expected = [], {}
     for _ in range(400):
         n = rng.randrange(12)
@@ -255,9 +250,24 @@ def test_concurrent_stores_and_loads_never_return_wrong_bytes(make_tier, tmp_pat
             tier.submit_load(job)
         jobs.append(job.job_id)
     results = wait_jobs(tier, jobs, timeout=30)
-    loaded = [(n, bytes(buffer)) for job_id, (n, buffer) in expected.items() if results[job_id]]
-    assert loaded, "no load succeeded: the test proves nothing"
-    assert all(data == chunk_bytes(n) for n, data in loaded)
+    return [(n, bytes(buffer)) for job_id, (n, buffer) in expected.items() if results[job_id]]
+
+
+def test_concurrent_stores_and_loads_never_return_wrong_bytes(make_tier, tmp_path):
+    tier = make_tier(tmp_path, num_slots=4, num_read_threads=4, num_write_threads=4)
+    # Chunks on disk before the mix starts: reads (not niced) can run ahead of every write
+    # of the mix, and then some of them still find what they ask for. Which loads find their
+    # chunk is up to the threads (14-76 of 212 in ten runs); a mix in which none did proves
+    # nothing and is run again.
+    for n in range(4):
+        assert tier_store(tier, n)
+    rng = random.Random(0)
+    for _ in range(3):
+        loaded = _mix_stores_and_loads(tier, rng)
+        assert all(data == chunk_bytes(n) for n, data in loaded)
+        if loaded:
+            break
+    assert loaded, "no load succeeded in three mixes: the test proves nothing"
     assert len(tier._index) + len(tier._free) == tier.num_slots
     assert not tier._readers_of and not tier._orphans
 

@@ -392,7 +392,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             self.manager.metrics.transfer(done.direction, done.num_bytes, done.seconds,
                                           done.ended)
         else:  # a copy from or to the host, or from a tier's mapped file, failed
-            source = done.direction.split("_to_")[0]
+            source = done.direction.rsplit("_to_", 1)[0]
             self.manager.metrics.error("host" if source == "device" else source)
         for job_id in done.job_ids:
             key, mapped = self._transfers.pop(job_id)
