@@ -124,3 +124,8 @@ def test_a_chunk_out_of_memory_is_read_not_mapped(make_tier):
     assert not tier.can_map(key(1), CHUNK)
     assert tier_load(tier, 1) == (True, chunk_bytes(1))  # the checked read brings it back
     assert tier.can_map(key(1), CHUNK)
+
+
+def test_direct_loads_must_be_a_boolean(tmp_path):
+    with pytest.raises(ValueError, match="disk.direct_loads must be true or false, got 'no'"):
+        DiskTierOptions(root_dir=str(tmp_path), max_bytes="1MiB", direct_loads="no")
