@@ -164,7 +164,7 @@ class DiskTier(ThreadedTier):
         super().__init__(options, context)
         self._lock = threading.Lock()
         self._index: OrderedDict[ChunkKey, int] = OrderedDict()  # least recently used first
-        for _, key, slot in sorted(entries):
+        for _, key, slot, _ in sorted(entries):
             self._index[key] = slot
         used = set(self._index.values())
         self._free = [slot for slot in reversed(range(self.num_slots)) if slot not in used]
@@ -172,7 +172,7 @@ class DiskTier(ThreadedTier):
         self._orphans: set[int] = set()  # slots dropped from the index while being read
         # Overwritten since the last take_evicted; bounded, as nobody may be taking them.
         self._evicted: deque[ChunkKey] = deque(maxlen=self.num_slots)
-        self._sequence = itertools.count(max((seq for seq, _, _ in entries), default=0) + 1)
+        self._sequence = itertools.count(max((seq for seq, _, _, _ in entries), default=0) + 1)
         labels = {"tier": context.name}
         metrics = context.metrics
         self._used_gauge = None if metrics is None else metrics.gauge(
@@ -182,19 +182,22 @@ class DiskTier(ThreadedTier):
             "kvtier:offload_disk_evictions", "Chunks overwritten to make room in the disk tier",
             ["tier"]).labels(**labels)
         self._set_used_gauge()
-        self._start_direct_loads(options)
+        # Newest first: the order the start-up check takes them in.
+        self._start_direct_loads(options, [entry[1:] for entry in sorted(entries, reverse=True)])
 
-    def _start_direct_loads(self, options: DiskTierOptions) -> None:
-        """Map the file and start checking its resident slots (unless direct loads are off)."""
+    def _start_direct_loads(self, options: DiskTierOptions,
+                            slots: list[tuple[ChunkKey, int, int]]) -> None:
+        """Map the file and start checking the resident ones of `slots` (key, slot, payload
+        bytes), unless direct loads are off."""
         # slot -> payload bytes of the slots this process has checked (or stored)
         self._checked: dict[int, int] = {}
         self._mapping = MappedFile.open(self._fd, _PAGE + self.num_slots * self.stride) \
             if options.direct_loads and self._secret is None else None
         self._stop = threading.Event()
         self._checker: threading.Thread | None = None
-        if self._mapping is not None and self._index:
+        if self._mapping is not None and slots:
             self._checker = threading.Thread(target=self._check_resident_slots,
-                                             args=(options.write_nice,), daemon=True,
+                                             args=(slots, options.write_nice), daemon=True,
                                              name=f"kvtier-{self.context.name}-check")
             self._checker.start()
 
@@ -220,7 +223,7 @@ class DiskTier(ThreadedTier):
             if slot is None:
                 return None
             self._index.move_to_end(key)
-            self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
+            self._pin(slot)
         return MappedChunk(self, self._mapping, self._offset(slot) + _PAGE, num_bytes, slot)
 
     def _checked_slot(self, key: ChunkKey, num_bytes: int) -> int | None:
@@ -288,7 +291,7 @@ class DiskTier(ThreadedTier):
                 raise DiskTierError("chunk not in the disk tier (overwritten since its lookup)")
             if touch:
                 self._index.move_to_end(job.key)
-            self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
+            self._pin(slot)
         problem, checked = None, False
         try:
             header = bytearray(_PAGE)
@@ -308,6 +311,10 @@ class DiskTier(ThreadedTier):
         if problem is not None:
             raise DiskTierError(f"slot {slot}: {problem}")
 
+    def _pin(self, slot: int) -> None:
+        """A load reads `slot` (under the lock): no store overwrites it until `_unpin`."""
+        self._readers_of[slot] = self._readers_of.get(slot, 0) + 1
+
     def _unpin(self, slot: int) -> None:
         """A load no longer reads `slot` (under the lock); a dropped slot is free once none does."""
         self._readers_of[slot] -= 1
@@ -317,29 +324,24 @@ class DiskTier(ThreadedTier):
                 self._orphans.discard(slot)
                 self._free.append(slot)
 
-    def _check_resident_slots(self, nice: int) -> None:
-        """Check the indexed slots whose pages are in memory, most recently stored first, so
-        that their loads take the mapping, and map their pages (once, on its own thread, from
-        start-up)."""
+    def _check_resident_slots(self, slots: list[tuple[ChunkKey, int, int]], nice: int) -> None:
+        """Check those of `slots` (key, slot, payload bytes as the start-up scan read them)
+        still indexed and in memory, so that their loads take the mapping, and map their pages
+        (once, on its own thread, from start-up)."""
         lower_priority(nice)
-        with self._lock:
-            slots = list(reversed(self._index.items()))
         payload = memoryview(bytearray(self.stride - _PAGE))
-        header = bytearray(_PAGE)
-        for key, slot in slots:
+        for key, slot, num_bytes in slots:
+            if self._stop.is_set():
+                return
             offset = self._offset(slot)
             with self._lock:
                 if self._index.get(key) != slot or slot in self._checked:
                     continue
-            if self._stop.is_set() or not self._mapping.is_resident(offset, self.stride):
+            if not self._mapping.is_resident(offset, _PAGE + num_bytes):
                 continue
             try:
-                pread_all(self._fd, [header], offset)
-                num_bytes = min(decode_header(header).payload_bytes, len(payload))
                 self._load(TransferJob(-1, key, payload[:num_bytes], math.inf), touch=False)
                 self._mapping.populate(offset + _PAGE, num_bytes)
-            except ChunkFormatError:
-                continue  # stored meanwhile: its header is being rewritten
             except (DiskTierError, OSError) as exc:
                 if self._stop.is_set():
                     return
@@ -382,28 +384,30 @@ class DiskTier(ThreadedTier):
                                      f"{self.path}: {exc.strerror}; lower its size or free "
                                      f"space") from exc
 
-    def _read_slot_headers(self, namespace: bytes) -> tuple[list[tuple[int, ChunkKey, int]],
-                                                            int]:
-        """(sequence, key, slot) of every slot whose header is whole and of this namespace, and
-        the number of written slots whose header is not (never-written slots are zeros)."""
-        entries: dict[ChunkKey, tuple[int, ChunkKey, int]] = {}
+    def _read_slot_headers(self, namespace: bytes) -> tuple[
+            list[tuple[int, ChunkKey, int, int]], int]:
+        """(sequence, key, slot, payload bytes) of every slot whose header is whole and of this
+        namespace, and the number of written slots whose header is not (never-written slots are
+        zeros)."""
+        entries: dict[ChunkKey, tuple[int, ChunkKey, int, int]] = {}
         num_damaged = 0
         for slot in range(self.num_slots):
             header = os.pread(self._fd, _PAGE, self._offset(slot))
             if len(header) < _PAGE or not any(header):
                 continue
-            key = self._key_of(header, namespace)
-            if key is None:
+            named = self._chunk_of(header, namespace)
+            if named is None:
                 num_damaged += 1
                 continue
+            key, payload_bytes = named
             (sequence,) = _SEQUENCE.unpack_from(header, _SEQUENCE_AT)
             if key not in entries or entries[key][0] < sequence:
-                entries[key] = (sequence, key, slot)
+                entries[key] = (sequence, key, slot, payload_bytes)
         return list(entries.values()), num_damaged
 
-    def _key_of(self, header: bytes, namespace: bytes) -> ChunkKey | None:
-        """The key a slot header names, or None if the header is not a whole one of this
-        namespace (with a chunk secret: of a chunk with a MAC)."""
+    def _chunk_of(self, header: bytes, namespace: bytes) -> tuple[ChunkKey, int] | None:
+        """The key and payload bytes a slot header names, or None if the header is not a whole
+        one of this namespace (with a chunk secret: of a chunk with a MAC)."""
         try:
             chunk = decode_header(header)
         except ChunkFormatError:
@@ -413,7 +417,7 @@ class DiskTier(ThreadedTier):
         if self._secret is not None and not chunk.mac_bytes:
             return None
         key = ChunkKey(header[HEADER_BYTES:HEADER_BYTES + chunk.key_bytes])
-        return key if key.startswith(namespace) else None
+        return (key, chunk.payload_bytes) if key.startswith(namespace) else None
 
 
 def _report_errors(context: TierContext, what: str, count: int) -> None:
