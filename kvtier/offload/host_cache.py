@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvtier.offload.host_area import HostArea, SlotId
@@ -85,6 +85,34 @@ class HostCache:
                 del self.entries[key]
                 self._free_slots.append(entry.slot)
 
+    def count_ready(self, keys: Sequence[Hashable]) -> int:
+        """How many of `keys`, from the first, are ready here."""
+        entries = self.entries
+        for index, key in enumerate(keys):
+            entry = entries.get(key)
+            if entry is None or entry.state is not ChunkState.READY:
+                return index
+        return len(keys)
+
+    def prepare_loads(self, keys: Sequence[Hashable]) -> list[SlotId | None]:
+        """Pin each of `keys` that is ready for a request's read (a use the eviction policy
+        sees), under one hold of the lock; None for one that is not (evicted since its
+        lookup)."""
+        slots: list[SlotId | None] = []
+        with self._lock:
+            for key in keys:
+                entry = self.entries.get(key)
+                if entry is None or entry.state is not ChunkState.READY:
+                    slots.append(None)
+                    continue
+                entry.num_readers += 1
+                self._busy.add(key)
+                slots.append(entry.slot)
+        for key, slot in zip(keys, slots):
+            if slot is not None:
+                self.policy.touch(key)
+        return slots
+
     def prepare_load(self, key: Hashable, count_use: bool = True) -> SlotId:
         """Pin a ready chunk for reading; `count_use`: a request uses it (the eviction policy
         sees a use), not a secondary tier copying it (which must not make it look hot)."""
@@ -110,12 +138,17 @@ class HostCache:
             return self.area.slot_view(entry.slot, entry.num_bytes)
 
     def complete_load(self, key: Hashable) -> None:
+        self.complete_loads((key,))
+
+    def complete_loads(self, keys: Iterable[Hashable]) -> None:
+        """Unpin each of `keys` (read), under one hold of the lock."""
         with self._lock:
-            entry = self.entries[key]
-            assert entry.num_readers > 0, "complete_load without prepare_load"
-            entry.num_readers -= 1
-            if entry.num_readers == 0:
-                self._busy.discard(key)
+            for key in keys:
+                entry = self.entries[key]
+                assert entry.num_readers > 0, "complete_load without prepare_load"
+                entry.num_readers -= 1
+                if entry.num_readers == 0:
+                    self._busy.discard(key)
 
     def mark_dirty(self, key: Hashable) -> None:
         """`key` (ready) is held nowhere below the device yet."""

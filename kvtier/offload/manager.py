@@ -30,7 +30,7 @@ import itertools
 import math
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -123,8 +123,10 @@ class TieringManager:
         self.queries = TierQueries(self.tiers, self.metrics, clock, remembered)
         # Requests seen per chunk, for store_threshold.
         self._uses: BoundedDict[ChunkKey, int] = BoundedDict(remembered)
-        # Loads from host memory into the device per chunk, for admit_after_hits.
+        # Loads from host memory into the device per chunk, for admit_after_hits (counted
+        # only where a tier sets it).
         self._hits: BoundedDict[ChunkKey, int] = BoundedDict(remembered)
+        self._counts_hits = any(spec.admit_after_hits for spec in config.secondary_tiers)
         self._events: list[TierMoveEvent] = []
         self._write_back = any(self._tier_write_back)
         self._reserve = max(1, math.ceil(WRITE_BACK_RESERVE * self.area.num_slots))
@@ -138,10 +140,10 @@ class TieringManager:
         about this chunk before: a retry while it is promoted)."""
         if self.host.is_ready(key):
             if record:
-                self.metrics.lookup(HOST, True, 0.0)
+                self.metrics.lookup(HOST, True)
             return Lookup.HIT
         if record:
-            self.metrics.lookup(HOST, False, 0.0)
+            self.metrics.lookup(HOST, False)
         if key in self._promoting:
             return Lookup.RETRY
         if key in self.host.entries:
@@ -235,7 +237,8 @@ class TieringManager:
     def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
         """A host slot to copy `key` into from the device, or None: already in host, not used
         often enough yet, or no slot free of transfers (counted as a skipped store)."""
-        if self._uses.get(key, 0) < self.config.store_threshold:
+        threshold = self.config.store_threshold
+        if threshold > 1 and self._uses.get(key, 0) < threshold:
             return None
         slot = self.host.prepare_store(key, num_bytes)
         if slot is None and key not in self.host.entries:
@@ -287,21 +290,25 @@ class TieringManager:
         if not self._submit_store(index, key, entry.num_bytes, entry.slot):
             self.host.complete_load(key)
 
-    def prepare_load(self, key: ChunkKey) -> SlotId:
-        """Pin `key` (a HIT) for a host->device copy."""
-        return self.host.prepare_load(key)
+    def prepare_loads(self, keys: Sequence[ChunkKey]) -> list[SlotId | None]:
+        """Pin those of `keys` still in host memory for host->device copies; None for one
+        evicted since its lookup (another request's promotion may take its slot)."""
+        return self.host.prepare_loads(keys)
 
-    def complete_load(self, key: ChunkKey, ok: bool) -> None:
-        """The host->device copy of `key` ended; a success is a hit, which may admit it to
-        write_through tiers with `admit_after_hits`."""
-        self.host.complete_load(key)
+    def complete_loads(self, keys: Sequence[ChunkKey], ok: bool) -> None:
+        """The host->device copies of `keys` ended; a success is a hit of each, which may
+        admit it to write_through tiers with `admit_after_hits`."""
+        self.host.complete_loads(keys)
         if not ok:
             return
-        self._events.append(TierMoveEvent(key, HOST, DEVICE))
-        hits = self._hits[key] = self._hits.get(key, 0) + 1
-        for index, spec in enumerate(self.config.secondary_tiers):
-            if not self._tier_write_back[index] and spec.admit_after_hits == hits:
-                self._store_on(index, key)
+        self._events.extend(TierMoveEvent(key, HOST, DEVICE) for key in keys)
+        if not self._counts_hits:
+            return
+        for key in keys:
+            hits = self._hits[key] = self._hits.get(key, 0) + 1
+            for index, spec in enumerate(self.config.secondary_tiers):
+                if not self._tier_write_back[index] and spec.admit_after_hits == hits:
+                    self._store_on(index, key)
 
     # ---- tier jobs --------------------------------------------------------------------------
 

@@ -98,9 +98,11 @@ class OffloadMetrics:
             if dropped:
                 self._dropped.inc(dropped)
 
-    def lookup(self, tier: str, hit: bool, seconds: float) -> None:
-        self._lookups[tier, hit] += 1
-        if self._registry is not None:
+    def lookup(self, tier: str, hit: bool, seconds: float | None = None, count: int = 1) -> None:
+        """`count` lookups of `tier` that hit or missed; `seconds`, the time of one, goes to
+        the latency histogram (None: not timed, e.g. host memory's dictionary probe)."""
+        self._lookups[tier, hit] += count
+        if self._registry is not None and seconds is not None:
             self._lookup_seconds[tier].append(seconds)
 
     def error(self, tier: str) -> None:

@@ -48,9 +48,9 @@ def poll_until(manager: TieringManager, n: int, timeout: float = 10.0) -> Lookup
 
 
 def read_host(manager: TieringManager, n: int) -> bytes:
-    slot = manager.prepare_load(key(n))
+    [slot] = manager.prepare_loads([key(n)])
     data = bytes(manager.area.slot_view(slot, CHUNK))
-    manager.complete_load(key(n), ok=True)
+    manager.complete_loads([key(n)], ok=True)
     return data
 
 

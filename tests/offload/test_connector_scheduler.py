@@ -151,7 +151,7 @@ def test_no_events_are_made_when_the_engine_publishes_none(make_connector):
     _report_done(connector, "host_to_device", _empty_step(connector).loads)
     assert connector.manager.host.entries  # the same moves happened
     assert connector.take_events() == []
-    assert not connector._chunk_blocks  # and no chunk was named for them
+    assert connector._event_names is None  # and no chunk was named for them
 
 
 def test_a_host_hit_plans_no_stores_for_what_it_loads(make_connector):
@@ -171,7 +171,7 @@ def test_a_host_hit_plans_no_stores_for_what_it_loads(make_connector):
     assert len(metadata.loads) == 7
     # Only the block it computes is asked for a slot and stored: the loaded ones are in host
     # memory (an 8k-token hit would ask 511 times for nothing).
-    assert asked == [connector.chunk_key(second, 0, 7)]
+    assert asked == [connector.chunk_keys(second, 0, 7, 8)[0]]
     assert [t.block_ids for t in metadata.stores] == [(block_ids[0][7],)]
 
 
@@ -206,10 +206,12 @@ def test_a_request_is_not_looked_up_again_until_its_promotions_end(make_connecto
     connector = make_connector(secondary_tiers=[{"type": "StuckTier",
                                                   "module_path": FAULTY_TIERS}])
     stuck, manager, request = connector.manager.tiers[0], connector.manager, _request()
-    asked = []
-    lookup = manager.lookup
+    asked, lookup, count_ready = [], manager.lookup, manager.host.count_ready
     manager.lookup = lambda key, *args, **kwargs: asked.append(key) or lookup(key, *args,
                                                                                **kwargs)
+    # Host hits are found a run at a time: the keys of each run asked for count as asked.
+    manager.host.count_ready = lambda keys: (asked.extend(keys[:count_ready(keys)])
+                                             or count_ready(keys))
     assert connector.get_num_new_matched_tokens(request, 0) == (None, False)
     assert len(asked) == 7
     # Every chunk but the first has arrived: still waiting, and nothing is asked again.
@@ -230,7 +232,7 @@ def test_a_chunk_a_tier_cannot_tell_yet_is_asked_again_next_step(make_connector)
     connector = make_connector(secondary_tiers=[{"type": "StuckTier",
                                                   "module_path": FAULTY_TIERS}])
     stuck, manager, request = connector.manager.tiers[0], connector.manager, _request()
-    undecided = connector.chunk_key(request, 0, 3)
+    undecided = connector.chunk_keys(request, 0, 3, 4)[0]
     lookup = stuck.lookup
     stuck.lookup = lambda key, *args: (LookupResult.UNKNOWN if key == undecided
                                        else lookup(key, *args))
@@ -264,7 +266,7 @@ def test_request_longer_than_the_host_tier_stops_waiting_for_promotions(make_con
                                secondary_tiers=[{"type": "memory"}])
     manager, request = connector.manager, _request()
     for chunk in range(7):
-        key = connector.chunk_key(request, 0, chunk)
+        key = connector.chunk_keys(request, 0, chunk, chunk + 1)[0]
         manager.record_use(key)
         manager.prepare_store(key, CHUNK_BYTES)
         manager.complete_store(key, ok=True)  # cascades to the memory tier

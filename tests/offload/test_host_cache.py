@@ -52,6 +52,21 @@ def test_slots_handed_out_in_order_and_victims_in_lru_order():
     assert sorted(cache.entries) == ["a", "c"]
 
 
+def test_a_request_pins_its_ready_chunks_in_one_call_and_sees_how_many_lead_ready():
+    cache = _cache(num_slots=3)
+    _store(cache, "a")
+    _store(cache, "b")
+    cache.prepare_store("c", 8)  # being written: not ready
+    assert cache.count_ready(["a", "b", "c", "a"]) == 2
+    assert cache.count_ready(["x", "a"]) == 0 and cache.count_ready([]) == 0
+    assert cache.prepare_loads(["b", "c", "gone", "a"]) == [1, None, None, 0]
+    cache.complete_store("c", ok=True)
+    assert cache.prepare_store("d", 8) == 2  # a and b are pinned: c's slot
+    cache.complete_store("d", ok=True)
+    cache.complete_loads(["b", "a"])
+    assert cache.prepare_store("e", 8) == 1  # b: pinned before a, so used less recently
+
+
 def test_chunk_being_written_is_neither_readable_nor_evictable():
     cache = _cache(num_slots=1)
     assert cache.prepare_store("a", 8) == 0

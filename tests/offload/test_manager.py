@@ -200,7 +200,7 @@ def test_groups_of_different_page_sizes_share_the_host_area(make_manager):
     assert manager.lookup(state_key, state_bytes) is Lookup.RETRY
     manager.poll()
     assert manager.lookup(state_key, state_bytes) is Lookup.HIT
-    slot = manager.prepare_load(state_key)
+    [slot] = manager.prepare_loads([state_key])
     assert bytes(manager.area.slot_view(slot, state_bytes)) == chunk_bytes(5)[:state_bytes]
     assert len(manager.host.view(state_key)) == state_bytes
 
@@ -379,8 +379,8 @@ def test_admit_after_hits_stores_a_chunk_on_its_nth_load(make_manager):
     assert stored_bytes(manager, "all") == 2 * CHUNK
     assert stored_bytes(manager, "popular") == 0
     read_host(manager, 1)
-    manager.prepare_load(key(1))
-    manager.complete_load(key(1), ok=False)  # a failed load is no hit
+    manager.prepare_loads([key(1)])
+    manager.complete_loads([key(1)], ok=False)  # a failed load is no hit
     manager.poll()
     assert stored_bytes(manager, "popular") == 0
     read_host(manager, 1)  # the second hit

@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.common.bounded import BoundedDict
 from kvtier.connector.base import ConnectorContext, KVConnectorScheduler
+from kvtier.connector.offloading.event_names import TierEventNames
 from kvtier.connector.offloading.metadata import (
     BatchDone,
     ChunkTransfer,
@@ -33,11 +33,10 @@ from kvtier.connector.offloading.metadata import (
     OffloadingConnectorReport,
 )
 from kvtier.connector.offloading.shared import shared_of
-from kvtier.events import BlockRemoved, BlockStored, WireEvent, external_block_hash
-from kvtier.events.schema import MEDIUM_CPU, MEDIUM_DISK
-from kvtier.kv import BlockHash, FullAttentionSpec, MambaSpec, SlidingWindowSpec
+from kvtier.events import WireEvent
+from kvtier.kv import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvtier.offload.config import OffloadConfig
-from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
+from kvtier.offload.events import HOST
 from kvtier.offload.keys import ChunkKey, chunk_identity, make_chunk_key
 from kvtier.offload.manager import Lookup, TieringManager
 from kvtier.offload.tiers.base import MappedChunk
@@ -45,11 +44,6 @@ from kvtier.offload.tiers.base import MappedChunk
 _NULL_BLOCK_ID = 0
 # Shutdown's flush waits for the tier jobs' own deadline plus this long.
 _FLUSH_MARGIN_S = 1.0
-# Tier types whose chunks sit in files of this machine: events name their medium "DISK".
-_DISK_TIER_TYPES = frozenset({"disk", "fs"})
-# Chunks whose block hashes are remembered for events, per host slot (the rest are forgotten,
-# least recently named first): host memory holds one chunk a slot, the tiers behind it more.
-_NAMED_CHUNKS_PER_SLOT = 16
 
 
 @dataclass
@@ -106,14 +100,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         # Copies handed to the worker half and not yet reported: job id -> chunk, and what a
         # load straight from a tier's mapped file pinned.
         self._transfers: dict[int, tuple[ChunkKey, MappedChunk | None]] = {}
-        # Block hashes of the event group's chunks, so tier moves go out named by block hash;
         # None when the engine publishes no events (then no chunk is named, no event made).
-        self._event_group = self._scan_groups()[0] if context.kv_events else None
-        self._chunk_blocks: BoundedDict[ChunkKey, tuple[BlockHash, ...]] = BoundedDict(
-            _NAMED_CHUNKS_PER_SLOT * shared.area.num_slots)
-        self._media = {HOST: MEDIUM_CPU, **{
-            spec.name: MEDIUM_DISK if spec.type in _DISK_TIER_TYPES else spec.name
-            for spec in self.options.secondary_tiers}}
+        self._event_names = TierEventNames(
+            self.options, self.block_size, shared.area.num_slots,
+            self._scan_groups()[0]) if context.kv_events else None
 
     def _state(self, request: Any) -> _RequestState:
         state = self._states.get(request.request_id)
@@ -125,18 +115,23 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def _key(self, state: _RequestState, group_id: int, chunk: int) -> ChunkKey:
         """The request's chunk key, made (and named for events) the first time it is asked."""
-        keys = state.keys.setdefault(group_id, [])
-        while len(keys) <= chunk:
-            keys.append(self.chunk_key(state.request, group_id, len(keys)))
-        return keys[chunk]
+        return self._keys(state, group_id, chunk + 1)[chunk]
 
-    def chunk_key(self, request: Any, group_id: int, chunk: int) -> ChunkKey:
-        per_chunk = self.options.blocks_per_chunk
-        last_block = (chunk + 1) * per_chunk - 1
-        key = make_chunk_key(self.namespace, group_id, request.block_hashes[last_block])
-        if group_id == self._event_group:
-            self._chunk_blocks[key] = tuple(request.block_hashes[chunk * per_chunk:last_block + 1])
-        return key
+    def _keys(self, state: _RequestState, group_id: int, end: int) -> list[ChunkKey]:
+        """The request's keys of the group's chunks up to `end` at least (made once each)."""
+        keys = state.keys.setdefault(group_id, [])
+        if len(keys) < end:
+            keys.extend(self.chunk_keys(state.request, group_id, len(keys), end))
+        return keys
+
+    def chunk_keys(self, request: Any, group_id: int, start: int, end: int) -> list[ChunkKey]:
+        """The keys of the request's chunks in [start, end) of the group."""
+        per_chunk, hashes = self.options.blocks_per_chunk, request.block_hashes
+        prefix = make_chunk_key(self.namespace, group_id, b"")  # what every key starts with
+        keys = [ChunkKey(prefix + hashes[(c + 1) * per_chunk - 1]) for c in range(start, end)]
+        if self._event_names is not None:
+            self._event_names.name(group_id, start, keys, hashes)
+        return keys
 
     def _scan_groups(self) -> list[int]:
         full = [g for g, spec in enumerate(self.groups) if isinstance(spec, FullAttentionSpec)]
@@ -183,7 +178,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         state.promoting, state.rescan = [], False
         scan = self._scan_groups()
         with self.manager.promotions():  # the tiers get the walk's promotions in one call
-            for chunk in range(start, num_chunks):
+            end = self._host_run(state, scan, start, num_chunks)
+            for chunk in range(end, num_chunks):
                 # Past a RETRY the scan goes on, so every chunk on a tier is promoted at once.
                 answers = [self._lookup(state, g, chunk) for g in scan]  # no enum hashing
                 if Lookup.MISS in answers or (settle and Lookup.RETRY in answers):
@@ -202,6 +198,19 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             return 0, False
         state.plan = _Plan(num_computed_tokens, end)
         return num_tokens, False  # every chunk is in host memory: loaded before the forward
+
+    def _host_run(self, state: _RequestState, scan: list[int], start: int, end: int) -> int:
+        """The end of the run of chunks from `start` that host memory holds for every group
+        of `scan`, each a HIT of `_lookup` (counted as one on its first ask), found in one
+        pass: chunk by chunk, an 8k-token prompt's lookup cost ~1 ms."""
+        for g in scan:
+            end = start + self.manager.host.count_ready(self._keys(state, g, end)[start:end])
+        asked = [(g, chunk) for g in scan for chunk in range(start, end)]
+        num_first = len(asked) - len(state.asked.intersection(asked))
+        state.asked.update(asked)
+        if num_first:
+            self.manager.metrics.lookup(HOST, True, count=num_first)
+        return end
 
     def _end_for_other_groups(self, state: _RequestState, scan: list[int], start: int,
                               end: int, settle: bool) -> tuple[int, bool]:
@@ -255,9 +264,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         start = first_block // self.options.blocks_per_chunk
         end = -(-end_block // self.options.blocks_per_chunk)
         num_planned = len(self._pending_loads)
-        for g in range(len(self.groups)):
-            for chunk in self._needed_chunks(g, start, end):
-                self._plan_load(state, g, chunk, block_ids[g], first_block, end_block)
+        self._plan_loads(state, [(g, chunk) for g in range(len(self.groups))
+                                 for chunk in self._needed_chunks(g, start, end)],
+                         block_ids, first_block, end_block)
         if all(load.slot is not None or load.mapped is not None
                for load in self._pending_loads[num_planned:]):
             # What it loads is in memory: no store to plan for those chunks (an 8k-token
@@ -265,22 +274,26 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             # the lookup is recomputed, and stored then.
             state.next_store_chunk = max(state.next_store_chunk, end)
 
-    def _plan_load(self, state: _RequestState, group_id: int, chunk: int,
-                   block_ids: list[int], first_block: int, end_block: int) -> None:
-        offsets, ids = self._blocks_of_chunk(group_id, chunk, block_ids, first_block,
-                                             end_block)
-        if not ids:
-            return
-        key = self._key(state, group_id, chunk)
-        # Another request's promotion may have evicted it since this request's lookup.
-        slot = self.manager.prepare_load(key) if self.manager.host.is_ready(key) else None
-        mapped = None if slot is not None else self.manager.pin_mapped(
-            key, self.layouts[group_id].chunk_bytes)
-        transfer = ChunkTransfer(next(self._job_ids), state.request.request_id, group_id, slot,
-                                 offsets, ids, mapped)
-        self._pending_loads.append(transfer)
-        if slot is not None or mapped is not None:
-            self._transfers[transfer.job_id] = key, mapped
+    def _plan_loads(self, state: _RequestState, chunks: list[tuple[int, int]],
+                    block_ids: list[list[int]], first_block: int, end_block: int) -> None:
+        """Copies of `chunks` ((group, chunk) pairs) into the request's blocks in [first_block,
+        end_block): from their host slots, pinned in one call, or from a tier's mapped file."""
+        planned = []
+        for g, chunk in chunks:
+            offsets, ids = self._blocks_of_chunk(g, chunk, block_ids[g], first_block, end_block)
+            if ids:
+                planned.append((g, offsets, ids, self._key(state, g, chunk)))
+        # A chunk not in host memory: a MAPPED answer, or a HIT another request's promotion
+        # evicted since (then no slot and no mapping: the worker fails it, it is recomputed).
+        slots = self.manager.prepare_loads([key for *_, key in planned])
+        for (g, offsets, ids, key), slot in zip(planned, slots):
+            mapped = None if slot is not None else self.manager.pin_mapped(
+                key, self.layouts[g].chunk_bytes)
+            transfer = ChunkTransfer(next(self._job_ids), state.request.request_id, g, slot,
+                                     offsets, ids, mapped)
+            self._pending_loads.append(transfer)
+            if slot is not None or mapped is not None:
+                self._transfers[transfer.job_id] = key, mapped
 
     def _blocks_of_chunk(self, group_id: int, chunk: int, block_ids: list[int],
                          first_block: int,
@@ -354,9 +367,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         state.next_store_chunk = max(state.next_store_chunk, num_chunks)
 
     def _record_uses(self, state: _RequestState, num_chunks: int) -> None:
-        """Count this request's use of its chunks before `num_chunks` (each chunk once)."""
+        """Count this request's use of its chunks before `num_chunks` (each chunk once), where
+        store_threshold needs more than the one use every stored chunk has."""
         for chunk in range(state.num_used_chunks, num_chunks):
-            for g in range(len(self.groups)):
+            for g in range(len(self.groups)) if self.options.store_threshold > 1 else ():
                 self.manager.record_use(self._key(state, g, chunk))
         state.num_used_chunks = max(state.num_used_chunks, num_chunks)
 
@@ -394,6 +408,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         else:  # a copy from or to the host, or from a tier's mapped file, failed
             source = done.direction.rsplit("_to_", 1)[0]
             self.manager.metrics.error("host" if source == "device" else source)
+        loaded = []
         for job_id in done.job_ids:
             key, mapped = self._transfers.pop(job_id)
             if done.direction == "device_to_host":
@@ -401,7 +416,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             elif mapped is not None:
                 self.manager.release_mapped(mapped)
             else:
-                self.manager.complete_load(key, done.ok)
+                loaded.append(key)
+        if loaded:
+            self.manager.complete_loads(loaded, done.ok)
 
     def request_finished(self, request: Any,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -412,26 +429,9 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
 
     def take_events(self) -> list[WireEvent]:
         """The tier moves as wire events, named by the chunks' block hashes. Only the event
-        group's chunks are published (every group of a hybrid model holds the same blocks), and
-        loads into the device are left out: the device cache publishes those blocks itself."""
+        group's chunks are published (every group of a hybrid model holds the same blocks)."""
         moves = self.manager.take_events()
-        if self._event_group is None:
-            return []
-        events = (self._wire_event(move) for move in moves)
-        return [event for event in events if event is not None]
-
-    def _wire_event(self, move: TierMoveEvent) -> WireEvent | None:
-        blocks = self._chunk_blocks.get(move.key)
-        if blocks is None or move.destination == DEVICE:
-            return None
-        hashes = [external_block_hash(h) for h in blocks]
-        # A move's locality is its secondary tier's; host memory is always this instance's own.
-        if move.destination is None:
-            locality = "local" if move.source == HOST else move.locality
-            return BlockRemoved(hashes, self._media[move.source], locality)
-        locality = "local" if move.destination == HOST else move.locality
-        return BlockStored(hashes, None, [], self.block_size, None,
-                           self._media[move.destination], None, locality)
+        return [] if self._event_names is None else self._event_names.wire_events(moves)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Send every chunk in host memory that the tiers lack on its way (write_back
