@@ -236,9 +236,14 @@ class TieringManager:
 
     def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
         """A host slot to copy `key` into from the device, or None: already in host, not used
-        often enough yet, or no slot free of transfers (counted as a skipped store)."""
+        often enough yet, in memory already as a tier's mapped file (the page cache holds it:
+        a host copy would be a second one, and take another chunk's slot), or no slot free of
+        transfers (counted as a skipped store)."""
         threshold = self.config.store_threshold
         if threshold > 1 and self._uses.get(key, 0) < threshold:
+            return None
+        if key not in self.host.entries and any(
+                self.queries.can_map(index, key, num_bytes) for index in range(len(self.tiers))):
             return None
         slot = self.host.prepare_store(key, num_bytes)
         if slot is None and key not in self.host.entries:

@@ -9,8 +9,9 @@ followed: stores only once a chunk was used `store_threshold` times, write-throu
 chunk when host memory does (from its `admit_after_hits`-th host load, if set), write-back tiers
 when host memory evicts it, and a chunk found on a secondary tier is promoted into host memory
 before it is loaded, but for one the disk tier loads straight from its mapped file
-(`direct_loads`): the engine does that when the chunk's pages are in the page cache, which the
-plan takes them to be (what a plan cannot see: the page cache of a disk tier larger than memory).
+(`direct_loads`, without a chunk secret), which is not stored into host memory either: the
+engine does that when the chunk's pages are in the page cache, which the plan takes them to be
+(what a plan cannot see: the page cache of a disk tier larger than memory).
 Transfers are instantaneous here; their time is the cost model's.
 """
 
@@ -80,7 +81,8 @@ class SimulatedOffload:
         tier = _tier(spec.name, spec.type, budget, self._slot_bytes(spec.type), "lru",
                      self.chunk_bytes)
         tier.write_back, tier.admit_after_hits = write_back, spec.admit_after_hits
-        tier.maps = getattr(spec.options, "direct_loads", False)
+        # Under a chunk secret every load checks the chunk's MAC: the engine maps nothing.
+        tier.maps = getattr(spec.options, "direct_loads", False) and not self.config.secret_file
         return tier
 
     def _slot_bytes(self, kind: str) -> int:
@@ -154,10 +156,15 @@ class SimulatedOffload:
             self._uses[key] += 1
 
     def store(self, key: Hashable) -> None:
-        """The device computed `key`: into host memory (once used often enough), and on to the
-        write-through tiers that admit it."""
+        """The device computed `key`: into host memory (once used often enough, and unless a
+        tier loads it from its mapped file), and on to the write-through tiers that admit it."""
         threshold = self.config.store_threshold
-        if (threshold > 1 and self._uses[key] < threshold) or not self._put_in_host(key):
+        if threshold > 1 and self._uses[key] < threshold:
+            return
+        if not self.host.cache.is_ready(key) and any(
+                tier.maps and self._has(index, tier, key) for index, tier in enumerate(self.tiers)):
+            return
+        if not self._put_in_host(key):
             return
         self.num_stored[0] += 1
         for index, tier in enumerate(self.tiers):

@@ -162,6 +162,8 @@ def test_a_checked_disk_hit_in_memory_loads_from_the_file_in_one_step(model, tmp
         assert _bytes(metrics, "disk_to_device") == 7 * CHUNK_BYTES
         assert _bytes(metrics, "host_to_device") == _bytes(metrics, "disk_to_host") == 0
         assert _generate(llm, prompts[:1])[0] == expected[:1]
+        # That device hit copied none of the chunks into host memory: the page cache has them.
+        assert _bytes(llm.get_metrics(), "device_to_host") == 0
         assert not llm.engine.scheduler.connector.manager.tiers[0]._readers_of  # released
         llm.engine.check_invariants()
     finally:

@@ -51,6 +51,20 @@ def test_a_disk_tier_loading_from_its_file_promotes_nothing():
     assert not offload.tiers[0].cache.is_ready("b")
 
 
+def test_a_chunk_the_disk_tier_maps_is_not_stored_into_host_memory_again():
+    offload = _offload({})
+    for key in "abc":
+        offload.store(key)  # "a" is on disk only
+    offload.store("a")  # computed again (a device hit of a chunk loaded from the file)
+    assert offload.find("a") == 1 and offload.num_stored == [3, 3]
+    secret = _offload({"secret_file": "/nonexistent/secret"})
+    assert not secret.tiers[0].maps  # every load checks a MAC: promoted, never mapped
+    direct = _offload({}, direct_loads=False)
+    for key in "abca":
+        direct.store(key)  # promoted on a hit: the device's copy is stored as any other
+    assert direct.find("a") == 0 and direct.num_stored[0] == 4
+
+
 def test_write_back_stores_only_what_host_memory_evicts():
     offload = _offload({"write_policy": "write_back"})
     offload.store("a")
