@@ -49,7 +49,6 @@ from kvtier.offload.tier_queries import TierQueries
 from kvtier.offload.tiers.base import (
     JobResult,
     LookupResult,
-    MappedChunk,
     SecondaryTier,
     TierContext,
     TransferJob,
@@ -68,7 +67,7 @@ _FLUSH_POLL_S = 0.002
 
 class Lookup(enum.Enum):
     HIT = "hit"  # in host memory now
-    # Checked and in memory in a tier's mapped file: loaded from there now (`pin_mapped`)
+    # Checked and in memory in a tier's mapped file: loaded from there now (no promotion)
     MAPPED = "mapped"
     MISS = "miss"
     RETRY = "retry"  # on its way into host memory; ask again next step
@@ -153,7 +152,7 @@ class TieringManager:
             if answer is LookupResult.UNKNOWN:
                 return Lookup.RETRY
             if answer is LookupResult.FOUND:
-                if self.queries.can_map(index, key, num_bytes):
+                if self.queries.num_mappable(index, [key], num_bytes):
                     return Lookup.MAPPED
                 # Promoting, or every host slot is busy for now: ask again later (a MISS would
                 # recompute what the tier holds). A failed submit marks the tier failed for
@@ -191,13 +190,22 @@ class TieringManager:
                 jobs.append(job_id)
         return jobs
 
-    def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
-        """Pin `key` (MAPPED) in a tier's mapped file for a load, or None (gone since)."""
-        return self.queries.pin_mapped(key, num_bytes)
+    def num_mapped(self, keys: Sequence[ChunkKey], num_bytes: int) -> int:
+        """How many of `keys`, from the first, `lookup` would answer MAPPED from the first tier
+        (not in host memory nor on their way there), found in one pass. The pins go through
+        `queries` (`pin_mapped`, `release_mapped`)."""
+        for count, key in enumerate(keys):
+            if key in self.host.entries or key in self._promoting:
+                keys = keys[:count]
+                break
+        return self.queries.num_mappable(0, keys, num_bytes) if self.tiers and keys else 0
 
-    def release_mapped(self, chunk: MappedChunk) -> None:
-        """The load of a pinned chunk into the device ended."""
-        self.queries.release_mapped(chunk)
+    def count_lookups(self, answer: Lookup, count: int) -> None:
+        """Count `count` first lookups the caller found answered `answer` in one pass: HIT
+        (host memory), or MAPPED by the first tier (`num_mapped`)."""
+        self.metrics.lookup(HOST, answer is Lookup.HIT, count=count)
+        if answer is Lookup.MAPPED:
+            self.metrics.lookup(self.tier_names[0], True, count=count)
 
     def _promote(self, index: int, key: ChunkKey, num_bytes: int) -> None:
         """Start copying `key` up from tier `index`, unless no host slot is free right now."""
@@ -236,14 +244,15 @@ class TieringManager:
 
     def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
         """A host slot to copy `key` into from the device, or None: already in host, not used
-        often enough yet, in memory already as a tier's mapped file (the page cache holds it:
-        a host copy would be a second one, and take another chunk's slot), or no slot free of
-        transfers (counted as a skipped store)."""
+        often enough yet, held by a tier that loads it from its mapped file (a second copy in
+        memory; its pages are not checked, ~2.5 us a chunk), or no slot free of transfers
+        (counted as a skipped store)."""
         threshold = self.config.store_threshold
         if threshold > 1 and self._uses.get(key, 0) < threshold:
             return None
         if key not in self.host.entries and any(
-                self.queries.can_map(index, key, num_bytes) for index in range(len(self.tiers))):
+                self.queries.num_mappable(index, [key], num_bytes, in_memory=False)
+                for index in range(len(self.tiers))):
             return None
         slot = self.host.prepare_store(key, num_bytes)
         if slot is None and key not in self.host.entries:

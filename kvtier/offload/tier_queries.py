@@ -6,13 +6,13 @@ there succeeds): a damaged chunk costs one failed read a minute at most, and a c
 while its store or peer was down is found again once it is back (a p2p tier never stores, so no
 later store would clear the failure). A tier that answers UNKNOWN (a remote check in flight) is
 asked again later without counting; the query counts once, with its final answer. The calls
-for loads straight from a tier's mapped file (`can_map`, `pin_mapped`, `release_mapped`) go
+for loads straight from a tier's mapped file (`num_mappable`, `pin_mapped`, `release_mapped`) go
 through here too: a tier that raises there costs a counted error and a promotion instead.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.common.bounded import BoundedDict
@@ -69,25 +69,37 @@ class TierQueries:
         """A store of `key` to tier `index` succeeded: it may be asked again at once."""
         self._failed.pop((index, key), None)
 
-    def can_map(self, index: int, key: ChunkKey, num_bytes: int) -> bool:
-        """Tier `index` (which has `key`) can hand it over from its mapped file now."""
+    def num_mappable(self, index: int, keys: Sequence[ChunkKey], num_bytes: int,
+                     in_memory: bool = True) -> int:
+        """How many of `keys`, from the first, tier `index` can hand over from its mapped file
+        (now, or with `in_memory` False once the page cache has them; none past one that
+        failed to come back from it lately)."""
+        for count, key in enumerate(keys):
+            if (index, key) in self._failed:
+                keys = keys[:count]
+                break
         try:
-            return self.tiers[index].can_map(key, num_bytes)
+            return self.tiers[index].num_mappable(keys, num_bytes, in_memory) if keys else 0
         except Exception:
             self.metrics.error(self.names[index])
-            return False
+            return 0
 
-    def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
-        """`key` pinned in the first tier's mapped file that still has it, or None."""
+    def pin_mapped(self, chunks: Sequence[tuple[ChunkKey, int]]) -> list[MappedChunk | None]:
+        """Each of `chunks` (key, payload bytes) pinned in the first tier's mapped file that
+        still has it, or None."""
+        pins: list[MappedChunk | None] = [None] * len(chunks)
         for index, tier in enumerate(self.tiers):
+            missing = [i for i, pin in enumerate(pins) if pin is None]
+            if not missing:
+                break
             try:
-                chunk = tier.pin_mapped(key, num_bytes)
+                pinned = tier.pin_mapped([chunks[i] for i in missing])
             except Exception:
                 self.metrics.error(self.names[index])
                 continue
-            if chunk is not None:
-                return chunk
-        return None
+            for i, pin in zip(missing, pinned):
+                pins[i] = pin
+        return pins
 
     def release_mapped(self, chunk: MappedChunk) -> None:
         """The load of a pinned chunk ended: the tier may overwrite it again."""

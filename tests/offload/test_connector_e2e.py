@@ -1,7 +1,6 @@
 """OffloadingConnector end to end: a tiny random Llama whose device KV cache is too small for
 the working set, checked token for token against HF transformers (fp32, greedy)."""
 
-import itertools
 import json
 import os
 import subprocess
@@ -170,26 +169,30 @@ def test_a_checked_disk_hit_in_memory_loads_from_the_file_in_one_step(model, tmp
         llm.engine.shutdown()
 
 
-def test_a_mapped_chunk_gone_from_memory_before_its_copy_is_recomputed(model, tmp_path,
-                                                                       monkeypatch):
+def test_a_failed_copy_from_the_mapped_file_is_recomputed(model, tmp_path, monkeypatch):
     model_dir, prompts, expected = model
     llm = _restarted_on_disk(model_dir, prompts[0], tmp_path)
     try:
         tier = llm.engine.scheduler.connector.manager.tiers[0]
         if tier._mapping is None:
             pytest.skip("no file mapping with residency checks here")
-        # In memory when looked up (7 chunks), gone by the worker's check before the copy.
-        checks = itertools.count()
-        monkeypatch.setattr(tier._mapping, "is_resident", lambda *_: next(checks) < 7)
+        copier = llm.engine.runner.connector._copier
+
+        def fail_mapped(transfers):
+            if any(transfer.mapped is not None for transfer in transfers):
+                raise OSError("the copy from the mapped file failed")
+            return type(copier).host_to_device(copier, transfers)
+
+        monkeypatch.setattr(copier, "host_to_device", fail_mapped)
         assert _generate(llm, prompts[:1])[0] == expected[:1]
         metrics = llm.get_metrics()
+        assert _tier(metrics, "hits", "disk") == 7  # found and mapped, then recomputed
         assert _bytes(metrics, "disk_to_device") == 0
         assert _tier(metrics, "errors", "disk") == 1  # one failed batch
-        assert not tier._readers_of
+        assert not tier._readers_of  # its pins released
         llm.engine.check_invariants()
     finally:
         llm.engine.shutdown()
-
 
 def test_multi_block_chunks_reload_whole_chunks_only(model):
     model_dir, prompts, expected = model

@@ -7,10 +7,21 @@ import os
 import pytest
 
 from kvtier.engine.metrics import MetricsRegistry
+from kvtier.offload.manager import Lookup
 from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.disk import DiskTier, DiskTierOptions
 
-from .offload_helpers import CHUNK, NAMESPACE, chunk_bytes, key, tier_load, tier_store
+from .offload_helpers import (
+    CHUNK,
+    NAMESPACE,
+    chunk_bytes,
+    drain,
+    key,
+    offload_config,
+    store_from_device,
+    tier_load,
+    tier_store,
+)
 
 PAGE = 4096
 STRIDE = 2 * PAGE
@@ -56,12 +67,14 @@ def test_a_stored_chunk_maps_and_stays_until_released(make_tier):
     if tier._mapping is None:
         pytest.skip("no file mapping with residency checks here")
     assert tier_store(tier, 1)
-    assert tier.can_map(key(1), CHUNK)
-    assert not tier.can_map(key(1), CHUNK - 1)  # another group's size: never
-    assert not tier.can_map(key(9), CHUNK)
-    chunk = tier.pin_mapped(key(1), CHUNK)
+    assert tier.num_mappable([key(1)], CHUNK) == 1
+    assert not tier.num_mappable([key(1)], CHUNK - 1)  # another group's size: never
+    assert not tier.num_mappable([key(9)], CHUNK)
+    assert tier_store(tier, 2)
+    assert tier.num_mappable([key(n) for n in (1, 2, 9, 1)], CHUNK) == 2  # the leading run
+    chunk = tier.pin_mapped([(key(1), CHUNK)])[0]
     assert _mapped_bytes(chunk) == chunk_bytes(1)
-    for n in (2, 3, 4, 5):  # 1 is the least recently used, but pinned: 2 makes room
+    for n in (3, 4, 5):  # 1 is the least recently used, but pinned: 2 makes room
         assert tier_store(tier, n)
     assert _present(tier, range(10)) == [1, 3, 4, 5]
     assert _mapped_bytes(chunk) == chunk_bytes(1)
@@ -69,7 +82,7 @@ def test_a_stored_chunk_maps_and_stays_until_released(make_tier):
     assert not tier._readers_of
     assert tier_store(tier, 6)
     assert _present(tier, range(10)) == [3, 4, 5, 6]
-    assert tier.pin_mapped(key(1), CHUNK) is None
+    assert tier.pin_mapped([(key(1), CHUNK)])[0] is None
 
 
 def test_a_restart_checks_resident_slots_without_reordering_them(make_tier):
@@ -78,7 +91,7 @@ def test_a_restart_checks_resident_slots_without_reordering_them(make_tier):
         pytest.skip("no file mapping with residency checks here")
     assert tier_store(tier, 1) and tier_store(tier, 2)
     again = _restart(tier, make_tier, num_slots=2)
-    assert again.can_map(key(1), CHUNK) and again.can_map(key(2), CHUNK)
+    assert again.num_mappable([key(1)], CHUNK) and again.num_mappable([key(2)], CHUNK)
     assert tier_store(again, 3)  # 1, stored first, still goes first
     assert _present(again, range(5)) == [2, 3]
 
@@ -96,7 +109,7 @@ def test_a_slot_damaged_while_down_is_dropped_by_the_start_up_check(make_tier):
         f.write(b"\xff")
     registry = MetricsRegistry()
     again = make_tier(num_slots=4, registry=registry)
-    assert again.can_map(key(1), CHUNK)
+    assert again.num_mappable([key(1)], CHUNK)
     assert _present(again, [1, 2]) == [1]
     assert registry.snapshot()['kvtier:offload_tier_errors_total{tier="disk"}'] == 1
 
@@ -106,7 +119,7 @@ def test_no_mapped_loads_when_off_or_under_a_chunk_secret(make_tier, how):
     tier = make_tier(**({"direct_loads": False} if how == "off" else {"secret": SECRET}))
     assert tier_store(tier, 1)
     assert tier._mapping is None and tier._checker is None
-    assert not tier.can_map(key(1), CHUNK) and tier.pin_mapped(key(1), CHUNK) is None
+    assert not tier.num_mappable([key(1)], CHUNK) and tier.pin_mapped([(key(1), CHUNK)])[0] is None
     assert tier_load(tier, 1) == (True, chunk_bytes(1))
 
 
@@ -121,9 +134,33 @@ def test_a_chunk_out_of_memory_is_read_not_mapped(make_tier):
     os.posix_fadvise(tier._fd, 0, 0, os.POSIX_FADV_DONTNEED)
     if tier._mapping.is_resident(payload, CHUNK):
         pytest.skip("the page cache keeps this file's pages (tmpfs)")
-    assert not tier.can_map(key(1), CHUNK)
+    assert not tier.num_mappable([key(1)], CHUNK)
     assert tier_load(tier, 1) == (True, chunk_bytes(1))  # the checked read brings it back
-    assert tier.can_map(key(1), CHUNK)
+    assert tier.num_mappable([key(1)], CHUNK)
+
+
+def test_a_chunk_in_the_disk_tiers_mapped_file_is_pinned_for_a_load(make_manager, tmp_path):
+    manager = make_manager(offload_config(2, [{"type": "disk", "max_bytes": "1MiB",
+                                               "root_dir": str(tmp_path)}]))
+    if manager.tiers[0]._mapping is None:
+        pytest.skip("no file mapping with residency checks here")
+    for n in (1, 2, 3):  # 3 evicts 1 from the two host slots; 1 lives on in the disk tier
+        store_from_device(manager, n)
+        drain(manager)
+    assert manager.lookup(key(1), CHUNK) is Lookup.MAPPED  # no promotion: loadable now
+    assert manager.num_jobs_in_flight() == 0
+    # The same answer for a run of chunks at once: 1, not 2 (in host memory) nor 9 (nowhere).
+    assert [manager.num_mapped([key(n) for n in run], CHUNK)
+            for run in ((1, 1), (1, 2), (2, 1), (9, 1))] == [2, 1, 0, 0]
+    chunk, = manager.queries.pin_mapped([(key(1), CHUNK)])
+    assert bytes(chunk.mapping.array[chunk.offset:chunk.offset + CHUNK]) == chunk_bytes(1)
+    assert manager.tiers[0]._readers_of == {chunk.pin: 1}
+    manager.queries.release_mapped(chunk)
+    assert not manager.tiers[0]._readers_of
+    assert manager.queries.pin_mapped([(key(9), CHUNK)]) == [None]
+    stats = manager.metrics.snapshot()
+    assert stats['kvtier:offload_tier_hits_total{tier="disk"}'] == 1
+    assert stats.get('kvtier:offload_bytes_total{direction="disk_to_host"}', 0) == 0
 
 
 def test_direct_loads_must_be_a_boolean(tmp_path):

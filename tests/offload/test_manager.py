@@ -291,26 +291,6 @@ def test_manager_promotes_from_a_file_tier_after_host_eviction(make_manager, tmp
     assert stats[f'kvtier:offload_bytes_total{{direction="{name}_to_host"}}'] == CHUNK
 
 
-def test_a_chunk_in_the_disk_tiers_mapped_file_is_pinned_for_a_load(make_manager, tmp_path):
-    manager = make_manager(offload_config(2, [{"type": "disk", "max_bytes": "1MiB",
-                                               "root_dir": str(tmp_path)}]))
-    if manager.tiers[0]._mapping is None:
-        pytest.skip("no file mapping with residency checks here")
-    for n in (1, 2, 3):  # 3 evicts 1 from the two host slots; 1 lives on in the disk tier
-        store_from_device(manager, n)
-        drain(manager)
-    assert manager.lookup(key(1), CHUNK) is Lookup.MAPPED  # no promotion: loadable now
-    assert manager.num_jobs_in_flight() == 0
-    chunk = manager.pin_mapped(key(1), CHUNK)
-    assert bytes(chunk.mapping.array[chunk.offset:chunk.offset + CHUNK]) == chunk_bytes(1)
-    assert manager.tiers[0]._readers_of == {chunk.pin: 1}
-    manager.release_mapped(chunk)
-    assert not manager.tiers[0]._readers_of and manager.pin_mapped(key(9), CHUNK) is None
-    stats = manager.metrics.snapshot()
-    assert stats['kvtier:offload_tier_hits_total{tier="disk"}'] == 1
-    assert stats.get('kvtier:offload_bytes_total{direction="disk_to_host"}', 0) == 0
-
-
 def test_a_disk_tier_overwriting_a_chunk_is_an_eviction_event(make_manager, tmp_path):
     two_slots = FILE_HEADER_BYTES + 2 * slot_stride(CHUNK)
     manager = make_manager(offload_config(4, [{"type": "disk", "root_dir": str(tmp_path),

@@ -10,11 +10,8 @@ every step for the chunks that became full, the prompt's and (unless `offload_pr
 those decoding fills, which a conversation's next turn starts with; the worker copies them after
 the forward and the cascade to secondary tiers starts when the copy is reported.
 
-Hybrid models: a full-attention group needs every chunk of the hit, a sliding-window group only
-the chunks its window reaches at the end of the hit, a Mamba group only the last one (whose
-host chunk is the single state after its last token); where one of them misses, the hit ends
-at the last chunk they all have. Blocks the device cache has already replaced by the null block
-are never loaded into.
+Hybrid models: each group's lookups and loads take the chunks it needs (group_chunks.py); where
+one of them misses, the hit ends at the last chunk they all have.
 """
 
 from __future__ import annotations
@@ -26,6 +23,7 @@ from typing import Any
 
 from kvtier.connector.base import ConnectorContext, KVConnectorScheduler
 from kvtier.connector.offloading.event_names import TierEventNames
+from kvtier.connector.offloading.group_chunks import GroupChunks
 from kvtier.connector.offloading.metadata import (
     BatchDone,
     ChunkTransfer,
@@ -34,14 +32,11 @@ from kvtier.connector.offloading.metadata import (
 )
 from kvtier.connector.offloading.shared import shared_of
 from kvtier.events import WireEvent
-from kvtier.kv import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from kvtier.offload.config import OffloadConfig
-from kvtier.offload.events import HOST
 from kvtier.offload.keys import ChunkKey, chunk_identity, make_chunk_key
 from kvtier.offload.manager import Lookup, TieringManager
 from kvtier.offload.tiers.base import MappedChunk
 
-_NULL_BLOCK_ID = 0
 # Shutdown's flush waits for the tier jobs' own deadline plus this long.
 _FLUSH_MARGIN_S = 1.0
 
@@ -85,7 +80,6 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         super().__init__(config, context)
         shared = shared_of(context)
         self.options: OffloadConfig = config.options  # parsed with the engine's config
-        self.groups = [g.kv_cache_spec for g in context.kv_cache_config.kv_cache_groups]
         self.layouts = shared.layouts
         identity = chunk_identity(context.kv_identity, self.options.blocks_per_chunk)
         self.namespace = identity.namespace
@@ -93,7 +87,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
                                       metrics_registry=context.metrics,
                                       description=identity.describe(), watch=shared.watch)
         self.block_size = context.block_size
-        self.chunk_tokens = self.block_size * self.options.blocks_per_chunk
+        groups = context.kv_cache_config.kv_cache_groups
+        self.chunks = GroupChunks([group.kv_cache_spec for group in groups], self.layouts,
+                                  self.block_size, self.options.blocks_per_chunk)
+        self.chunk_tokens = self.chunks.chunk_tokens
         self._job_ids = itertools.count()
         self._states: dict[str, _RequestState] = {}
         self._pending_loads: list[ChunkTransfer] = []
@@ -103,7 +100,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         # None when the engine publishes no events (then no chunk is named, no event made).
         self._event_names = TierEventNames(
             self.options, self.block_size, shared.area.num_slots,
-            self._scan_groups()[0]) if context.kv_events else None
+            self.chunks.scan_groups()[0]) if context.kv_events else None
 
     def _state(self, request: Any) -> _RequestState:
         state = self._states.get(request.request_id)
@@ -132,20 +129,6 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if self._event_names is not None:
             self._event_names.name(group_id, start, keys, hashes)
         return keys
-
-    def _scan_groups(self) -> list[int]:
-        full = [g for g, spec in enumerate(self.groups) if isinstance(spec, FullAttentionSpec)]
-        return full or [0]
-
-    def _needed_chunks(self, group_id: int, start: int, end: int) -> range:
-        """Chunks of [start, end) that `group_id` needs to continue from chunk `end`."""
-        spec = self.groups[group_id]
-        if isinstance(spec, SlidingWindowSpec):
-            first_token = max(0, end * self.chunk_tokens - spec.sliding_window + 1)
-            return range(max(start, first_token // self.chunk_tokens), end)
-        if isinstance(spec, MambaSpec):
-            return range(max(start, end - 1), end)
-        return range(start, end)
 
     def _lookup(self, state: _RequestState, group_id: int, chunk: int) -> Lookup:
         first = (group_id, chunk) not in state.asked
@@ -176,9 +159,10 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         if not settle and self._still_promoting(state):
             return None, False
         state.promoting, state.rescan = [], False
-        scan = self._scan_groups()
+        scan = self.chunks.scan_groups()
         with self.manager.promotions():  # the tiers get the walk's promotions in one call
-            end = self._host_run(state, scan, start, num_chunks)
+            end = self._run(state, scan, start, num_chunks, Lookup.HIT)
+            end = self._run(state, scan, end, num_chunks, Lookup.MAPPED)
             for chunk in range(end, num_chunks):
                 # Past a RETRY the scan goes on, so every chunk on a tier is promoted at once.
                 answers = [self._lookup(state, g, chunk) for g in scan]  # no enum hashing
@@ -199,27 +183,30 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         state.plan = _Plan(num_computed_tokens, end)
         return num_tokens, False  # every chunk is in host memory: loaded before the forward
 
-    def _host_run(self, state: _RequestState, scan: list[int], start: int, end: int) -> int:
-        """The end of the run of chunks from `start` that host memory holds for every group
-        of `scan`, each a HIT of `_lookup` (counted as one on its first ask), found in one
-        pass: chunk by chunk, an 8k-token prompt's lookup cost ~1 ms."""
+    def _run(self, state: _RequestState, scan: list[int], start: int, end: int,
+             answer: Lookup) -> int:
+        """The end of the run of chunks from `start` that `_lookup` would answer `answer` (HIT
+        or MAPPED) for every group of `scan`, found in one pass (chunk by chunk, an 8k-token
+        prompt's lookup cost ~1 ms in host memory, ~3 ms in the disk tier's file)."""
         for g in scan:
-            end = start + self.manager.host.count_ready(self._keys(state, g, end)[start:end])
+            keys = self._keys(state, g, end)[start:end]
+            end = start + (self.manager.host.count_ready(keys) if answer is Lookup.HIT else
+                           self.manager.num_mapped(keys, self.layouts[g].chunk_bytes))
         asked = [(g, chunk) for g in scan for chunk in range(start, end)]
         num_first = len(asked) - len(state.asked.intersection(asked))
         state.asked.update(asked)
         if num_first:
-            self.manager.metrics.lookup(HOST, True, count=num_first)
+            self.manager.count_lookups(answer, num_first)
         return end
 
     def _end_for_other_groups(self, state: _RequestState, scan: list[int], start: int,
                               end: int, settle: bool) -> tuple[int, bool]:
         """The last end <= `end` at which every group outside `scan` has the chunks it needs
         (a window's, a recurrent state's), and whether one of them is still on its way up."""
-        others = [g for g in range(len(self.groups)) if g not in scan]
+        others = [g for g in range(len(self.chunks)) if g not in scan]
         while end > start and others:
             answers = [self._lookup(state, g, c)
-                       for g in others for c in self._needed_chunks(g, start, end)]
+                       for g in others for c in self.chunks.needed(g, start, end)]
             if Lookup.MISS not in answers and not (settle and Lookup.RETRY in answers):
                 return end, Lookup.RETRY in answers
             end -= 1
@@ -264,8 +251,8 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         start = first_block // self.options.blocks_per_chunk
         end = -(-end_block // self.options.blocks_per_chunk)
         num_planned = len(self._pending_loads)
-        self._plan_loads(state, [(g, chunk) for g in range(len(self.groups))
-                                 for chunk in self._needed_chunks(g, start, end)],
+        self._plan_loads(state, [(g, chunk) for g in range(len(self.chunks))
+                                 for chunk in self.chunks.needed(g, start, end)],
                          block_ids, first_block, end_block)
         if all(load.slot is not None or load.mapped is not None
                for load in self._pending_loads[num_planned:]):
@@ -280,39 +267,23 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         end_block): from their host slots, pinned in one call, or from a tier's mapped file."""
         planned = []
         for g, chunk in chunks:
-            offsets, ids = self._blocks_of_chunk(g, chunk, block_ids[g], first_block, end_block)
+            offsets, ids = self.chunks.blocks_of_chunk(g, chunk, block_ids[g], first_block,
+                                                       end_block)
             if ids:
                 planned.append((g, offsets, ids, self._key(state, g, chunk)))
         # A chunk not in host memory: a MAPPED answer, or a HIT another request's promotion
         # evicted since (then no slot and no mapping: the worker fails it, it is recomputed).
         slots = self.manager.prepare_loads([key for *_, key in planned])
+        pins = iter(self.manager.queries.pin_mapped([
+            (key, self.layouts[g].chunk_bytes)
+            for (g, *_, key), slot in zip(planned, slots) if slot is None]))
         for (g, offsets, ids, key), slot in zip(planned, slots):
-            mapped = None if slot is not None else self.manager.pin_mapped(
-                key, self.layouts[g].chunk_bytes)
+            pin = None if slot is not None else next(pins)
             transfer = ChunkTransfer(next(self._job_ids), state.request.request_id, g, slot,
-                                     offsets, ids, mapped)
+                                     offsets, ids, pin)
             self._pending_loads.append(transfer)
-            if slot is not None or mapped is not None:
-                self._transfers[transfer.job_id] = key, mapped
-
-    def _blocks_of_chunk(self, group_id: int, chunk: int, block_ids: list[int],
-                         first_block: int,
-                         end_block: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """(offsets in the chunk, device block ids) of the chunk's blocks in
-        [first_block, end_block), leaving out null blocks (outside a sliding window). A
-        recurrent-state chunk holds only its last block's state, at offset 0."""
-        per_chunk = self.options.blocks_per_chunk
-        first_index = chunk * per_chunk
-        if isinstance(self.groups[group_id], MambaSpec):
-            first_index = (chunk + 1) * per_chunk - 1
-        offsets, ids = [], []
-        for offset in range(self.layouts[group_id].blocks_per_chunk):
-            index = first_index + offset
-            if first_block <= index < min(end_block, len(block_ids)) \
-                    and block_ids[index] != _NULL_BLOCK_ID:
-                offsets.append(offset)
-                ids.append(block_ids[index])
-        return tuple(offsets), tuple(ids)
+            if slot is not None or pin is not None:
+                self._transfers[transfer.job_id] = key, pin
 
     # ---- stores and the step's metadata ------------------------------------------------------
 
@@ -362,7 +333,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         # Without this, a chunk filled by decoding counts no use and never meets the threshold.
         self._record_uses(state, num_chunks)
         for chunk in range(state.next_store_chunk, num_chunks):
-            for g in range(len(self.groups)):
+            for g in range(len(self.chunks)):
                 self._plan_store(state, g, chunk, state.block_ids[g], stores)
         state.next_store_chunk = max(state.next_store_chunk, num_chunks)
 
@@ -370,14 +341,14 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
         """Count this request's use of its chunks before `num_chunks` (each chunk once), where
         store_threshold needs more than the one use every stored chunk has."""
         for chunk in range(state.num_used_chunks, num_chunks):
-            for g in range(len(self.groups)) if self.options.store_threshold > 1 else ():
+            for g in range(len(self.chunks)) if self.options.store_threshold > 1 else ():
                 self.manager.record_use(self._key(state, g, chunk))
         state.num_used_chunks = max(state.num_used_chunks, num_chunks)
 
     def _plan_store(self, state: _RequestState, group_id: int, chunk: int,
                     block_ids: list[int], stores: list[ChunkTransfer]) -> None:
         per_chunk = self.options.blocks_per_chunk
-        offsets, ids = self._blocks_of_chunk(group_id, chunk, block_ids, chunk * per_chunk,
+        offsets, ids = self.chunks.blocks_of_chunk(group_id, chunk, block_ids, chunk * per_chunk,
                                              (chunk + 1) * per_chunk)
         if len(ids) != self.layouts[group_id].blocks_per_chunk:
             return  # part of it is gone (outside a sliding window): no whole chunk to store
@@ -414,7 +385,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             if done.direction == "device_to_host":
                 self.manager.complete_store(key, done.ok)
             elif mapped is not None:
-                self.manager.release_mapped(mapped)
+                self.manager.queries.release_mapped(mapped)
             else:
                 loaded.append(key)
         if loaded:

@@ -7,15 +7,14 @@ back to the scheduler half in its `OffloadingConnectorReport`.
 Loads (host -> device) are synchronous: the scheduler half plans one only for chunks already in
 host memory (or pinned in a tier's mapped file), so `start_load_kv` copies them on the engine
 thread before the forward that reads them, and a host hit costs no more scheduler steps than a
-device hit. A mapped chunk is checked to be in memory again right before the copy (see
-offload/tiers/slot_file.py): one that left fails the load, and its request recomputes. A load
-that cannot happen (its chunk left host memory since the lookup) or fails reports its blocks as
-load errors; the scheduler recomputes from there. Stores (device -> host) run on one copy
-thread, so they overlap sampling, scheduling and the next forward's preparation. They read full
-blocks, which never change while allocated; a block can only be reused after its request is
-freed, so the next step's `start_load_kv` first waits (with a deadline) for the previous step's
-stores. That fence is why the scheduler half never has to delay a free until `finished_sending`,
-and why no store runs while a load writes.
+device hit. A mapped chunk was found in memory by the lookup of this same step (see
+offload/tiers/slot_file.py). A load that cannot happen (its chunk left host memory since the
+lookup) or fails reports its blocks as load errors; the scheduler recomputes from there. Stores
+(device -> host) run on one copy thread, so they overlap sampling, scheduling and the next
+forward's preparation. They read full blocks, which never change while allocated; a block can
+only be reused after its request is freed, so the next step's `start_load_kv` first waits (with
+a deadline) for the previous step's stores. That fence is why the scheduler half never has to
+delay a free until `finished_sending`, and why no store runs while a load writes.
 """
 
 from __future__ import annotations
@@ -130,11 +129,6 @@ class OffloadingConnectorWorker(KVConnectorWorker):
         bad)."""
         start, num_bytes = time.monotonic(), 0
         try:
-            for transfer in loads:
-                mapped = transfer.mapped
-                if mapped is not None and not mapped.mapping.is_resident(mapped.offset,
-                                                                         mapped.num_bytes):
-                    raise OSError(f"{direction}: a mapped chunk left memory since its lookup")
             num_bytes = self._copier.host_to_device(loads)
             ok = True
         except Exception:  # a failed copy is a load error; the requests recompute

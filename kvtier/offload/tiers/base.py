@@ -138,14 +138,17 @@ class SecondaryTier(ABC):
     @abstractmethod
     def get_finished_jobs(self) -> Iterable[JobResult]: ...
 
-    def can_map(self, key: ChunkKey, num_bytes: int) -> bool:
-        """`key` (FOUND) can be loaded straight from the tier's mapped file now: checked and in
-        memory. This default: never."""
-        return False
+    def num_mappable(self, keys: Sequence[ChunkKey], num_bytes: int,
+                     in_memory: bool = True) -> int:
+        """How many of `keys`, from the first, can be loaded straight from the tier's mapped
+        file now (FOUND, checked, and unless `in_memory` is False, in memory), in one pass.
+        This default: none."""
+        return 0
 
-    def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
-        """Pin `key` in the mapped file for a load, or None if it can no longer be."""
-        return None
+    def pin_mapped(self, chunks: Sequence[tuple[ChunkKey, int]]) -> list[MappedChunk | None]:
+        """Pin each of `chunks` (key, payload bytes) in the mapped file for a load (None: it
+        can no longer be)."""
+        return [None] * len(chunks)
 
     def release_mapped(self, chunk: MappedChunk) -> None:
         """The load of a pinned chunk ended: the tier may overwrite it again."""

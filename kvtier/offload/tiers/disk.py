@@ -1,10 +1,9 @@
 """The disk tier: one instance's chunks in the slots of one preallocated file on a local disk.
 
-A store rewrites a slot in place: no file to create, name, allocate and delete per chunk, which
-is what the fs tier pays (on the VM of docs/benchmarks.md, 0.12 ms of machine CPU per 372 KB
-chunk written into a preallocated file against 0.27 ms for a file per chunk). The price is
-sharing: the file belongs to one instance (an exclusive lock); a cache several instances use
-is the fs tier's job.
+A store rewrites a slot in place: no file to create, name, allocate and delete per chunk as the
+fs tier does (on the VM of docs/benchmarks.md, 0.12 ms of machine CPU per 372 KB chunk written
+into a preallocated file, 0.27 ms for a file per chunk). The price is sharing: the file belongs
+to one instance (an exclusive lock); a cache several instances use is the fs tier's job.
 
 File `<root_dir>/<namespace hex>.kvslots`, little endian, with `<namespace hex>.json` beside it
 saying what the namespace covers (for operators):
@@ -27,16 +26,16 @@ Loads straight from the page cache: the file is also mapped read-only into the p
 (slot_file.MappedFile). A chunk whose payload this process has checked (it stored the slot, read
 it through a checked load, or checked it at start-up) and whose pages are all in memory is
 loaded into the device from the mapping in the step that admits its request, as a host hit is,
-instead of being promoted into a host slot first and loaded a step later (`can_map`,
+instead of being promoted into a host slot first and loaded a step later (`num_mappable`,
 `pin_mapped`). Its checksum is not computed again on the way: the file is this instance's alone
 (locked), so its bytes change only by this tier's own stores, which take the slot out of the
 checked ones first. At start-up a thread checks the indexed slots whose pages are in memory, the
 most recently stored first, so that a restart on a warm page cache loads this way at once. Off
 with `direct_loads=False`, and with a chunk secret (every load then checks its chunk's MAC).
 
-The root directory is resolved once at start-up (a symlink to a real directory is normal) and
-the slot file is opened without following a symlink: one planted in its place is refused, never
-truncated or grown. The file is created 0600 in a 0700 directory.
+The root directory is resolved once at start-up (a symlink to a real directory is normal); the
+slot file, created 0600 in a 0700 directory, is opened without following a symlink: one planted
+in its place is refused, never truncated or grown.
 """
 
 from __future__ import annotations
@@ -48,6 +47,7 @@ import os
 import struct
 import threading
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -123,7 +123,7 @@ FILE_HEADER_BYTES = _PAGE
 
 def slot_stride(max_chunk_bytes: int) -> int:
     """Bytes one slot takes in the file: a header page, then the chunk in whole pages."""
-    return _PAGE + _round_up(max_chunk_bytes, _PAGE)
+    return _PAGE + -(-max_chunk_bytes // _PAGE) * _PAGE
 
 
 class DiskTier(ThreadedTier):
@@ -211,28 +211,34 @@ class DiskTier(ThreadedTier):
             self._evicted.clear()
         return evicted
 
-    def can_map(self, key: ChunkKey, num_bytes: int) -> bool:
+    def num_mappable(self, keys: Sequence[ChunkKey], num_bytes: int, in_memory: bool = True) -> int:
+        offsets = []  # of the payloads of the leading keys the mapping may serve
         with self._lock:
-            slot = self._checked_slot(key, num_bytes)
-        return slot is not None and self._mapping.is_resident(self._offset(slot) + _PAGE,
-                                                              num_bytes)
+            for key in keys:
+                slot = self._checked_slot(key, num_bytes)
+                if slot is None:
+                    break
+                offsets.append(self._offset(slot) + _PAGE)
+        if not (in_memory and offsets):  # (no offsets without a mapping)
+            return len(offsets)
+        return self._mapping.num_resident(offsets, num_bytes)
 
-    def pin_mapped(self, key: ChunkKey, num_bytes: int) -> MappedChunk | None:
+    def pin_mapped(self, chunks: Sequence[tuple[ChunkKey, int]]) -> list[MappedChunk | None]:
+        pins: list[MappedChunk | None] = []
         with self._lock:
-            slot = self._checked_slot(key, num_bytes)
-            if slot is None:
-                return None
-            self._index.move_to_end(key)
-            self._pin(slot)
-        return MappedChunk(self, self._mapping, self._offset(slot) + _PAGE, num_bytes, slot)
+            for key, num_bytes in chunks:
+                slot = self._checked_slot(key, num_bytes)
+                if slot is not None:
+                    self._index.move_to_end(key)
+                    self._pin(slot)
+                pins.append(None if slot is None else MappedChunk(
+                    self, self._mapping, self._offset(slot) + _PAGE, num_bytes, slot))
+        return pins
 
     def _checked_slot(self, key: ChunkKey, num_bytes: int) -> int | None:
-        """`key`'s slot if it can be loaded from the mapping (checked, of `num_bytes`); under
-        the lock."""
+        """`key`'s slot if loadable from the mapping (checked, of `num_bytes`); under the lock."""
         slot = self._index.get(key)
-        if self._mapping is None or slot is None or self._checked.get(slot) != num_bytes:
-            return None
-        return slot
+        return slot if self._mapping is not None and self._checked.get(slot) == num_bytes else None
 
     def release_mapped(self, chunk: MappedChunk) -> None:
         with self._lock:
@@ -441,6 +447,3 @@ def _slot_problem(header: bytearray, key: ChunkKey, payload: memoryview,
         return str(exc)
     return None
 
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple

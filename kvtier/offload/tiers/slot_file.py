@@ -4,9 +4,11 @@ be loaded into the device straight from there (`MappedFile`).
 
 A read through the mapping of a page that is not in memory faults it in from the disk, and an
 I/O error there is a SIGBUS for the whole process, not an exception. So a chunk is only taken
-from the mapping when `mincore` says every page of it is in memory, at the lookup and again right
-before the copy; what is left is a page the kernel reclaims in the moment between that check and
-the copy, read back inside the copy (an I/O error then is the SIGBUS). The tier fills the page
+from the mapping when `mincore` says every page of it is in memory, at the lookup in the step
+that copies it; what is left is a page the kernel reclaims in the few milliseconds between that
+check and the copy, read back inside the copy (an I/O error then is the SIGBUS). Checking again
+right before the copy would cost as much as the check (~1.3 ms for an 8k-token prompt) for a
+window of about the same length as the copy itself. The tier fills the page
 table entries of the chunks it writes or checks ahead (MADV_POPULATE_READ, which reports an I/O
 error as an error), so that neither the check nor the copy faults them in: `mincore` over a 368 KB
 chunk takes ~2.5 us with its entries filled, ~9 us without, on the VM of docs/benchmarks.md.
@@ -77,13 +79,19 @@ class MappedFile:
         except (OSError, ValueError):
             return None
 
+    def num_resident(self, offsets: Sequence[int], num_bytes: int) -> int:
+        """How many of the ranges [offset, offset + num_bytes) of `offsets`, from the first,
+        have every page in memory (page-aligned offsets)."""
+        vector = (ctypes.c_ubyte * -(-num_bytes // mmap.PAGESIZE))()
+        for index, offset in enumerate(offsets):
+            if (self._mincore(ctypes.c_void_p(self._address + offset), num_bytes, vector) != 0
+                    or b"\x00" in bytes(vector).translate(_RESIDENT_BIT)):
+                return index
+        return len(offsets)
+
     def is_resident(self, offset: int, num_bytes: int) -> bool:
         """Every page of [offset, offset + num_bytes) is in memory (page-aligned `offset`)."""
-        pages = -(-num_bytes // mmap.PAGESIZE)
-        vector = (ctypes.c_ubyte * pages)()
-        if self._mincore(ctypes.c_void_p(self._address + offset), num_bytes, vector) != 0:
-            return False
-        return b"\x00" not in bytes(vector).translate(_RESIDENT_BIT)
+        return self.num_resident([offset], num_bytes) == 1
 
     def populate(self, offset: int, num_bytes: int) -> bool:
         """Map the pages of [offset, offset + num_bytes) into the process before they are read;
