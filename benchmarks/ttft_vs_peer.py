@@ -106,8 +106,12 @@ def evict(client: httpx.Client, url: str, rng: random.Random, device_kv_bytes: i
 
 
 def scrape_hits(url: str) -> dict[str, float]:
+    """Tokens each tier hit, and the bytes moved per direction (`bytes host_to_device`, ...):
+    which way a tier hit came in (a disk hit straight from the mapped file: disk_to_device)."""
     samples = parse_samples(httpx.get(f"{url}/metrics", timeout=30).text)
-    return {tier: hits.hits for tier, hits in tier_hits({}, samples).items()}
+    moved = {f"bytes {dict(labels)['direction']}": value
+             for (name, labels), value in samples.items() if name == "kvtier:offload_bytes"}
+    return {**{tier: hits.hits for tier, hits in tier_hits({}, samples).items()}, **moved}
 
 
 def kvtier_command(args: argparse.Namespace, port: int, disk_dir: str) -> list[str]:
