@@ -244,13 +244,13 @@ class TieringManager:
 
     def prepare_store(self, key: ChunkKey, num_bytes: int) -> SlotId | None:
         """A host slot to copy `key` into from the device, or None: already in host, not used
-        often enough yet, held by a tier that loads it from its mapped file (a second copy in
-        memory; its pages are not checked, ~2.5 us a chunk), or no slot free of transfers
-        (counted as a skipped store)."""
+        often enough yet, held by every tier in a file it loads from mapped (a host copy would
+        be a second one in memory, and no tier lacks it; the pages are not checked, ~2.5 us a
+        chunk), or no slot free of transfers (counted as a skipped store)."""
         threshold = self.config.store_threshold
         if threshold > 1 and self._uses.get(key, 0) < threshold:
             return None
-        if key not in self.host.entries and any(
+        if self.tiers and key not in self.host.entries and all(
                 self.queries.num_mappable(index, [key], num_bytes, in_memory=False)
                 for index in range(len(self.tiers))):
             return None

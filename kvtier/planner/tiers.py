@@ -9,9 +9,10 @@ followed: stores only once a chunk was used `store_threshold` times, write-throu
 chunk when host memory does (from its `admit_after_hits`-th host load, if set), write-back tiers
 when host memory evicts it, and a chunk found on a secondary tier is promoted into host memory
 before it is loaded, but for one the disk tier loads straight from its mapped file
-(`direct_loads`, without a chunk secret), which is not stored into host memory either: the
-engine does that when the chunk's pages are in the page cache, which the plan takes them to be
-(what a plan cannot see: the page cache of a disk tier larger than memory).
+(`direct_loads`, without a chunk secret), which is not stored into host memory either where
+every tier holds it so: the engine does that when the chunk's pages are in the page cache,
+which the plan takes them to be (what a plan cannot see: the page cache of a disk tier larger
+than memory).
 Transfers are instantaneous here; their time is the cost model's.
 """
 
@@ -156,12 +157,13 @@ class SimulatedOffload:
             self._uses[key] += 1
 
     def store(self, key: Hashable) -> None:
-        """The device computed `key`: into host memory (once used often enough, and unless a
-        tier loads it from its mapped file), and on to the write-through tiers that admit it."""
+        """The device computed `key`: into host memory (once used often enough, and unless every
+        tier holds it in a file it loads from mapped), and on to the write-through tiers that
+        admit it."""
         threshold = self.config.store_threshold
         if threshold > 1 and self._uses[key] < threshold:
             return
-        if not self.host.cache.is_ready(key) and any(
+        if self.tiers and not self.host.cache.is_ready(key) and all(
                 tier.maps and self._has(index, tier, key) for index, tier in enumerate(self.tiers)):
             return
         if not self._put_in_host(key):

@@ -163,6 +163,21 @@ def test_a_chunk_in_the_disk_tiers_mapped_file_is_pinned_for_a_load(make_manager
     assert stats.get('kvtier:offload_bytes_total{direction="disk_to_host"}', 0) == 0
 
 
+def test_a_chunk_every_tier_maps_is_not_stored_into_host_memory_again(make_manager, tmp_path):
+    # A memory tier that takes a chunk only at its first host hit: it lacks what never hit.
+    memory = {"type": "memory", "admit_after_hits": 1}
+    for others, stored_again in (([], False), ([memory], True)):
+        disk = {"type": "disk", "max_bytes": "1MiB", "root_dir": str(tmp_path / str(len(others)))}
+        manager = make_manager(offload_config(2, [disk, *others]))
+        if manager.tiers[0]._mapping is None:
+            pytest.skip("no file mapping with residency checks here")
+        for n in (1, 2, 3):  # 1 leaves the two host slots; the disk tier keeps it
+            store_from_device(manager, n)
+            drain(manager)
+        # Computed again on the device: a host copy is worth a slot only for the memory tier.
+        assert (manager.prepare_store(key(1), CHUNK) is not None) is stored_again
+
+
 def test_direct_loads_must_be_a_boolean(tmp_path):
     with pytest.raises(ValueError, match="disk.direct_loads must be true or false, got 'no'"):
         DiskTierOptions(root_dir=str(tmp_path), max_bytes="1MiB", direct_loads="no")
