@@ -101,8 +101,12 @@ class TierQueries:
                 pins[i] = pin
         return pins
 
-    def release_mapped(self, chunk: MappedChunk) -> None:
-        """The load of a pinned chunk ended: the tier may overwrite it again."""
+    def release_mapped(self, chunk: MappedChunk, key: ChunkKey, ok: bool = True) -> None:
+        """The load of `key`, pinned as `chunk`, ended: the tier may overwrite it again. One that
+        failed is not taken from that tier again for a while (`mark_failed`), as a failed
+        promotion is not: each request would fail it again."""
+        if not ok:
+            self.mark_failed(self.tiers.index(chunk.owner), key)
         try:
             chunk.owner.release_mapped(chunk)
         except Exception:

@@ -190,6 +190,11 @@ def test_a_failed_copy_from_the_mapped_file_is_recomputed(model, tmp_path, monke
         assert _bytes(metrics, "disk_to_device") == 0
         assert _tier(metrics, "errors", "disk") == 1  # one failed batch
         assert not tier._readers_of  # its pins released
+        # Out of the device again: the disk tier is not asked for those chunks for a while, so
+        # the prompt is recomputed instead of failing the same copy once more.
+        assert llm.engine.reset_prefix_cache()
+        assert _generate(llm, prompts[:1])[0] == expected[:1]
+        assert _tier(llm.get_metrics(), "errors", "disk") == 1
         llm.engine.check_invariants()
     finally:
         llm.engine.shutdown()

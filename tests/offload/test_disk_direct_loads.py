@@ -155,7 +155,7 @@ def test_a_chunk_in_the_disk_tiers_mapped_file_is_pinned_for_a_load(make_manager
     chunk, = manager.queries.pin_mapped([(key(1), CHUNK)])
     assert bytes(chunk.mapping.array[chunk.offset:chunk.offset + CHUNK]) == chunk_bytes(1)
     assert manager.tiers[0]._readers_of == {chunk.pin: 1}
-    manager.queries.release_mapped(chunk)
+    manager.queries.release_mapped(chunk, key(1))
     assert not manager.tiers[0]._readers_of
     assert manager.queries.pin_mapped([(key(9), CHUNK)]) == [None]
     stats = manager.metrics.snapshot()

@@ -385,7 +385,7 @@ class OffloadingConnectorScheduler(KVConnectorScheduler):
             if done.direction == "device_to_host":
                 self.manager.complete_store(key, done.ok)
             elif mapped is not None:
-                self.manager.queries.release_mapped(mapped)
+                self.manager.queries.release_mapped(mapped, key, done.ok)
             else:
                 loaded.append(key)
         if loaded:

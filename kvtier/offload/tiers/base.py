@@ -1,7 +1,7 @@
 """The secondary-tier API: four methods between the tiering manager and a storage back end
 (and optional ones: `take_evicted`, for KV events; `submit_loads`, several loads in one call;
-`can_map`, `pin_mapped` and `release_mapped`, for a tier whose chunks sit in a file mapped into
-the process, loaded into the device from there).
+`num_mappable`, `pin_mapped` and `release_mapped`, for a tier whose chunks sit in a file mapped
+into the process, loaded into the device from there).
 
 A tier never sees device memory. Every job hands it a `memoryview` of one host slot: a store job
 reads the chunk from it, a load job writes the chunk into it. Calls come from the engine thread
