@@ -8,10 +8,10 @@ from the mapping when `mincore` says every page of it is in memory, at the looku
 that copies it; what is left is a page the kernel reclaims in the few milliseconds between that
 check and the copy, read back inside the copy (an I/O error then is the SIGBUS). Checking again
 right before the copy would cost as much as the check (~1.3 ms for an 8k-token prompt) for a
-window of about the same length as the copy itself. The tier fills the page
-table entries of the chunks it writes or checks ahead (MADV_POPULATE_READ, which reports an I/O
-error as an error), so that neither the check nor the copy faults them in: `mincore` over a 368 KB
-chunk takes ~2.5 us with its entries filled, ~9 us without, on the VM of docs/benchmarks.md.
+window of about the same length as the copy itself. The tier fills the page table entries of the
+chunks it writes or checks ahead (MADV_POPULATE_READ, which reports an I/O error as an error), so
+that neither the check nor the copy faults them in: `mincore` over a 368 KB chunk takes ~2.5 us
+with its entries filled, ~9 us without, on the VM of docs/benchmarks.md.
 """
 
 from __future__ import annotations
