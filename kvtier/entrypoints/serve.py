@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
                     max_request_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-        timeout_graceful_shutdown=int(args.shutdown_timeout)))
+        timeout_graceful_shutdown=args.shutdown_timeout))  # asyncio.timeout takes a float
     logger.info("serving %s on http://%s:%d", names[0], args.host, args.port)
     sys.setswitchinterval(args.switch_interval)
     use_one_cpu_thread()  # the HTTP loop's torch ops (if any) start no OpenMP team

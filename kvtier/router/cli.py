@@ -59,11 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-request-body-bytes", default="8MiB",
                         help="largest request body accepted (default 8MiB)")
     parser.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish at shutdown (default 30)")
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.shutdown_timeout <= 0:
+        raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
     return RouterConfig(
         instances=tuple(args.instance), prefill=tuple(args.prefill), decode=tuple(args.decode),
         prefill_timeout_s=args.prefill_timeout,
@@ -88,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger(__name__).info(
         "routing (%s) over %d instance(s), %d prefill, %d decode, on http://%s:%d", config.policy,
         len(config.instances), len(config.prefill), len(config.decode), args.host, args.port)
+    # Past the timeout uvicorn drops what is still open (a client that stalls mid-body or
+    # stops reading a stream would otherwise hold the exit forever).
     uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                  log_level=args.uvicorn_log_level)).run()
+                                  log_level=args.uvicorn_log_level,
+                                  timeout_graceful_shutdown=args.shutdown_timeout)
+                   ).run()
     return 0
