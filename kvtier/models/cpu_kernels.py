@@ -10,11 +10,13 @@ tests hold to the same reference.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,9 @@ _HEADERS = tuple(_CSRC / name
 # so both share one thread pool.
 _CFLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 _LDFLAGS = ["-fopenmp"]
+# A build (or a wait for another process's build) that has not ended by then is given up: the
+# process uses the torch path. A first build takes ~30-60 s on 2 cores.
+BUILD_DEADLINE_S = 600.0
 
 _lock = threading.Lock()
 _loaded: dict[str, Any] = {}  # "ops": torch.ops.kvtier or None once built
@@ -65,18 +70,56 @@ def _build():
     if os.environ.get(DISABLE_ENV, "1") == "0":
         return None
     _put_ninja_on_path()
+    name = _build_name()
+    lock = _remove_stale_lock(name)
+    outcome: list[BaseException | None] = []
+    # torch waits for another build's lock file with no end: the load runs on a thread that
+    # this one waits for with a deadline (a thread left waiting only sleeps).
+    thread = threading.Thread(target=_load, args=(name, outcome), daemon=True,
+                              name="kvtier-cpu-kernels-build")
+    thread.start()
+    thread.join(BUILD_DEADLINE_S)
+    if not outcome:
+        logger.warning("kvtier CPU kernels: the build did not end within %.0f s (waiting for "
+                       "%s? remove it if no build is running); using the slower torch "
+                       "attention.", BUILD_DEADLINE_S, lock or "another build's lock")
+        return None
+    if outcome[0] is not None:  # any build failure: the torch path still works
+        logger.warning("kvtier CPU kernels unavailable (%s); using the slower torch attention. "
+                       "Install a C++ compiler and ninja to enable them, or set %s=0 to skip "
+                       "the build.", _last_line(outcome[0]), DISABLE_ENV)
+        return None
+    return torch.ops.kvtier
+
+
+def _load(name: str, outcome: list[BaseException | None]) -> None:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=_build_name(), sources=[str(p) for p in _SOURCES],
-             extra_cflags=_CFLAGS, extra_ldflags=_LDFLAGS,
-             is_python_module=False, verbose=False)
-    except Exception as exc:  # any build failure: the torch path still works
-        logger.warning("kvtier CPU kernels unavailable (%s); using the slower torch attention. "
-                       "Install a C++ compiler and ninja to enable them, or set %s=0 to skip "
-                       "the build.", _last_line(exc), DISABLE_ENV)
+        load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=_CFLAGS,
+             extra_ldflags=_LDFLAGS, is_python_module=False, verbose=False)
+    except Exception as exc:
+        outcome.append(exc)
+    else:
+        outcome.append(None)
+
+
+def _remove_stale_lock(name: str) -> str | None:
+    """The path of torch's build lock for `name`; removed first when it is older than a build
+    can take (a process killed mid-build left it, and every load would wait for it)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        lock = os.path.join(_get_build_directory(name, verbose=False), "lock")
+        age = time.time() - os.stat(lock).st_mtime
+    except (ImportError, OSError):  # no such lock (or a torch that places it elsewhere)
         return None
-    return torch.ops.kvtier
+    if age > BUILD_DEADLINE_S:
+        logger.warning("kvtier CPU kernels: removing %s, left %.0f s ago by a build that did "
+                       "not finish", lock, age)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(lock)
+    return lock
 
 
 def _build_name() -> str:
