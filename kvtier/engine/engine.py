@@ -110,6 +110,10 @@ class Engine:
         when the waiting queue is full."""
         if self._outputs.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
+        if priority != 0 and self.config.scheduler.policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduling policy "
+                             "(--scheduling-policy priority); this engine serves in arrival "
+                             "order")
         self._check_params(params)
         prompt_text, token_ids = self._tokenize(prompt)
         arrival = time.time() if arrival_time is None else arrival_time

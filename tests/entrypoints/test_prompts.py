@@ -1,4 +1,5 @@
-"""Completion prompts in OpenAI's four forms, checked before the engine sees them."""
+"""Completion prompts in OpenAI's four forms, checked before the engine sees them, and chat
+prompts as the template renders them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,14 @@ from types import SimpleNamespace
 import pytest
 
 from kvtier.entrypoints.openai.errors import BadRequestError
-from kvtier.entrypoints.openai.prompts import check_text, completion_prompts, prompt_chars
-from kvtier.entrypoints.openai.protocol import CompletionRequest
+from kvtier.entrypoints.openai.prompts import (
+    chat_prompt,
+    check_text,
+    completion_prompts,
+    prompt_chars,
+)
+from kvtier.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from kvtier.models.tokenizer import Tokenizer
 
 VOCAB = 100
 CTX = SimpleNamespace(vocab_size=VOCAB, tokenizer=None)
@@ -46,3 +53,44 @@ def test_a_lone_surrogate_is_found_in_a_list_of_texts_not_mistaken_in_token_ids(
     with pytest.raises(BadRequestError) as info:
         check_text(body)
     assert info.value.param == "prompt[1]"
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer(tiny_model):
+    return Tokenizer.from_hf_dir(tiny_model[0])
+
+
+def _chat(tokenizer, template: str | None = None, **fields):
+    if template is not None:
+        tokenizer = Tokenizer(tokenizer.backend, bos_token=None, eos_token=None,
+                              chat_template=template)
+    ctx = SimpleNamespace(vocab_size=tokenizer.vocab_size, tokenizer=tokenizer)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "It is "}]
+    return chat_prompt(ctx, ChatCompletionRequest.model_validate(
+        {"messages": messages, "add_generation_prompt": False, **fields}))
+
+
+def test_continue_final_message_leaves_the_last_message_open(byte_tokenizer):
+    closed = _chat(byte_tokenizer)
+    open_ = _chat(byte_tokenizer, continue_final_message=True)
+    assert open_.text.endswith("assistant\nIt is")  # the template's closing tokens dropped
+    assert closed.text == open_.text + " <|im_end|>\n"
+    assert closed.token_ids[:len(open_.token_ids)] == open_.token_ids
+
+
+def test_continue_final_message_needs_the_text_in_the_rendered_chat(byte_tokenizer):
+    with pytest.raises(BadRequestError) as info:
+        _chat(byte_tokenizer, "{% for m in messages %}{{ m['role'] }}{% endfor %}",
+              continue_final_message=True)
+    assert info.value.param == "continue_final_message"
+
+
+def test_chat_template_kwargs_reach_the_template_but_not_its_own_names(byte_tokenizer):
+    template = "{% if think %}<think>{% endif %}{% for m in messages %}{{ m['content'] }}" \
+               "{% endfor %}"
+    assert _chat(byte_tokenizer, template, chat_template_kwargs={"think": True}).text == \
+        "<think>HiIt is "
+    assert _chat(byte_tokenizer, template).text == "HiIt is "
+    with pytest.raises(BadRequestError) as info:
+        _chat(byte_tokenizer, template, chat_template_kwargs={"messages": []})
+    assert info.value.param == "chat_template_kwargs"

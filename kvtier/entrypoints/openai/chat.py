@@ -61,12 +61,13 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
         else "max_tokens"
     check_context(ctx, prompt, params.max_tokens, "messages", max_tokens_param)
     ctx.metrics.observe_params(params.n, params.max_tokens)
-    response_id = f"chatcmpl-{base_request_id(raw)}"
+    request_id = base_request_id(raw)
+    response_id = f"chatcmpl-{request_id}"
     generations = await open_or_none(raw, ctx, [prompt], params, [response_id],
                                      engine_options(body))
     if generations is None:
         return Response(status_code=499)
-    headers = {REQUEST_ID_HEADER: response_id}
+    headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
     if body.stream:
         return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id),
                                  media_type="text/event-stream",
@@ -75,7 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     if finals is None:
         return Response(status_code=499)
     response = _response(ctx, body, prompt, finals[0], response_id)
-    return JSONResponse(response.model_dump(exclude_none=True), headers=headers)
+    return JSONResponse(response.model_dump(), headers=headers)
 
 
 def _num_top(body: ChatCompletionRequest) -> int:
@@ -98,7 +99,7 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
     num_completion = sum(len(c.token_ids) for c in final.outputs)
     usage = usage_info(ctx, len(prompt.token_ids), num_completion, final.num_cached_tokens)
     return ChatCompletionResponse(
-        id=response_id, model=ctx.model_name, choices=choices, usage=usage,
+        id=response_id, model=ctx.response_model(body.model), choices=choices, usage=usage,
         prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
         kv_transfer_params=final.kv_transfer_params)
 
@@ -108,6 +109,7 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
     tracker = DeltaTracker()
     num_cached = 0
     options = body.stream_options
+    model = ctx.response_model(body.model)
 
     def usage() -> UsageInfo:
         return usage_info(ctx, len(prompt.token_ids), tracker.num_completion_tokens,
@@ -124,12 +126,11 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
                        if (choice := _stream_choice(ctx, body, tracker, completion))]
             if choices:
                 continuous = options is not None and options.continuous_usage_stats
-                yield sse(ChatCompletionChunk(id=response_id, model=ctx.model_name,
-                                              choices=choices,
+                yield sse(ChatCompletionChunk(id=response_id, model=model, choices=choices,
                                               usage=usage() if continuous else None))
         else:
             if options and options.include_usage:
-                yield sse(ChatCompletionChunk(id=response_id, model=ctx.model_name, choices=[],
+                yield sse(ChatCompletionChunk(id=response_id, model=model, choices=[],
                                               usage=usage()))
     except Exception as exc:  # the stream has started: report in-band, then end it
         yield sse_error(to_api_error(exc))

@@ -63,14 +63,15 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         check_context(ctx, prompt, params.max_tokens,
                       "prompt" if len(prompts) == 1 else f"prompt[{i}]", "max_tokens")
     ctx.metrics.observe_params(params.n, params.max_tokens)
-    response_id = f"cmpl-{base_request_id(raw)}"
+    request_id = base_request_id(raw)
+    response_id = f"cmpl-{request_id}"
     request_ids = [response_id] if len(prompts) == 1 else \
         [f"{response_id}-{i}" for i in range(len(prompts))]
     generations = await open_or_none(raw, ctx, prompts, params, request_ids,
                                      engine_options(body))
     if generations is None:
         return Response(status_code=499)
-    headers = {REQUEST_ID_HEADER: response_id}
+    headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
     if body.stream:
         return StreamingResponse(_stream(ctx, body, prompts, generations, response_id),
                                  media_type="text/event-stream",
@@ -79,7 +80,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     if finals is None:
         return Response(status_code=499)
     response = _response(ctx, body, prompts, finals, response_id)
-    return JSONResponse(response.model_dump(exclude_none=True), headers=headers)
+    return JSONResponse(response.model_dump(), headers=headers)
 
 
 def _choice_text(body: CompletionRequest, prompt_text: str, completion: CompletionOutput) -> str:
@@ -111,8 +112,9 @@ def _response(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt]
     num_completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
     usage = usage_info(ctx, sum(len(p.token_ids) for p in prompts), num_completion,
                        sum(f.num_cached_tokens for f in finals))
-    return CompletionResponse(id=response_id, model=ctx.model_name, choices=choices,
-                              usage=usage, kv_transfer_params=finals[0].kv_transfer_params)
+    return CompletionResponse(id=response_id, model=ctx.response_model(body.model),
+                              choices=choices, usage=usage,
+                              kv_transfer_params=finals[0].kv_transfer_params)
 
 
 async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt],
@@ -121,6 +123,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Pro
     num_cached = [0] * len(prompts)
     num_prompt = sum(len(p.token_ids) for p in prompts)
     options = body.stream_options
+    model = ctx.response_model(body.model)
 
     def usage() -> UsageInfo:
         return usage_info(ctx, num_prompt, sum(t.num_completion_tokens for t in trackers),
@@ -137,12 +140,11 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Pro
                                      trackers[prompt_index], output)
             if choices:
                 continuous = options is not None and options.continuous_usage_stats
-                yield sse(CompletionChunk(id=response_id, model=ctx.model_name,
-                                          choices=choices,
+                yield sse(CompletionChunk(id=response_id, model=model, choices=choices,
                                           usage=usage() if continuous else None))
         else:
             if options and options.include_usage:
-                yield sse(CompletionChunk(id=response_id, model=ctx.model_name, choices=[],
+                yield sse(CompletionChunk(id=response_id, model=model, choices=[],
                                           usage=usage()))
     except Exception as exc:  # the stream has started: report in-band, then end it
         yield sse_error(to_api_error(exc))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvtier.engine.async_llm import AsyncLLM
-from kvtier.entrypoints.openai.errors import BadRequestError
+from kvtier.entrypoints.openai.errors import NotFoundError
 
 T = TypeVar("T")
 # Prompts of more characters than this are tokenized on a worker thread: a long one would stall
@@ -93,6 +93,11 @@ class ServerContext:
     def check_model(self, requested: str | None) -> None:
         """None means the served model (vLLM allows leaving it out)."""
         if requested is not None and requested not in self.served_model_names:
-            raise BadRequestError(f"the model '{requested}' does not exist; this server serves "
-                                  f"{', '.join(self.served_model_names)}", param="model",
-                                  code="model_not_found")
+            raise NotFoundError(f"the model '{requested}' does not exist; this server serves "
+                                f"{', '.join(self.served_model_names)}", param="model",
+                                code="model_not_found")
+
+    def response_model(self, requested: str | None) -> str:
+        """The served name a response carries: the one the request used (checked), else the
+        first."""
+        return requested or self.model_name

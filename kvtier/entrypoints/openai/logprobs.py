@@ -34,8 +34,12 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int],
         text = token_text(tokenizer, token_id)
         result.tokens.append(text)
         result.token_logprobs.append(entry.get(token_id))
-        result.top_logprobs.append({token_text(tokenizer, t): lp
-                                    for t, lp in _top(entry, num_top)})
+        # The sampled token and the top `num_top` (up to num_top + 1 entries), as OpenAI's
+        # completions API has them.
+        top = _top(entry, num_top)
+        if token_id in entry and all(t != token_id for t, _ in top):
+            top.append((token_id, entry[token_id]))
+        result.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
         result.text_offset.append(offset)
         offset += len(text)
     return result

@@ -1,24 +1,41 @@
 """Request and response bodies of the OpenAI-compatible API, with vLLM's extra fields.
 
 Only types live here; limits are checked where requests become SamplingParams (sampling.py),
-so each rule has one home. Unknown request fields are ignored, as OpenAI and vLLM do: clients
-send fields (user, metadata, store) that change nothing here. Booleans are strict: "yes" or 1
+so each rule has one home. Unknown request fields are kept aside and ignored, as OpenAI and
+vLLM do: clients send fields (user, metadata, store) that change nothing here; those known to
+change the output are refused there (sampling.py). A null is a field left out (OpenAI's fields
+are nullable, and clients send null for what they do not set). Booleans are strict: "yes" or 1
 for `stream` is refused rather than guessed at.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StrictBool,
+    model_serializer,
+    model_validator,
+)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {name: value for name, value in data.items() if value is not None}
+        return data
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(_Request):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
@@ -60,6 +77,7 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class TextPart(BaseModel):
@@ -83,6 +101,23 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
+    # vLLM's: the last message is left open for the model to go on with (no generation
+    # prompt after it), and extra variables for the chat template (e.g. enable_thinking).
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class _Response(BaseModel):
+    """A response body: every field is in the JSON, null or not, as in OpenAI's responses,
+    except the extras named in `_omitted_when_none` (fields only some requests ask for)."""
+
+    _omitted_when_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unasked_extras(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        return {name: value for name, value in data.items()
+                if value is not None or name not in self._omitted_when_none}
 
 
 class ErrorInfo(BaseModel):
@@ -100,7 +135,8 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
-class UsageInfo(BaseModel):
+class UsageInfo(_Response):
+    _omitted_when_none = frozenset({"prompt_tokens_details"})
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
@@ -114,7 +150,8 @@ class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class CompletionChoice(_Response):
+    _omitted_when_none = frozenset({"prompt_token_ids", "token_ids"})
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -124,7 +161,8 @@ class CompletionChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(_Response):
+    _omitted_when_none = frozenset({"kv_transfer_params"})
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -153,7 +191,8 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(BaseModel):
+class ChatChoice(_Response):
+    _omitted_when_none = frozenset({"token_ids"})
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogProbs | None = None
@@ -162,7 +201,8 @@ class ChatChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Response):
+    _omitted_when_none = frozenset({"prompt_token_ids", "kv_transfer_params"})
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -173,12 +213,14 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_Response):
+    _omitted_when_none = frozenset({"role", "content"})
     role: str | None = None
     content: str | None = None
 
 
-class ChatStreamChoice(BaseModel):
+class ChatStreamChoice(_Response):
+    _omitted_when_none = frozenset({"token_ids"})
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
@@ -187,7 +229,8 @@ class ChatStreamChoice(BaseModel):
     token_ids: list[int] | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Response):
+    _omitted_when_none = frozenset({"usage"})  # present only with include_usage
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
@@ -196,7 +239,8 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(_Response):
+    _omitted_when_none = frozenset({"usage"})
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))

@@ -34,17 +34,29 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
                  "repetition_penalty")
 # logit_bias values are clamped to +-this.
 MAX_LOGIT_BIAS = 100.0
+# Fields of OpenAI's API or of vLLM's that would change the answer and that kvtier does not
+# implement: refused when set to anything but their "off" value (other unknown fields are
+# ignored). Each name maps to the values that mean off besides null, false, [] and {}.
+_UNSUPPORTED = {name: () for name in (
+    "prompt_logprobs", "bad_words", "allowed_token_ids", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
+    "truncate_prompt_tokens", "logits_processors")}
+_UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "functions": (), "function_call": ("none",),
+                        "tool_choice": ("none",), "audio": (), "modalities": (["text"],),
+                        "documents": (), "chat_template": ()}
 
 
 def completion_sampling_params(request: CompletionRequest, num_prompts: int,
                                defaults: Mapping[str, float] | None = None) -> SamplingParams:
     _check_common(request, num_prompts)
+    _refuse_unsupported(request, _UNSUPPORTED)
     if request.best_of is not None and request.best_of != request.n:
         raise BadRequestError("best_of other than n is not supported", param="best_of",
                               code="unsupported_parameter")
     if request.suffix is not None:
         raise BadRequestError("suffix is not supported", param="suffix",
                               code="unsupported_parameter")
+    _check_response_format(request.response_format)
     _check_logprobs(request.logprobs, "logprobs")
     return _build(request, max_tokens=request.max_tokens, max_tokens_param="max_tokens",
                   logprobs=request.logprobs, defaults=defaults)
@@ -53,12 +65,15 @@ def completion_sampling_params(request: CompletionRequest, num_prompts: int,
 def chat_sampling_params(request: ChatCompletionRequest,
                          defaults: Mapping[str, float] | None = None) -> SamplingParams:
     _check_common(request, 1)
+    _refuse_unsupported(request, _UNSUPPORTED_IN_CHAT)
     if request.tools:
         raise BadRequestError("tools are not supported", param="tools",
                               code="unsupported_parameter")
-    if request.response_format and request.response_format.get("type", "text") != "text":
-        raise BadRequestError("only response_format {\"type\": \"text\"} is supported",
-                              param="response_format", code="unsupported_parameter")
+    _check_response_format(request.response_format)
+    if request.continue_final_message and request.add_generation_prompt:
+        raise BadRequestError("continue_final_message needs add_generation_prompt set to false "
+                              "(the last message is continued, not answered)",
+                              param="continue_final_message", code="invalid_value")
     if request.top_logprobs is not None and not request.logprobs:
         raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs",
                               code="invalid_value")
@@ -101,6 +116,21 @@ def logit_bias(request: SamplingFields) -> dict[int, float] | None:
     return bias
 
 
+def _refuse_unsupported(request: SamplingFields, fields: Mapping[str, tuple]) -> None:
+    for name, value in (request.model_extra or {}).items():
+        # `is False`: 0 == False, and prompt_logprobs=0 asks for something.
+        off = value is False or value == [] or value == {} or value in fields.get(name, ())
+        if name in fields and not off:
+            raise BadRequestError(f"{name} is not supported; leave it unset", param=name,
+                                  code="unsupported_parameter")
+
+
+def _check_response_format(response_format: dict | None) -> None:
+    if response_format and response_format.get("type", "text") != "text":
+        raise BadRequestError("only response_format {\"type\": \"text\"} is supported",
+                              param="response_format", code="unsupported_parameter")
+
+
 def _check_common(request: SamplingFields, num_prompts: int) -> None:
     for name in _FLOAT_FIELDS:
         value = getattr(request, name)
@@ -112,6 +142,9 @@ def _check_common(request: SamplingFields, num_prompts: int) -> None:
                               f"{request.n * num_prompts}", param="n", code="invalid_value")
     if request.seed is not None and not _SEED_RANGE[0] <= request.seed <= _SEED_RANGE[1]:
         raise BadRequestError("seed must fit in 64 bits", param="seed", code="invalid_value")
+    if request.stream_options is not None and not request.stream:
+        raise BadRequestError("stream_options needs stream set to true",
+                              param="stream_options", code="invalid_value")
 
 
 def _check_logprobs(value: int | None, param: str) -> None:

@@ -25,7 +25,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse(body: BaseModel) -> str:
-    return f"data: {body.model_dump_json(exclude_none=True)}\n\n"
+    return f"data: {body.model_dump_json()}\n\n"
 
 
 def sse_error(error: APIError) -> str:

@@ -1,4 +1,5 @@
-"""GET /v1/models, /v1/kv_events_info, /v1/kv_transfer_info, /health, /version, /metrics."""
+"""GET /v1/models[/{model}], /v1/kv_events_info, /v1/kv_transfer_info, /health (and HEAD),
+/version, /metrics."""
 
 from __future__ import annotations
 
@@ -20,12 +21,23 @@ def _ctx(raw: Request) -> ServerContext:
     return raw.app.state.ctx
 
 
+def _card(ctx: ServerContext, name: str) -> ModelCard:
+    return ModelCard(id=name, root=ctx.model_path or ctx.engine.model_name,
+                     max_model_len=ctx.max_model_len)
+
+
 @router.get("/v1/models")
 async def list_models(raw: Request) -> JSONResponse:
     ctx = _ctx(raw)
-    cards = [ModelCard(id=name, root=ctx.model_path or ctx.engine.model_name,
-                       max_model_len=ctx.max_model_len) for name in ctx.served_model_names]
+    cards = [_card(ctx, name) for name in ctx.served_model_names]
     return JSONResponse(ModelList(data=cards).model_dump())
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, raw: Request) -> JSONResponse:
+    ctx = _ctx(raw)
+    ctx.check_model(model)
+    return JSONResponse(_card(ctx, model).model_dump())
 
 
 @router.get("/v1/kv_events_info")
@@ -61,7 +73,7 @@ def _transport_address(connector: Any) -> str | None:
     return None
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])
 async def health(raw: Request) -> Response:
     """200 while the engine loop runs; 503 once it has stopped (a load balancer drains us)."""
     if not _ctx(raw).async_llm.is_running:

@@ -1,0 +1,151 @@
+"""How the server reads OpenAI's and vLLM's request fields beyond sampling: nulls, fields it
+refuses rather than ignore, the served names, logprobs' shape, probes. A real server process."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from .server_process import ServerProcess
+
+MODEL, ALIAS = "tiny", "tiny-alias"
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    proc = ServerProcess(tiny_model[0], "--served-model-name", MODEL, ALIAS,
+                         "--num-device-blocks", "64", "--block-size", "16",
+                         "--max-model-len", "256")
+    yield proc
+    proc.stop()
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60.0)
+
+
+def completion(server, **fields) -> httpx.Response:
+    return post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 3,
+                                            "temperature": 0.0, **fields})
+
+
+def chat(server, **fields) -> httpx.Response:
+    return post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+        "temperature": 0.0, **fields})
+
+
+def test_a_null_is_a_field_left_out(server):
+    plain = completion(server)
+    nulls = completion(server, n=None, stream=None, echo=None, presence_penalty=None,
+                       frequency_penalty=None, min_tokens=None, ignore_eos=None,
+                       skip_special_tokens=None, priority=None, stream_options=None)
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"]
+    assert chat(server, logprobs=None, add_generation_prompt=None, n=None).status_code == 200
+
+
+@pytest.mark.parametrize("send, field", [
+    (completion, {"prompt_logprobs": 0}),
+    (completion, {"bad_words": ["a"]}),
+    (completion, {"allowed_token_ids": [5]}),
+    (completion, {"guided_json": {"type": "object"}}),
+    (completion, {"structured_outputs": {"regex": "a+"}}),
+    (completion, {"use_beam_search": True}),
+    (completion, {"truncate_prompt_tokens": 2}),
+    (completion, {"response_format": {"type": "json_object"}}),
+    (chat, {"functions": [{"name": "f"}]}),
+    (chat, {"tool_choice": "required"}),
+    (chat, {"modalities": ["text", "audio"]}),
+    (chat, {"chat_template": "{{ messages }}"}),
+])
+def test_a_field_that_would_change_the_answer_is_refused_naming_it(server, send, field):
+    response = send(server, **field)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == (next(iter(field)), "unsupported_parameter")
+
+
+@pytest.mark.parametrize("send, field", [
+    (completion, {"use_beam_search": False}), (completion, {"bad_words": []}),
+    (chat, {"tool_choice": "none"}), (chat, {"modalities": ["text"]}),
+    (completion, {"user": "someone", "metadata": {"a": "b"}}),  # unknown: ignored
+])
+def test_such_a_field_set_to_off_or_an_unknown_one_is_accepted(server, send, field):
+    assert send(server, **field).status_code == 200
+
+
+@pytest.mark.parametrize("field, param", [
+    ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"priority": 3}, None),  # the server schedules in arrival order
+])
+def test_fields_that_need_another_setting_are_refused(server, field, param):
+    response = completion(server, **field)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+    assert next(iter(field)) in response.json()["error"]["message"]
+
+
+def test_completion_top_logprobs_hold_the_sampled_token(server):
+    for num_top in (0, 2):
+        choice = completion(server, logprobs=num_top, temperature=1.0, seed=3,
+                            max_tokens=4).json()["choices"][0]
+        logprobs = choice["logprobs"]
+        for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"],
+                                       logprobs["top_logprobs"]):
+            assert top[token] == logprob
+            # (byte tokens that are no UTF-8 alone all read "\ufffd", so keys can merge)
+            assert 1 <= len(top) <= num_top + 1
+
+
+def test_an_unknown_model_is_a_404_and_each_served_name_is_answered_as_asked(server):
+    missing = completion(server, model="other")
+    assert missing.status_code == 404
+    assert (missing.json()["error"]["param"], missing.json()["error"]["code"]) == (
+        "model", "model_not_found")
+    assert completion(server, model=ALIAS).json()["model"] == ALIAS
+    assert chat(server, model=ALIAS).json()["model"] == ALIAS
+    assert completion(server).json()["model"] == MODEL
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0) as client:
+        assert client.models.retrieve(ALIAS).id == ALIAS
+        with pytest.raises(openai.NotFoundError):
+            client.models.retrieve("other")
+
+
+def test_health_answers_head_requests(server):
+    assert httpx.head(f"{server.url}/health").status_code == 200
+
+
+def test_continue_final_message_goes_on_with_the_last_message(server):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "It is"}]
+    answered = chat(server, messages=messages, continue_final_message=True)
+    assert answered.status_code == 400  # the generation prompt would follow the message
+    assert answered.json()["error"]["param"] == "continue_final_message"
+    continued = chat(server, messages=messages, add_generation_prompt=False,
+                     continue_final_message=True, return_token_ids=True).json()
+    closed = chat(server, messages=messages, add_generation_prompt=False,
+                  return_token_ids=True).json()
+    prompt = continued["prompt_token_ids"]
+    assert closed["prompt_token_ids"][:len(prompt)] == prompt
+    assert len(prompt) < len(closed["prompt_token_ids"])
+
+
+def test_responses_carry_openais_null_fields_and_no_unasked_extras(server):
+    choice = completion(server).json()["choices"][0]
+    assert choice["logprobs"] is None and "token_ids" not in choice
+    message_choice = chat(server).json()["choices"][0]
+    assert message_choice["logprobs"] is None and "token_ids" not in message_choice
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60.0, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "ignore_eos": True, "stream": True}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    first = chunks[0]["choices"][0]
+    assert first["finish_reason"] is None and first["logprobs"] is None
+    assert first["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all("usage" not in chunk for chunk in chunks)  # include_usage not asked
