@@ -11,6 +11,9 @@ import inspect
 from typing import TypeVar
 
 PluginT = TypeVar("PluginT")
+# Packages built-in plugins import that a plain install lacks -> the extra that brings them.
+_EXTRAS = {"boto3": "stores", "botocore": "stores", "redis": "stores",
+           "mooncake": "mooncake"}
 
 
 class PluginRegistry:
@@ -47,6 +50,11 @@ class PluginRegistry:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
+            missing = (getattr(exc, "name", None) or "").split(".")[0]
+            if missing in _EXTRAS:
+                raise self.error_cls(f"{self.what} module {module_name!r} needs the package "
+                                     f"{missing!r}, which is not installed: pip install "
+                                     f"'kvtier[{_EXTRAS[missing]}]'") from exc
             raise self.error_cls(f"cannot import {self.what} module {module_name!r}: {exc} "
                                  f"(is it on PYTHONPATH?)") from exc
         if not hasattr(module, class_name):

@@ -11,6 +11,7 @@ import json
 import sys
 from pathlib import Path
 
+from kvtier.common.plotting import require_matplotlib
 from kvtier.common.sizes import parse_size
 from kvtier.entrypoints.bench.trace import TRACE_BLOCK_TOKENS, TraceScaling
 from kvtier.offload.config import OffloadConfig, parse_kv_offload
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # Without this, `calibrate --output` would be taken for an abbreviation of the plan's own
     # --output-json / --output-plot before the sub-command gets it.
     parser.allow_abbrev = False
-    commands = parser.add_subparsers(dest="plan_command", metavar="calibrate")
+    commands = parser.add_subparsers(dest="plan_command", metavar="[calibrate]")
     calibrate = commands.add_parser(
         "calibrate", help="measure this machine with a model; write a cost model JSON",
         description="Batches of prompts through the engine with every step timed (prefills "
@@ -109,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
         return _run_calibrate(args)
     config = _plan_config(args)
     sweep = None if args.sweep is None else parse_sweep(args.sweep)
-    if args.output_plot is not None and sweep is None:
-        raise ValueError("--output-plot draws the sweep; add --sweep TIER=LOW..HIGH")
+    if args.output_plot is not None:
+        if sweep is None:
+            raise ValueError("--output-plot draws the sweep; add --sweep TIER=LOW..HIGH")
+        require_matplotlib()
     print(config.scaling.describe(), file=sys.stderr)
     report = run_plan(config)
     if sweep is not None:

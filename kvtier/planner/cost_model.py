@@ -6,20 +6,19 @@ One engine step runs the prefill chunks and the decoding sequences scheduled tog
              + prefill_s_per_pair * prefill attention pairs
              + decode_s_per_context_token * tokens the decoding sequences attend to
 
-A prefill chunk of n tokens after c tokens already computed has n * c + n * (n + 1) / 2
-attention pairs (each token attends to the context and to the chunk up to itself): the cost that
-makes long prompts slower than their length alone says. A decoding sequence reads its whole
-context once a step. A prefix loaded from a tier costs its bytes times that tier's
-`load_s_per_byte` (a chunk on disk is read into host memory and then copied to the device: both
-costs; the disk tier's loads straight from the page cache cost less, which the plan does not
-count). A chunk stored to a tier (the device's copy into host memory, host memory's write to a
-secondary tier) costs its bytes times that tier's `store_s_per_byte`, charged to the step that
-computed it: the stores run on threads beside the steps, and on a machine without spare cores
-they take the steps' time. Serving adds `server_s_per_step` to every step and
-`server_s_per_token` to every token the step streams (its first tokens and decodes): the HTTP
-server, the output streams and the client share the machine with the engine. `kvtier plan
-calibrate` measures the model on this machine and fits the coefficients; a JSON file of them
-lets one plan for other hardware.
+A prefill chunk of n tokens after c tokens already computed has n * c + n * (n + 1) / 2 attention
+pairs (each token attends to the context and to the chunk up to itself): the cost that makes long
+prompts slower than their length alone says. A decoding sequence reads its whole context once a
+step. A prefix loaded from a tier costs its bytes times that tier's `load_s_per_byte` (a chunk on
+disk is read into host memory and then copied to the device: both costs; the disk tier's loads
+straight from the page cache cost less, which the plan does not count). A chunk stored to a tier
+(the device's copy into host memory, host memory's write to a secondary tier) costs its bytes times
+that tier's `store_s_per_byte`, charged to the step after the one that computed it (simulator.py):
+the stores run on threads beside the steps, and on a machine without spare cores they take the
+steps' time. Serving adds `server_s_per_step` to every step and `server_s_per_token` to every token
+the step streams (its first tokens and decodes): the HTTP server, the output streams and the client
+share the machine with the engine. `kvtier plan calibrate` measures the model on this machine and
+fits the coefficients; a JSON file of them lets one plan for other hardware.
 """
 
 from __future__ import annotations

@@ -1,3 +1,5 @@
+import sys
+
 import pytest
 
 from kvtier.common.plugins import PluginRegistry
@@ -51,3 +53,13 @@ def test_register_refuses_duplicates_and_malformed_targets():
         registry.register("plugin", f"{__name__}:Plugin")
     with pytest.raises(ValueError, match="must look like 'package.module:ClassName'"):
         registry.register("bad", f"{__name__}.Plugin")
+
+
+def test_a_module_whose_store_client_is_not_installed_names_the_extra(monkeypatch):
+    # sys.modules[name] = None makes `import name` fail as if it were not installed.
+    monkeypatch.setitem(sys.modules, "boto3", None)
+    monkeypatch.delitem(sys.modules, "kvtier.offload.tiers.obj", raising=False)
+    with pytest.raises(LookupFailed) as err:
+        make_registry().import_class("kvtier.offload.tiers.obj", "ObjTier")
+    assert str(err.value) == ("widget module 'kvtier.offload.tiers.obj' needs the package "
+                              "'boto3', which is not installed: pip install 'kvtier[stores]'")

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.common.plotting import require_matplotlib
 from kvtier.engine.args import add_engine_args, engine_config_from_args
 from kvtier.entrypoints.bench.config import BenchTarget, EngineTarget, MultiTurnConfig, ServerTarget
 from kvtier.entrypoints.bench.trace_cli import add_trace_arguments, run_trace_command
@@ -130,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.entrypoints.bench.client import BenchClientError
     from kvtier.entrypoints.bench.runner import BenchTimeoutError
 
+    if args.output_plot is not None:
+        require_matplotlib()
     try:
         if args.bench_command == "trace":
             return run_trace_command(args, _target(args))
@@ -140,7 +143,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_multi_turn(args: argparse.Namespace) -> int:
-    from kvtier.entrypoints.bench.plot import write_plot
     from kvtier.entrypoints.bench.report import emit_report
     from kvtier.entrypoints.bench.runner import run_multi_turn
 
@@ -152,7 +154,12 @@ def _run_multi_turn(args: argparse.Namespace) -> int:
     target = _target(args)
     report = asyncio.run(run_multi_turn(config, target, label=args.label,
                                         show_progress=not args.no_progress))
-    return emit_report(report, args.output_json, args.output_plot, write_plot)
+    return emit_report(report, args.output_json, args.output_plot, _write_plot)
+
+
+def _write_plot(report: dict, path: Path) -> None:
+    from kvtier.entrypoints.bench.plot import write_plot  # matplotlib: only when plotting
+    write_plot(report, path)
 
 
 def _target(args: argparse.Namespace) -> BenchTarget:
