@@ -150,7 +150,10 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                item = await asyncio.wait_for(stream.queue.get(), self.output_timeout_s)
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
+                # that lands as the item arrives, and a client's leaving would not abort.
+                async with asyncio.timeout(self.output_timeout_s):
+                    item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -185,7 +188,8 @@ class AsyncLLM:
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         self._send(command)
-        await asyncio.wait_for(asyncio.wrap_future(command.accepted), self.submit_timeout_s)
+        async with asyncio.timeout(self.submit_timeout_s):
+            await asyncio.wrap_future(command.accepted)
 
     def shutdown(self, drain_timeout_s: float = 30.0,
                  join_timeout_s: float = DEFAULT_JOIN_TIMEOUT_S) -> None:

@@ -9,12 +9,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+import kvtier
 from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from kvtier.entrypoints.openai.errors import ServiceUnavailableError, install_error_handlers
 from kvtier.router.instances import Instance
 from kvtier.router.policy import NoInstanceError
 from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
-from kvtier.router.proxy import explain, proxy
+from kvtier.router.proxy import explain, from_any_instance, proxy
 from kvtier.router.service import RouterService
 
 
@@ -38,16 +39,19 @@ def build_app(service: RouterService,
         return await proxy(service, CHAT_PATH, raw)
 
     @app.get("/v1/models")
-    async def models() -> Response:
+    async def models(raw: Request) -> Response:
         """The first healthy instance's list: every instance serves the same model."""
-        for instance in service.instances:
-            if instance.healthy:
-                upstream = await service.client.get(f"{instance.url}/v1/models")
-                return Response(upstream.content, upstream.status_code,
-                                media_type="application/json")
-        raise ServiceUnavailableError("no instance is healthy", code="no_instance")
+        return await from_any_instance(service, "/v1/models", raw)
 
-    @app.get("/health")
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str, raw: Request) -> Response:
+        return await from_any_instance(service, f"/v1/models/{model}", raw)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": kvtier.__version__})
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         """200 while at least one instance that answers requests (in P/D mode, a decode
         instance) is healthy."""

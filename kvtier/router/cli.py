@@ -56,6 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between health and load checks of each instance")
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="instances a request is tried on before its error is returned")
+    parser.add_argument("--read-timeout", type=float, default=600.0,
+                        help="seconds an instance may send nothing (a whole answer, when not "
+                             "streamed) before the client gets a 504 (default 600)")
+    parser.add_argument("--instance-api-key", default=None,
+                        help="the instances' --api-key, for the router's own calls to their /v1 "
+                             "endpoints (KV events info); clients send theirs with each request")
     parser.add_argument("--max-request-body-bytes", default="8MiB",
                         help="largest request body accepted (default 8MiB)")
     parser.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
@@ -74,7 +80,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         local_prefill_tokens=args.local_prefill_tokens, policy=args.policy, model=args.model,
         index_max_blocks=args.index_max_blocks, saturation=args.saturation,
         load_weight_tokens=args.load_weight_tokens, health_interval_s=args.health_interval,
-        max_attempts=args.max_attempts)
+        max_attempts=args.max_attempts, read_timeout_s=args.read_timeout,
+        instance_api_key=args.instance_api_key)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -88,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.router.service import RouterService
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per health check
     app = build_app(RouterService(config), max_request_body_bytes=max_body)
     logging.getLogger(__name__).info(
         "routing (%s) over %d instance(s), %d prefill, %d decode, on http://%s:%d", config.policy,

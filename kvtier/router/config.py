@@ -58,8 +58,13 @@ class RouterConfig:
     # that instance less than waiting behind long prompts for a prefill. 0: every prompt goes
     # to a prefill instance.
     local_prefill_tokens: int = 0
-    # Longest wait for an instance's next bytes.
+    # Longest wait for an instance's next bytes (a whole answer, when not streamed); past it the
+    # client gets a 504 and the instance, still healthy, drops the request.
     read_timeout_s: float = 600.0
+    # Sent as a bearer token on the router's own calls to the instances' /v1 endpoints (KV
+    # events and transfer info) when they serve with --api-key. Clients' requests carry their
+    # own Authorization header through.
+    instance_api_key: str | None = None
 
     @property
     def is_disaggregated(self) -> bool:

@@ -3,7 +3,11 @@
 A request that fails on an instance before any byte of its answer reached the client (the
 instance cannot be reached, drops the connection, or answers 502/503/504) is tried on another,
 up to `max_attempts` instances; the instance that could not be reached is marked down at once.
-Once bytes have been relayed the answer is the instance's, to the end.
+When every try failed the client gets the last instance's answer (a 503 with its Retry-After),
+or a 502 naming the failures. An instance that sends nothing for `read_timeout_s` is slow, not
+down: the client gets a 504 and the request is not tried elsewhere. Once bytes have been
+relayed the answer is the instance's, to the end; an instance lost mid-stream ends the stream
+with an error event. A client that leaves cancels its request on the instance.
 """
 
 from __future__ import annotations
@@ -13,13 +17,15 @@ import contextlib
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvtier.entrypoints.openai.connection import cancel_on_disconnect
 from kvtier.entrypoints.openai.errors import APIError, BadRequestError, ServiceUnavailableError
+from kvtier.entrypoints.openai.streaming import sse_error
 from kvtier.router.disagg import with_prefilled_kv
 from kvtier.router.instances import Instance
 from kvtier.router.policy import Decision, NoInstanceError
@@ -27,7 +33,8 @@ from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
 from kvtier.router.service import RouterService
 
 _REQUEST_HEADERS = ("authorization", "content-type", "x-request-id")
-_RESPONSE_HEADERS = ("content-type", "x-request-id")
+_RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after", "cache-control",
+                     "x-accel-buffering")
 _RETRY_STATUSES = frozenset({502, 503, 504})
 # Names the instance that answered, on every proxied response.
 INSTANCE_HEADER = "x-kvtier-instance"
@@ -37,10 +44,22 @@ _INLINE_BODY_BYTES = 16_384
 
 class BadGatewayError(APIError):
     status_code = 502
+    error_type = "bad_gateway_error"
+
+
+class GatewayTimeoutError(APIError):
+    status_code = 504
+    error_type = "gateway_timeout_error"
 
 
 class _TryElsewhere(Exception):
-    """Nothing was relayed yet: the request may go to another instance."""
+    """Nothing was relayed yet: the request may go to another instance. `answer`: the
+    instance's own answer (a 503, say), which the client gets if no other instance does
+    better."""
+
+    def __init__(self, reason: str, answer: Response | None = None) -> None:
+        super().__init__(reason)
+        self.answer = answer
 
 
 @dataclass(frozen=True)
@@ -84,10 +103,18 @@ async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
 async def proxy(service: RouterService, path: str, raw: Request) -> Response:
     content = await raw.body()
     body = _json_object(content)
-    prompt = await _hash_prompt(service, path, body, len(content))
     headers = {name: raw.headers[name] for name in _REQUEST_HEADERS if name in raw.headers}
+    answer = await cancel_on_disconnect(raw, _route(service, path, content, body, headers))
+    return Response(status_code=499) if answer is None else answer  # None: the client left
+
+
+async def _route(service: RouterService, path: str, content: bytes, body: dict[str, Any],
+                 headers: dict[str, str]) -> Response:
+    prompt = await _hash_prompt(service, path, body, len(content))
     block_size = service.hasher.block_size if service.hasher is not None else 1
     tried: set[str] = set()
+    failures: list[str] = []
+    last_answer: Response | None = None
     for _ in range(service.config.max_attempts):
         try:
             decision = service.router.choose(prompt.block_hashes, block_size, frozenset(tried),
@@ -107,12 +134,34 @@ async def proxy(service: RouterService, path: str, raw: Request) -> Response:
                                   body.get("stream") is True)
         except _TryElsewhere as exc:
             service.metrics.retries.labels(str(exc)).inc()
+            failures.append(f"{decision.instance.url}: {exc}")
+            last_answer = exc.answer or last_answer
     service.metrics.requests.labels("failed").inc()
     if not tried:
         raise ServiceUnavailableError("no instance is healthy; try again later",
                                       code="no_instance")
-    raise BadGatewayError(f"the request failed on {len(tried)} instance(s) before any answer",
-                          code="upstream_failed")
+    if last_answer is not None:
+        return last_answer
+    raise BadGatewayError(f"the request failed on {len(tried)} instance(s) before any answer "
+                          f"({'; '.join(failures)})", code="upstream_failed")
+
+
+async def from_any_instance(service: RouterService, path: str, raw: Request) -> Response:
+    """GET `path` from the first healthy instance that answers (all serve the same model), the
+    client's Authorization passed on."""
+    headers = {name: raw.headers[name] for name in ("authorization",) if name in raw.headers}
+    for instance in service.router.instances:
+        if not instance.healthy:
+            continue
+        try:
+            upstream = await service.client.get(instance.url + path, headers=headers)
+        except httpx.TransportError as exc:
+            if not isinstance(exc, httpx.TimeoutException):
+                service.mark_down(instance, "unreachable")
+            continue
+        return Response(upstream.content, upstream.status_code,
+                        media_type=upstream.headers.get("content-type"))
+    raise ServiceUnavailableError("no instance is healthy", code="no_instance")
 
 
 def _json_object(content: bytes) -> dict[str, Any]:
@@ -147,11 +196,12 @@ async def _forward(service: RouterService, decision: Decision, path: str, conten
     relaying = False
     try:
         upstream = await _send(service, instance, path, content, headers)
-        if upstream.status_code in _RETRY_STATUSES:
-            await upstream.aclose()
-            raise _TryElsewhere(f"status_{upstream.status_code}")
         out_headers = {k: upstream.headers[k] for k in _RESPONSE_HEADERS if k in upstream.headers}
         out_headers[INSTANCE_HEADER] = instance.url
+        if upstream.status_code in _RETRY_STATUSES:
+            body = await _read_all(service, instance, upstream)
+            raise _TryElsewhere(f"status_{upstream.status_code}",
+                                Response(body, upstream.status_code, out_headers))
         if not stream or upstream.status_code != 200:
             body = await _read_all(service, instance, upstream)
             _observe(service, decision, prompt, _usage_of(body), upstream.status_code)
@@ -161,8 +211,7 @@ async def _forward(service: RouterService, decision: Decision, path: str, conten
             first = await anext(chunks, b"")
         except httpx.TransportError as exc:
             await upstream.aclose()
-            service.mark_down(instance, "connection_lost")
-            raise _TryElsewhere("connection_lost") from exc
+            _raise_for(service, instance, exc)
         relaying = True
         return StreamingResponse(_relay(service, decision, prompt, upstream, first, chunks),
                                  upstream.status_code, out_headers)
@@ -180,9 +229,11 @@ async def _send(service: RouterService, instance: Instance, path: str, content: 
                                            headers=headers)
     try:
         return await service.client.send(request, stream=True)
-    except httpx.TransportError as exc:
+    except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
         service.mark_down(instance, "unreachable")
         raise _TryElsewhere("unreachable") from exc
+    except httpx.TransportError as exc:
+        _raise_for(service, instance, exc)
 
 
 async def _read_all(service: RouterService, instance: Instance,
@@ -190,10 +241,23 @@ async def _read_all(service: RouterService, instance: Instance,
     try:
         return await upstream.aread()
     except httpx.TransportError as exc:
-        service.mark_down(instance, "connection_lost")
-        raise _TryElsewhere("connection_lost") from exc
+        _raise_for(service, instance, exc)
     finally:
         await upstream.aclose()
+
+
+def _raise_for(service: RouterService, instance: Instance,
+               exc: httpx.TransportError) -> NoReturn:
+    """A 504 when the instance is only slow (it stays in routing: another would be as slow,
+    and its request ends as the connection closes); else the instance is down."""
+    if isinstance(exc, httpx.TimeoutException):
+        service.metrics.requests.labels("timeout").inc()
+        raise GatewayTimeoutError(
+            f"instance {instance.url} sent nothing for {service.config.read_timeout_s:g} s; "
+            "stream long answers, or raise the router's --read-timeout",
+            code="upstream_timeout") from exc
+    service.mark_down(instance, "connection_lost")
+    raise _TryElsewhere("connection_lost") from exc
 
 
 async def _relay(service: RouterService, decision: Decision, prompt: _Prompt,
@@ -207,10 +271,16 @@ async def _relay(service: RouterService, decision: Decision, prompt: _Prompt,
         async for chunk in chunks:
             scanner.feed(chunk)
             yield chunk
-    except httpx.TransportError:
-        # Bytes already reached the client: the stream ends here, its end marker missing.
+    except httpx.TransportError as exc:
+        # Bytes already reached the client: the stream ends with an error event (after the
+        # end of an event cut short), and without its end marker.
         outcome = 502
-        service.mark_down(decision.instance, "connection_lost")
+        if not isinstance(exc, httpx.TimeoutException):
+            service.mark_down(decision.instance, "connection_lost")
+        yield b"\n\n" if scanner.mid_event else b""
+        yield sse_error(BadGatewayError(
+            f"instance {decision.instance.url} failed mid-answer ({type(exc).__name__})",
+            code="upstream_failed")).encode()
     finally:
         # Before the await: a client that left cancels this generator, and the await may
         # raise again.
@@ -256,10 +326,18 @@ class _UsageScanner:
     def __init__(self) -> None:
         self.usage: dict[str, Any] | None = None
         self._partial = b""
+        self._blank_line_last = True
+
+    @property
+    def mid_event(self) -> bool:
+        """Whether the bytes fed so far end inside an event (not after its blank line)."""
+        return bool(self._partial) or not self._blank_line_last
 
     def feed(self, chunk: bytes) -> None:
         lines = (self._partial + chunk).split(b"\n")
         self._partial = lines.pop()
+        if lines:
+            self._blank_line_last = lines[-1] == b""
         for line in lines:
             if line.startswith(b"data: {") and b'"usage"' in line:
                 usage = _usage_of(line[len(b"data: "):])

@@ -57,6 +57,9 @@ class RouterService:
         self._subscriptions: dict[str, asyncio.Task] = {}
         self._hasher_lock = asyncio.Lock()
         self._watchers: list[asyncio.Task] = []
+        # The router's own calls to /v1 endpoints (clients' requests carry their own key).
+        self.own_headers = {"Authorization": f"Bearer {config.instance_api_key}"} \
+            if config.instance_api_key else {}
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(config.read_timeout_s, connect=config.connect_timeout_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
@@ -119,7 +122,10 @@ class RouterService:
     async def _bring_up(self, instance: Instance) -> None:
         try:
             response = await self.client.get(f"{instance.url}/v1/kv_events_info",
-                                             timeout=HEALTH_TIMEOUT_S)
+                                             headers=self.own_headers, timeout=HEALTH_TIMEOUT_S)
+            if response.status_code == 401:
+                logger.warning("instance %s wants an API key for its /v1 endpoints: give the "
+                               "router --instance-api-key to follow its KV events", instance.url)
             events = EventsInfo.from_json(response.json()) if response.status_code == 200 \
                 else None
         except (httpx.HTTPError, ValueError) as exc:
@@ -140,7 +146,7 @@ class RouterService:
         """A decode instance's P2PConnector address, from its GET /v1/kv_transfer_info."""
         try:
             response = await self.client.get(f"{instance.url}/v1/kv_transfer_info",
-                                             timeout=HEALTH_TIMEOUT_S)
+                                             headers=self.own_headers, timeout=HEALTH_TIMEOUT_S)
             info = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             info = None
