@@ -4,6 +4,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from numbers import Real
+
+# The fields' types, checked before their ranges: a float max_tokens or a string flag would
+# otherwise pass the range checks and misbehave later (inside a batched step).
+_INTS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INTS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+_REALS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+          "repetition_penalty")
+_BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+# torch's generators take seeds in [-2**63, 2**64); completion i of n uses seed + i.
+_SEED_RANGE = (-(2 ** 63), 2 ** 64)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -41,9 +56,30 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        # None: no stops, as vLLM takes it.
+        self.stop = [] if self.stop is None else self.stop
+        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
+        self._check_types()
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
+
+    def _check_types(self) -> None:
+        checks = [(name, "an int", _is_int(getattr(self, name))) for name in _INTS]
+        checks += [(name, "an int or None", getattr(self, name) is None
+                    or _is_int(getattr(self, name))) for name in _OPTIONAL_INTS]
+        checks += [(name, "a number", isinstance(getattr(self, name), Real)
+                    and not isinstance(getattr(self, name), bool)) for name in _REALS]
+        checks += [(name, "true or false", isinstance(getattr(self, name), bool))
+                   for name in _BOOLS]
+        checks += [("stop", "a string or a list of strings", isinstance(self.stop, list)
+                    and all(isinstance(s, str) for s in self.stop)),
+                   ("stop_token_ids", "a list of token ids", isinstance(self.stop_token_ids,
+                                                                         list))]
+        for name, kind, ok in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {kind}, got "
+                                 f"{getattr(self, name)!r}")
 
     def _validate(self) -> None:
         checks = [
@@ -69,6 +105,9 @@ class SamplingParams:
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
              "must be >= 0"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
+            (self.seed is None or _SEED_RANGE[0] <= self.seed
+             and self.seed + self.n - 1 < _SEED_RANGE[1], "seed",
+             "must be in [-2**63, 2**64 - n] (completion i of n draws with seed + i)"),
             (all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                  for t in self.stop_token_ids), "stop_token_ids",
              "must hold token ids (ints >= 0)"),

@@ -110,6 +110,11 @@ class LLM:
                         finished[output.request_id] = output
                         if progress is not None:
                             progress.update(1)
+        except BaseException:
+            # A step that raised (or an interrupt) must not leave this call's requests queued:
+            # the next call would step them, or wait on them, forever.
+            self.engine.abort_request([r for r in request_ids if r not in finished])
+            raise
         finally:
             if progress is not None:
                 progress.close()

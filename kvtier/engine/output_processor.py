@@ -128,7 +128,12 @@ class OutputProcessor:
         stopped_by_string = False
         if child.detokenizer is not None and core.new_token_ids:
             previous_len = len(child.text)
-            child.text += child.detokenizer.step(core.new_token_ids)
+            new_ids = core.new_token_ids
+            if core.finish_reason == "stop" and not child.params.include_stop_str_in_output:
+                # Ended by a stop token (EOS or stop_token_ids): its text is no part of the
+                # answer, as in vLLM; token_ids keep it.
+                new_ids = new_ids[:-1]
+            child.text += child.detokenizer.step(new_ids) if new_ids else ""
             if core.finish_reason is not None:
                 child.text += child.detokenizer.flush()
             if core.finish_reason is None or core.finish_reason == "length":

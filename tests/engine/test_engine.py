@@ -102,6 +102,12 @@ def test_stop_token_ids_and_min_tokens(llm):
     out = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
     assert out.token_ids == tokens[:tokens.index(stop_id) + 1]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
+    # The stop token's text is left out of the text (token_ids keep it), unless asked for.
+    tokenizer = llm.get_tokenizer()
+    assert out.text == tokenizer.decode(out.token_ids[:-1])
+    params.include_stop_str_in_output = True
+    kept = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
+    assert kept.text == tokenizer.decode(kept.token_ids) != out.text
     # min_tokens forbids the stop id until 4 tokens exist: the greedy path changes.
     held = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                           stop_token_ids=[stop_id], min_tokens=4)

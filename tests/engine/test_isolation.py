@@ -84,6 +84,32 @@ def test_a_negative_stop_token_id_is_refused():
         SamplingParams(stop_token_ids=[-1])
 
 
+@pytest.mark.parametrize("fields, name", [
+    ({"seed": 2 ** 64}, "seed"),  # past what a generator takes
+    ({"seed": 2 ** 64 - 1, "n": 2}, "seed"),  # completion 1 would draw with seed + 1
+    ({"max_tokens": 2.5}, "max_tokens"), ({"n": "2"}, "n"), ({"top_k": 1.5}, "top_k"),
+    ({"logprobs": True}, "logprobs"), ({"temperature": None}, "temperature"),
+    ({"ignore_eos": "no"}, "ignore_eos"), ({"stop": 5}, "stop"),
+])
+def test_a_value_of_the_wrong_type_or_range_is_refused_naming_the_field(fields, name):
+    with pytest.raises(ValueError, match=rf"^SamplingParams\.{name} must be"):
+        SamplingParams(**fields)
+    assert SamplingParams(stop=None, stop_token_ids=None).stop == []  # None: no stops
+
+
+def test_a_step_that_raises_leaves_no_request_of_that_call_behind(llm, monkeypatch):
+    def broken_step():
+        raise RuntimeError("the step failed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(llm.engine, "step", broken_step)
+        with pytest.raises(RuntimeError, match="the step failed"):
+            llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY)[0].outputs[0].token_ids) \
+        == 8  # the next call runs
+
+
 def _break_sampling(engine, request_id: str) -> None:
     # What a token id the edge checks missed would do: index past the logits in the sampler.
     params = engine.scheduler.requests[request_id].sampling_params
