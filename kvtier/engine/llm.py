@@ -11,11 +11,14 @@ from kvtier.config import EngineConfig
 from kvtier.connector.config import KVTransferConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.outputs import RequestOutput
+from kvtier.models.chat import render_chat
 from kvtier.models.generation_config import load_sampling_defaults
 from kvtier.sampling_params import SamplingParams
 
-# A text prompt, or {"prompt_token_ids": [...]} (optionally with "prompt" for display).
+# A text prompt, or {"prompt_token_ids": [...]} (optionally with "prompt" for display), or
+# {"prompt": text}; either dict may carry a "cache_salt".
 PromptType = str | dict[str, Any]
+_PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 Messages = list[dict[str, Any]]
 
 
@@ -73,25 +76,35 @@ class LLM:
         try:
             for prompt, prompt_params in zip(prompts, params):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, _prompt_input(prompt), prompt_params)
+                self.engine.add_request(request_id, _prompt_input(prompt), prompt_params,
+                                        cache_salt=_cache_salt(prompt))
                 request_ids.append(request_id)
         except Exception:
             # All or nothing: the prompts already queued would otherwise run, unseen, in the
             # next call.
             self.engine.abort_request(request_ids)
             raise
-        return self._run(request_ids, use_tqdm)
+        outputs = self._run(request_ids, use_tqdm)
+        for output, prompt in zip(outputs, prompts):
+            if output.prompt is None and isinstance(prompt, dict):
+                output.prompt = prompt.get("prompt")  # the text shown for given token ids
+        return outputs
 
     def chat(self, messages: Messages | Sequence[Messages],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False, add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of them."""
+             use_tqdm: bool = False, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts, content a string or OpenAI's
+        text parts) or a list of them; the options as in the server's chat requests."""
         if self.engine.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.engine.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt)
-            for conversation in conversations]
+        prompts = [render_chat(self.engine.tokenizer, conversation,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message,
+                               chat_template_kwargs=chat_template_kwargs)
+                   for conversation in conversations]
         # The template already wrote the special tokens (BOS) it wants.
         token_prompts = [{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(
             p, add_special_tokens=False)} for p in prompts]
@@ -141,9 +154,20 @@ def _per_prompt(params: SamplingParams | Sequence[SamplingParams],
 def _prompt_input(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
+    unknown = sorted(set(prompt) - set(_PROMPT_KEYS)) if isinstance(prompt, dict) else []
+    if unknown:
+        raise ValueError(f"a prompt dict takes the keys {', '.join(_PROMPT_KEYS)}; "
+                         f"{', '.join(map(repr, unknown))} is not supported")
     if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
         return list(prompt["prompt_token_ids"])
     if isinstance(prompt, dict) and "prompt" in prompt:
         return prompt["prompt"]
     raise ValueError(f"a prompt must be a string or a dict with 'prompt_token_ids', "
                      f"got {prompt!r}")
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError(f"a prompt's cache_salt must be a string, got {salt!r}")
+    return salt

@@ -44,7 +44,7 @@ class ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(child.completion.finished for child in self.children)
+        return all(child.completion.finished() for child in self.children)
 
 
 @dataclass
@@ -119,6 +119,9 @@ class OutputProcessor:
         completion.token_ids.extend(core.new_token_ids)
         if completion.logprobs is not None:
             completion.logprobs.extend(core.new_logprobs)
+            completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
+                entry[token] for token, entry in zip(core.new_token_ids, core.new_logprobs)
+                if token in entry)
         if core.num_cached_tokens:
             parent.num_cached_tokens = max(parent.num_cached_tokens, core.num_cached_tokens)
         if core.kv_transfer_params is not None:
@@ -156,7 +159,7 @@ def _fail_unfinished(parent: ParentState) -> list[str]:
     """An error ends every completion of its request; returns the ids of those still live."""
     failed = []
     for child in parent.children:
-        if not child.completion.finished:
+        if not child.completion.finished():
             child.completion.finish_reason = "error"
             failed.append(child.req_id)
     return failed
@@ -186,7 +189,7 @@ def _check_stop_strings(child: ChildState, previous_len: int) -> bool:
 def _visible_text(child: ChildState) -> str:
     """Hold back a possible stop string's beginning until it is decided, so streamed text is
     never taken back."""
-    if child.completion.finished or not child.params.stop:
+    if child.completion.finished() or not child.params.stop:
         return child.text
     hold = max(len(s) for s in child.params.stop) - 1
     return child.text[:max(0, len(child.text) - hold)]
@@ -197,7 +200,8 @@ def _to_request_output(parent: ParentState) -> RequestOutput:
                                 list(c.completion.token_ids), c.completion.finish_reason,
                                 c.completion.stop_reason,
                                 None if c.completion.logprobs is None
-                                else list(c.completion.logprobs))
+                                else list(c.completion.logprobs),
+                                c.completion.cumulative_logprob)
                for c in parent.children]
     return RequestOutput(
         request_id=parent.request_id, prompt=parent.prompt,

@@ -19,9 +19,11 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     # Per generated token {token_id: logprob}, when SamplingParams.logprobs was set.
     logprobs: list[dict[int, float]] | None = None
+    # The sum of the generated tokens' logprobs, when SamplingParams.logprobs was set.
+    cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
+        """A method, as in vLLM (RequestOutput.finished is a field)."""
         return self.finish_reason is not None
 
 

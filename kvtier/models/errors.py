@@ -14,4 +14,9 @@ class ModelLoadError(ValueError):
 
 
 class ChatTemplateError(ValueError):
-    """The tokenizer has no chat template, or the template failed to render."""
+    """The tokenizer has no chat template, the template failed to render, or the chat cannot
+    be rendered as asked; `param` names the request field at fault, when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -149,6 +149,11 @@ def test_logprobs_match_hf(llm, model_dir):
         assert set(entry) == {token, *top2}
         for token_id, value in entry.items():
             assert value == pytest.approx(float(expected[position, token_id]), abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(
+        sum(float(expected[i, t]) for i, t in enumerate(out.token_ids)), abs=1e-3)
+    assert out.finished()  # a method, as in vLLM
+    assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0] \
+        .cumulative_logprob is None  # logprobs not asked for
 
 
 def test_chat_renders_the_template(llm):
@@ -158,6 +163,34 @@ def test_chat_renders_the_template(llm):
     rendered = tokenizer.apply_chat_template(messages)
     assert out.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
     assert out.prompt_token_ids == [1, 3, 7, 8, 2, 1, 4]
+
+
+def test_chat_takes_text_parts_and_the_servers_chat_options(llm):
+    tokenizer = llm.get_tokenizer()
+    plain = llm.chat([{"role": "user", "content": "w7 w8"}], GREEDY)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "w7 w8"}]}],
+                     GREEDY)[0]
+    assert parts.prompt_token_ids == plain.prompt_token_ids
+    assert plain.prompt == tokenizer.apply_chat_template([{"role": "user", "content": "w7 w8"}])
+    messages = [{"role": "user", "content": "w7"}, {"role": "assistant", "content": "w8 w9"}]
+    opened = llm.chat(messages, GREEDY, add_generation_prompt=False,
+                      continue_final_message=True)[0]
+    assert opened.prompt.endswith("assistant w8 w9")  # not closed by the template's </s>
+    with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt"):
+        llm.chat(messages, GREEDY, continue_final_message=True)
+    with pytest.raises(ValueError, match="content part type 'image_url' is not supported"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                 GREEDY)
+
+
+def test_prompt_dicts_take_a_cache_salt_and_refuse_other_keys(llm):
+    salted = {"prompt_token_ids": PROMPT, "cache_salt": "tenant-a"}
+    assert llm.generate(salted, GREEDY)[0].num_cached_tokens == 0
+    assert llm.generate(salted, GREEDY)[0].num_cached_tokens == 8
+    # Another salt, or none, shares nothing with it.
+    assert llm.generate({**salted, "cache_salt": "tenant-b"}, GREEDY)[0].num_cached_tokens == 0
+    with pytest.raises(ValueError, match="'multi_modal_data' is not supported"):
+        llm.generate({"prompt_token_ids": PROMPT, "multi_modal_data": {}}, GREEDY)
 
 
 def test_abort_frees_the_request(llm):

@@ -16,13 +16,11 @@ from kvtier.common.token_ids import all_ints, first_outside
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvtier.models.chat import render_chat
 from kvtier.models.errors import ChatTemplateError
 
 # JSON may escape half of a UTF-16 pair ("\ud800"); no tokenizer or UTF-8 answer can carry it.
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-# What the chat template is given besides chat_template_kwargs.
-_TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
-                             "raise_exception"})
 
 
 @dataclass(frozen=True)
@@ -102,36 +100,17 @@ def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> Prompt:
         raise BadRequestError("this model has no tokenizer, so it cannot take chat messages",
                               param="messages", code="invalid_value")
     messages = [_message_dict(m, i) for i, m in enumerate(request.messages)]
-    variables = request.chat_template_kwargs or {}
-    taken = sorted(_TEMPLATE_NAMES.intersection(variables))
-    if taken:
-        raise BadRequestError(f"chat_template_kwargs may not set {', '.join(taken)}: the "
-                              "request's own fields do", param="chat_template_kwargs",
-                              code="invalid_value")
     try:
-        text = ctx.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=request.add_generation_prompt, **variables)
+        text = render_chat(ctx.tokenizer, messages,
+                           add_generation_prompt=request.add_generation_prompt,
+                           continue_final_message=request.continue_final_message,
+                           chat_template_kwargs=request.chat_template_kwargs)
     except ChatTemplateError as exc:
-        raise BadRequestError(str(exc), param="messages", code="invalid_value") from exc
-    if request.continue_final_message:
-        text = _open_final_message(text, messages[-1]["content"])
+        raise BadRequestError(str(exc), param=exc.param or "messages",
+                              code="invalid_value") from exc
     # The template writes the special tokens itself.
     token_ids = _tokenize(ctx, text, "messages", add_special_tokens=False)
     return Prompt(text, token_ids)
-
-
-def _open_final_message(text: str, content: str) -> str:
-    """The rendered chat cut just after the last message's text, so that the model goes on
-    with it (what the template writes to close the message is dropped). Templates often strip
-    a message's text: it is looked for stripped."""
-    content = content.strip()
-    end = text.rfind(content) if content else -1
-    if end < 0:
-        raise BadRequestError("continue_final_message needs the last message's text in the "
-                              "rendered chat, and this chat template leaves it out or "
-                              "changes it", param="continue_final_message",
-                              code="invalid_value")
-    return text[:end + len(content)]
 
 
 def _message_dict(message: Any, index: int) -> dict[str, Any]:

@@ -70,10 +70,6 @@ def chat_sampling_params(request: ChatCompletionRequest,
         raise BadRequestError("tools are not supported", param="tools",
                               code="unsupported_parameter")
     _check_response_format(request.response_format)
-    if request.continue_final_message and request.add_generation_prompt:
-        raise BadRequestError("continue_final_message needs add_generation_prompt set to false "
-                              "(the last message is continued, not answered)",
-                              param="continue_final_message", code="invalid_value")
     if request.top_logprobs is not None and not request.logprobs:
         raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs",
                               code="invalid_value")
