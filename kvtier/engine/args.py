@@ -29,14 +29,15 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                        help="context length cap (default: the model's, lowered to what "
                             "the device KV cache holds; a larger value is an error)")
     group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching",
-                       action="store_false", help="turn the prefix cache off")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="the prefix cache (on by default)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget of one step")
     group.add_argument("--max-num-seqs", type=int, default=128,
                        help="most requests in one step")
-    group.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill",
-                       action="store_false", help="schedule each prompt in one piece")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                       default=True, help="cut long prompts into steps' token budgets (on by "
+                                          "default; off: each prompt in one piece)")
     group.add_argument("--scheduling-policy", dest="policy", default="fcfs",
                        choices=("fcfs", "priority"))
     group.add_argument("--max-waiting-requests", type=int, default=None,

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvtier.common.sizes import parse_size
 from kvtier.config import EngineConfig
 from kvtier.engine.args import add_engine_args, engine_config_from_args
+from kvtier.models.chat import read_chat_template
 
 if TYPE_CHECKING:
     from kvtier.engine.kv_events import KVEventsConfig
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="report usage.prompt_tokens_details.cached_tokens (off by default: "
                             "on a shared server it tells a client how much of its prompt "
                             "matched earlier requests, perhaps another client's)")
+    group.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template for /v1/chat/completions, or the path of a "
+                            "file holding one (default: the model's)")
     group.add_argument("--generation-config", default="auto",
                        help="sampling defaults (temperature, top_p, top_k, min_p, "
                             "repetition_penalty) for requests that leave them unset: 'auto' "
@@ -81,7 +85,8 @@ def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, int]:
     return engine_config_from_args(args), max_body
 
 
-def _kv_events_info(events: KVEventsConfig | None, config: EngineConfig) -> dict[str, Any] | None:
+def _kv_events_info(events: KVEventsConfig | None, config: EngineConfig,
+                    chat_template: str | None) -> dict[str, Any] | None:
     """What a router needs to follow this server's KV cache: the event sockets, and the model
     and block hashing to tokenize and hash prompts as the engine does."""
     if events is None or not events.is_publishing:
@@ -91,11 +96,13 @@ def _kv_events_info(events: KVEventsConfig | None, config: EngineConfig) -> dict
     return {"publishing": True, "endpoint": events.endpoint,
             "replay_endpoint": events.replay_endpoint, "topic": events.topic,
             "block_size": config.cache.block_size, "hash_algo": config.cache.hash_algo,
-            "model": os.path.abspath(config.model.model or default_model_path())}
+            "model": os.path.abspath(config.model.model or default_model_path()),
+            "chat_template": chat_template}
 
 
 def run(args: argparse.Namespace) -> int:
     config, max_body = _checked_config(args)
+    chat_template = None if args.chat_template is None else read_chat_template(args.chat_template)
     import uvicorn
 
     from kvtier.common.cpu_threads import use_one_cpu_thread
@@ -125,12 +132,20 @@ def run(args: argparse.Namespace) -> int:
         publisher.shutdown()  # its thread holds the port until stopped
         raise
     engine = async_llm.engine
+    if chat_template is not None:
+        try:
+            if engine.tokenizer is None:
+                raise ValueError("--chat-template: this model has no tokenizer to render chats")
+            engine.tokenizer.set_chat_template(chat_template)
+        except ValueError:  # a template that does not parse, too
+            async_llm.shutdown(0.0)
+            raise
     model_arg = config.model.model
     names = tuple(args.served_model_name or [model_arg or engine.model_name])
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
                         ServerMetrics(engine.metrics),
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                        kv_events_info=_kv_events_info(events_config, config),
+                        kv_events_info=_kv_events_info(events_config, config, chat_template),
                         sampling_defaults=sampling_defaults)
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
                     max_request_body_bytes=max_body)

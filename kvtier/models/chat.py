@@ -3,6 +3,7 @@ the server and `LLM.chat` so that both render a conversation alike."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,17 @@ from kvtier.models.tokenizer import Tokenizer
 # What the chat template is given besides chat_template_kwargs.
 _TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
                              "raise_exception"})
+
+
+def read_chat_template(value: str) -> str:
+    """A chat template given as a file's path or as the template itself (`--chat-template`)."""
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in value:
+        raise ValueError(f"--chat-template {value!r}: no such file; give the path of a file "
+                         "holding a Jinja chat template, or the template itself")
+    return value
 
 
 def render_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,

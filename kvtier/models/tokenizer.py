@@ -48,6 +48,16 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def set_chat_template(self, template: str) -> None:
+        """Use `template` instead of the model's (compiled now: a syntax error is raised here,
+        as ChatTemplateError)."""
+        self.chat_template = template
+        self.__dict__.pop("_compiled_template", None)
+        try:
+            self._compiled_template  # noqa: B018 (compiles it)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ChatTemplateError(f"the chat template does not parse: {exc}") from exc
+
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         if self.chat_template is None:

@@ -19,6 +19,8 @@ class EventsInfo:
     block_size: int
     hash_algo: str
     model: str
+    # The instance's --chat-template, when it overrides the model's.
+    chat_template: str | None = None
 
     @classmethod
     def from_json(cls, data: Any) -> EventsInfo | None:
@@ -26,9 +28,11 @@ class EventsInfo:
         if not isinstance(data, dict) or not data.get("publishing"):
             return None
         try:
+            template = data.get("chat_template")
             return cls(str(data["endpoint"]), data.get("replay_endpoint"),
                        str(data.get("topic", "")), int(data["block_size"]),
-                       str(data["hash_algo"]), str(data["model"]))
+                       str(data["hash_algo"]), str(data["model"]),
+                       None if template is None else str(template))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed kv_events_info: {exc}") from exc
 

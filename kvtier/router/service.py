@@ -19,7 +19,7 @@ import httpx
 
 from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvtier.events.schema import MEDIUM_GPU
-from kvtier.models.errors import ModelLoadError
+from kvtier.models.errors import ChatTemplateError, ModelLoadError
 from kvtier.router.config import RouterConfig
 from kvtier.router.index import KVIndex
 from kvtier.router.instances import EventsInfo, Instance
@@ -177,7 +177,9 @@ class RouterService:
         model = self.config.model or events.model
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, model)
-        except (ModelLoadError, OSError) as exc:
+            if tokenizer is not None and events.chat_template is not None:
+                tokenizer.set_chat_template(events.chat_template)  # the instance's own
+        except (ModelLoadError, ChatTemplateError, OSError) as exc:
             logger.error("cannot load the tokenizer of %s (%s): routing without the KV index; "
                          "pass --model", model, exc)
             return

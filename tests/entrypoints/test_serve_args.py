@@ -57,6 +57,9 @@ def run_serve(*args: str) -> tuple[int, list[str], set[str]]:
      "'write_policy']"),
     (["--kv-offload", "host=1GiB", "--kv-transfer-config", "{}"],
      "argument --kv-transfer-config: not allowed with argument --kv-offload"),
+    (["--chat-template", "no/such/template.jinja"],
+     "--chat-template 'no/such/template.jinja': no such file; give the path of a file holding "
+     "a Jinja chat template, or the template itself"),
 ])
 def test_bad_offload_option_fails_in_one_line_before_any_heavy_import(args, message):
     code, errors, imported = run_serve(*args)
