@@ -11,17 +11,9 @@ for `stream` is refused rather than guessed at.
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    SerializerFunctionWrapHandler,
-    StrictBool,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 
 class _Request(BaseModel):
@@ -107,17 +99,14 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class _Response(BaseModel):
-    """A response body: every field is in the JSON, null or not, as in OpenAI's responses,
-    except the extras named in `_omitted_when_none` (fields only some requests ask for)."""
+def _when_set() -> Any:
+    """A response field left out of the JSON while None: an extra only some requests ask
+    for. Every other field is always there, null or not, as in OpenAI's responses."""
+    return Field(default=None, exclude_if=_is_none)
 
-    _omitted_when_none: ClassVar[frozenset[str]] = frozenset()
 
-    @model_serializer(mode="wrap")
-    def _leave_out_unasked_extras(self, handler: SerializerFunctionWrapHandler) -> Any:
-        data = handler(self)
-        return {name: value for name, value in data.items()
-                if value is not None or name not in self._omitted_when_none}
+def _is_none(value: Any) -> bool:
+    return value is None
 
 
 class ErrorInfo(BaseModel):
@@ -135,12 +124,11 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
 
 
-class UsageInfo(_Response):
-    _omitted_when_none = frozenset({"prompt_tokens_details"})
+class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails | None = _when_set()
 
 
 class CompletionLogProbs(BaseModel):
@@ -150,26 +138,24 @@ class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
-class CompletionChoice(_Response):
-    _omitted_when_none = frozenset({"prompt_token_ids", "token_ids"})
+class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = _when_set()
+    token_ids: list[int] | None = _when_set()
 
 
-class CompletionResponse(_Response):
-    _omitted_when_none = frozenset({"kv_transfer_params"})
+class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = _when_set()
 
 
 class TopLogProb(BaseModel):
@@ -191,62 +177,56 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChoice(_Response):
-    _omitted_when_none = frozenset({"token_ids"})
+class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = _when_set()
 
 
-class ChatCompletionResponse(_Response):
-    _omitted_when_none = frozenset({"prompt_token_ids", "kv_transfer_params"})
+class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = _when_set()
+    kv_transfer_params: dict[str, Any] | None = _when_set()
 
 
-class DeltaMessage(_Response):
-    _omitted_when_none = frozenset({"role", "content"})
-    role: str | None = None
-    content: str | None = None
+class DeltaMessage(BaseModel):
+    role: str | None = _when_set()
+    content: str | None = _when_set()
 
 
-class ChatStreamChoice(_Response):
-    _omitted_when_none = frozenset({"token_ids"})
+class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
+    token_ids: list[int] | None = _when_set()
 
 
-class ChatCompletionChunk(_Response):
-    _omitted_when_none = frozenset({"usage"})  # present only with include_usage
+class ChatCompletionChunk(BaseModel):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatStreamChoice]
-    usage: UsageInfo | None = None
+    usage: UsageInfo | None = _when_set()
 
 
-class CompletionChunk(_Response):
-    _omitted_when_none = frozenset({"usage"})
+class CompletionChunk(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+    usage: UsageInfo | None = _when_set()
 
 
 class ModelCard(BaseModel):
