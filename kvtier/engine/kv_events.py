@@ -1,16 +1,17 @@
 """Publishes the engine's KV cache events over ZMQ in the layout vLLM's consumers read.
 
 The wire schema (message layout, event fields, media, locality) is `kvtier.events`; this module
-turns the engine's events into it: the device cache's BlockStored / BlockRemoved /
-AllBlocksCleared go out with medium "GPU", and the offloading connector's tier moves arrive
+turns the engine's events into it: the device cache's BlockStored / BlockRemoved / AllBlocksCleared
+go out with medium "GPU" and their KV cache group, and the offloading connector's tier moves arrive
 already in the wire schema. With "include_token_ids": false (not one of vLLM's keys) BlockStored
 carries an empty token id list: a subscriber learns which blocks are cached, never the text of
 someone's prompt.
 
-An optional ROUTER replay socket answers a request [start seq (8-byte big-endian)] with one
-[seq, payload] message per buffered batch from that seq on, then [END_SEQ, b""]. A subscriber
-that sees a gap in the sequence numbers asks it for the missing batches; if the first seq
-replayed is past the one it asked for, the buffer no longer holds them and it must resync.
+An optional ROUTER replay socket answers a request [start seq (8-byte big-endian)] with one [topic,
+seq, payload] message per buffered batch from that seq on, then [b"", END_SEQ, b""] (vLLM 0.32's
+framing). A subscriber that sees a gap in the sequence numbers asks it for the missing batches; if
+the first seq replayed is past the one it asked for, the buffer no longer holds them and it must
+resync.
 """
 
 from __future__ import annotations
@@ -127,9 +128,11 @@ def to_wire_event(event: Any, include_token_ids: bool = True) -> WireEvent:
             external_block_hash(event.parent_block_hash),
             list(event.token_ids) if include_token_ids else [], event.block_size,
             # kvtier names LoRA adapters rather than numbering them: the name goes as lora_name.
-            None, MEDIUM_GPU, event.lora_id)
+            None, MEDIUM_GPU, event.lora_id, group_idx=event.group_idx,
+            kv_cache_spec_kind=event.kind, kv_cache_spec_sliding_window=event.sliding_window)
     if isinstance(event, kv_events.BlockRemoved):
-        return BlockRemoved([external_block_hash(h) for h in event.block_hashes], MEDIUM_GPU)
+        return BlockRemoved([external_block_hash(h) for h in event.block_hashes], MEDIUM_GPU,
+                            group_idx=event.group_idx)
     if isinstance(event, kv_events.AllBlocksCleared):
         return AllBlocksCleared()
     if isinstance(event, BlockStored | BlockRemoved | AllBlocksCleared):
@@ -221,7 +224,7 @@ class ZmqEventPublisher(EventPublisher):
         topic = self.config.topic.encode()
         while not (self._stop.is_set() and self._queue.empty()):
             if replay is not None:
-                self._answer_replays(replay)
+                self._answer_replays(replay, topic)
             try:
                 ts, events = self._queue.get(timeout=_POLL_INTERVAL_S)
             except queue.Empty:
@@ -239,14 +242,15 @@ class ZmqEventPublisher(EventPublisher):
             self._replay_buffer.append((self._seq, payload))
             self._seq += 1
 
-    def _answer_replays(self, replay: zmq.Socket) -> None:
+    def _answer_replays(self, replay: zmq.Socket, topic: bytes) -> None:
         while replay.poll(0):
             frames = replay.recv_multipart()
             client, start = frames[0], int.from_bytes(frames[-1], "big")
             for seq, payload in list(self._replay_buffer):
                 if seq >= start:
-                    replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-            replay.send_multipart([client, b"", END_SEQ, b""])
+                    replay.send_multipart([client, b"", topic, seq.to_bytes(8, "big"),
+                                           payload])
+            replay.send_multipart([client, b"", b"", END_SEQ, b""])
 
 
 def _close(*sockets: zmq.Socket | None) -> None:

@@ -1,18 +1,21 @@
-"""The KV event wire schema: vLLM's layout, plus where each copy lives.
+"""The KV event wire schema: vLLM's (0.32), plus where each copy lives.
 
   PUB multipart message: [topic bytes, seq (8-byte big-endian), msgpack payload]
   payload = [ts, [event, ...], data_parallel_rank]
-  event   = ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size, lora_id,
-             medium, lora_name, locality]
-          | ["BlockRemoved", block_hashes, medium, locality]
-          | ["AllBlocksCleared"]
+  event   = {"type": "BlockStored", "block_hashes", "parent_block_hash", "token_ids",
+             "block_size", "lora_id", "medium", "lora_name", and when set "group_idx",
+             "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "locality", "ownership"}
+          | {"type": "BlockRemoved", "block_hashes", "medium", and when set "group_idx",
+             "locality", "ownership"}
+          | {"type": "AllBlocksCleared"}
 
-Every event names blocks by the same 64-bit block hashes (the low 64 bits of the engine's
-chained hash), whatever holds them: `medium` is "GPU" for the device's paged cache, "CPU" for
-host memory, "DISK" for a local disk or file tier, and a remote tier's name otherwise.
-`locality` is "local" (this instance's own memory or disk) or "remote" (a store other instances
-read too). Both come after vLLM's own fields, so vLLM's decoders, which ignore trailing fields,
-read the rest unchanged. AllBlocksCleared clears the device cache only.
+Events are maps tagged with their type, as vLLM's msgspec structs encode them (fields left at
+their default are left out); the batch is an array. Every event names blocks by the same 64-bit
+block hashes (the low 64 bits of the engine's chained hash), whatever holds them: `medium` is
+"GPU" for the device's paged cache, "CPU" for host memory and "STORAGE" for a secondary tier,
+whose name is the `ownership`; `locality` is "LOCAL" (this instance's own memory or disk) or
+"REMOTE" (a store other instances read too). AllBlocksCleared clears the device cache only.
+The decoder also reads the older array-encoded events of vLLM (before 0.32).
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ from typing import Any, Literal
 import msgpack
 
 BlockHash64 = int
+# Internal spelling; the wire's is upper case (vLLM's LOCAL / REMOTE).
 Locality = Literal["local", "remote"]
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
-MEDIUM_DISK = "DISK"
+MEDIUM_STORAGE = "STORAGE"
 _HASH_MASK = (1 << 64) - 1
 
 
@@ -48,7 +52,13 @@ class BlockStored:
     lora_id: int | None
     medium: str
     lora_name: str | None = None
+    # The KV cache group, its kind ("full_attention", "sliding_window", "mamba") and window.
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     locality: Locality = "local"
+    # The secondary tier's name, for a copy in one.
+    ownership: str | None = None
 
 
 @dataclass(frozen=True)
@@ -57,7 +67,9 @@ class BlockRemoved:
 
     block_hashes: list[BlockHash64]
     medium: str
+    group_idx: int | None = None
     locality: Locality = "local"
+    ownership: str | None = None
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,19 @@ class EventBatch:
     data_parallel_rank: int = 0
 
 
+# Fields every event of a type carries (null or not); the others only when set.
+_ALWAYS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                           "lora_id", "medium", "lora_name"),
+           "BlockRemoved": ("block_hashes", "medium"),
+           "AllBlocksCleared": ()}
+_WHEN_SET = {"BlockStored": ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window",
+                             "locality", "ownership"),
+             "BlockRemoved": ("group_idx", "locality", "ownership"),
+             "AllBlocksCleared": ()}
+_TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
+          "AllBlocksCleared": AllBlocksCleared}
+
+
 def external_block_hash(block_hash: bytes | int | None) -> BlockHash64 | None:
     """The low 64 bits of a block hash as an int (vLLM's default external form)."""
     if block_hash is None or isinstance(block_hash, int):
@@ -82,17 +107,22 @@ def external_block_hash(block_hash: bytes | int | None) -> BlockHash64 | None:
     return int.from_bytes(block_hash[-8:], "big") & _HASH_MASK
 
 
-def encode_event(event: WireEvent) -> list[Any]:
-    """One event as the tagged array consumers decode."""
-    if isinstance(event, BlockStored):
-        return ["BlockStored", list(event.block_hashes), event.parent_block_hash,
-                list(event.token_ids), event.block_size, event.lora_id, event.medium,
-                event.lora_name, event.locality]
-    if isinstance(event, BlockRemoved):
-        return ["BlockRemoved", list(event.block_hashes), event.medium, event.locality]
-    if isinstance(event, AllBlocksCleared):
-        return ["AllBlocksCleared"]
-    raise TypeError(f"not a wire event: {type(event).__name__}")
+def encode_event(event: WireEvent) -> dict[str, Any]:
+    """One event as the tagged map vLLM's consumers decode."""
+    name = type(event).__name__
+    if name not in _TYPES or not isinstance(event, _TYPES[name]):
+        raise TypeError(f"not a wire event: {name}")
+    encoded: dict[str, Any] = {"type": name}
+    for field in _ALWAYS[name]:
+        value = getattr(event, field)
+        encoded[field] = list(value) if isinstance(value, list) else value
+    for field in _WHEN_SET[name]:
+        value = getattr(event, field)
+        if field == "locality":
+            value = value.upper()
+        if value is not None:
+            encoded[field] = value
+    return encoded
 
 
 def encode_batch(batch: EventBatch) -> bytes:
@@ -104,27 +134,47 @@ def decode_batch(payload: bytes) -> EventBatch:
     """The batch in `payload`; event types this schema does not know are skipped, so a newer
     publisher's additions do not break an older subscriber."""
     try:
-        ts, raw_events, rank = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+        ts, raw_events, *rest = msgpack.unpackb(payload, raw=False, strict_map_key=True)
         events = [event for event in map(_decode_event, raw_events) if event is not None]
-    except (ValueError, TypeError, IndexError, msgpack.UnpackException) as exc:
-        raise EventDecodeError(f"not a KV event batch: {exc}") from exc
-    return EventBatch(float(ts), events, int(rank))
+        rank = rest[0] if rest and rest[0] is not None else 0
+        return EventBatch(float(ts), events, int(rank))
+    except (ValueError, TypeError, IndexError, KeyError, AttributeError,
+            msgpack.UnpackException) as exc:
+        raise EventDecodeError(f"not a KV event batch: {exc!r}") from exc
 
 
-def _decode_event(raw: list[Any]) -> WireEvent | None:
-    name = raw[0]
-    if name == "BlockStored":
-        hashes, parent, token_ids, block_size, lora_id, medium = raw[1:7]
-        lora_name = raw[7] if len(raw) > 7 else None
-        locality = raw[8] if len(raw) > 8 else "local"
-        return BlockStored(_hashes(hashes), parent, list(token_ids), int(block_size), lora_id,
-                           str(medium), lora_name, _locality(locality))
-    if name == "BlockRemoved":
-        locality = raw[3] if len(raw) > 3 else "local"
-        return BlockRemoved(_hashes(raw[1]), str(raw[2]), _locality(locality))
+def _decode_event(raw: dict[str, Any] | list[Any]) -> WireEvent | None:
+    fields = raw if isinstance(raw, dict) else _array_fields(raw)
+    name = fields.get("type")
+    if name not in _TYPES:
+        return None
+    known = {k: fields[k] for k in _ALWAYS[name] + _WHEN_SET[name]
+             if fields.get(k) is not None}
+    if "block_hashes" in known:
+        known["block_hashes"] = _hashes(known["block_hashes"])
+    if "token_ids" in known:
+        known["token_ids"] = list(known["token_ids"])
+    if "locality" in known:
+        known["locality"] = _locality(known["locality"])
     if name == "AllBlocksCleared":
         return AllBlocksCleared()
-    return None
+    known.setdefault("medium", MEDIUM_GPU)  # unspecified: the device cache's, as vLLM's were
+    if name == "BlockStored":
+        known.setdefault("parent_block_hash", None)
+        known.setdefault("token_ids", [])
+        known.setdefault("lora_id", None)
+        known["block_size"] = int(known["block_size"])
+    return _TYPES[name](**known)
+
+
+def _array_fields(raw: list[Any]) -> dict[str, Any]:
+    """An array-encoded event (vLLM before 0.32): its tag, then vLLM's fields in order; the
+    fields after lora_name are left out (their order changed between versions)."""
+    name = raw[0]
+    names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+             "medium", "lora_name") if name == "BlockStored" else \
+        ("block_hashes", "medium") if name == "BlockRemoved" else ()
+    return {"type": name, **dict(zip(names, raw[1:]))}
 
 
 def _hashes(values: list[Any]) -> list[BlockHash64]:
@@ -134,6 +184,6 @@ def _hashes(values: list[Any]) -> list[BlockHash64]:
 
 
 def _locality(value: Any) -> Locality:
-    if value not in ("local", "remote"):
-        raise ValueError(f"locality must be 'local' or 'remote', got {value!r}")
-    return value
+    if not isinstance(value, str) or value.lower() not in ("local", "remote"):
+        raise ValueError(f"locality must be 'LOCAL' or 'REMOTE', got {value!r}")
+    return value.lower()  # type: ignore[return-value]

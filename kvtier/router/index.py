@@ -1,6 +1,6 @@
 """The KV index: block hash -> which instances hold the block, and in which tiers.
 
-One int per block packs every instance's tiers: 4 bits per slot (GPU, CPU, DISK, other), slot 0
+One int per block packs every instance's tiers: 4 bits per slot (GPU, CPU, STORAGE, other), slot 0
 for shared stores (a block there counts for every instance). The blocks form an LRU bounded by
 `max_blocks`: the least recently stored are forgotten first, so the index's memory is bounded
 however many instances publish.
@@ -12,14 +12,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.events.schema import MEDIUM_CPU, MEDIUM_DISK, MEDIUM_GPU, Locality
+from kvtier.events.schema import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE, Locality
 from kvtier.router.config import TierWeights
 
 SHARED_SLOT = 0
 _BITS_PER_SLOT = 4
 _SLOT_MASK = (1 << _BITS_PER_SLOT) - 1
-# Tier bit by medium; any other medium (a remote tier's name) is bit 3.
-_TIER_BIT = {MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_DISK: 2}
+# Tier bit by medium (STORAGE: a disk or file tier of the instance); any other is bit 3.
+_TIER_BIT = {MEDIUM_GPU: 0, MEDIUM_CPU: 1, MEDIUM_STORAGE: 2}
 _OTHER_BIT = 3
 
 

@@ -52,8 +52,9 @@ def test_cached_tokens_with_the_flag_and_events_without_token_ids(tiny_model):
         stored = []
         while not stored:
             batch = msgpack.unpackb(sub.recv_multipart()[-1])
-            stored = [event for event in batch[1] if event[0] == "BlockStored"]
-        assert stored[0][3] == [] and stored[0][4] == 16  # no token ids; block size as ever
+            stored = [event for event in batch[1] if event["type"] == "BlockStored"]
+        # No token ids; block size as ever.
+        assert stored[0]["token_ids"] == [] and stored[0]["block_size"] == 16
     finally:
         sub.close(linger=0)
         proc.stop()

@@ -298,11 +298,12 @@ def test_zmq_subscriber_receives_block_stored(server, client, tokenizer):
         stored = _collect_block_stored(sub)
     finally:
         sub.close(linger=0)
-    # One event for the two full blocks: [tag, hashes, parent, token_ids, block_size, lora, medium,
-    # lora_name, locality]
-    tag, hashes, parent, token_ids, block_size, lora_id, medium, lora_name, locality = stored[0]
-    assert (tag, parent, token_ids, block_size, lora_id, medium, lora_name, locality) == \
-        ("BlockStored", None, prompt[:32], 16, None, "GPU", None, "local")
+    # One event for the two full blocks, a map in vLLM's field names.
+    hashes = stored[0].pop("block_hashes")
+    assert stored[0] == {"type": "BlockStored", "parent_block_hash": None,
+                         "token_ids": prompt[:32], "block_size": 16, "lora_id": None,
+                         "medium": "GPU", "lora_name": None, "group_idx": 0,
+                         "kv_cache_spec_kind": "full_attention", "locality": "LOCAL"}
     assert len(hashes) == 2 and all(isinstance(h, int) and 0 <= h < 2 ** 64 for h in hashes)
 
 
@@ -317,6 +318,7 @@ def _collect_block_stored(sub) -> list:
         assert topic == TOPIC.encode() and len(seq) == 8
         ts, events, rank = msgpack.unpackb(payload)
         assert isinstance(ts, float) and rank == 0
-        stored += [e for e in events if e[0] == "BlockStored" and e[3][:1] == [100]]
+        stored += [e for e in events
+                   if e["type"] == "BlockStored" and e["token_ids"][:1] == [100]]
     return stored
 

@@ -93,7 +93,8 @@ def second_instance_gets_hits(model, flag, tier, name):
         # Copies into host memory (the promotions) are local; copies in the store are remote.
         events = [e for e in second.engine.take_kv_events() if isinstance(e, BlockStored)]
         assert {e.locality for e in events if e.medium == "CPU"} == {"local"}
-        assert {e.locality for e in events if e.medium == name} <= {"remote"}
+        assert {(e.medium, e.locality) for e in events if e.ownership == name} <= {
+            ("STORAGE", "remote")}
         second.engine.check_invariants()
     finally:
         second.engine.shutdown()

@@ -140,8 +140,8 @@ def test_host_hit_loads_by_block_id(make_connector):
     # Named by the blocks' own 64-bit hashes; the loads back into the device are left to the
     # device cache's own events.
     hashes = [external_block_hash(h) for h in first.block_hashes[:7]]
-    assert connector.take_events() == [BlockStored([h], None, [], BLOCK, None, "CPU")
-                                       for h in hashes]
+    assert connector.take_events() == [BlockStored([h], None, [], BLOCK, None, "CPU",
+                                                   group_idx=0) for h in hashes]
 
 
 def test_no_events_are_made_when_the_engine_publishes_none(make_connector):

@@ -19,7 +19,7 @@ def test_a_prefix_counts_until_the_first_block_an_instance_lacks():
 
 def test_the_best_tier_of_a_block_decides_its_weight():
     index = KVIndex(100, TierWeights(gpu=1.0, cpu=0.5, disk=0.25, remote=0.125))
-    index.store(A, [1, 2], "DISK")
+    index.store(A, [1, 2], "STORAGE")
     index.store(A, [1], "CPU")
     assert index.match([1, 2], [A]) == {A: PrefixMatch(2, 0.75)}
     index.store(A, [2], "GPU")
@@ -32,11 +32,11 @@ def test_the_best_tier_of_a_block_decides_its_weight():
 
 def test_a_shared_store_counts_for_every_instance():
     index = KVIndex(100, TierWeights(remote=0.25))
-    index.store(A, [1, 2], "obj", locality="remote")
+    index.store(A, [1, 2], "STORAGE", locality="remote")
     index.store(B, [1], "GPU")
     assert index.match([1, 2], [A, B, 3]) == {A: PrefixMatch(2, 0.5), B: PrefixMatch(2, 1.25),
                                               3: PrefixMatch(2, 0.5)}
-    index.remove(B, [2], "obj", locality="remote")  # gone from the store, for everyone
+    index.remove(B, [2], "STORAGE", locality="remote")  # gone from the store, for everyone
     assert index.match([1, 2], [A]) == {A: PrefixMatch(1, 0.25)}
 
 

@@ -63,7 +63,7 @@ def test_slower_tiers_save_less_so_their_holder_is_left_sooner():
     router, (a, b, c) = make(load_weight_tokens=0)
     prompt = list(range(8))
     router.index.store(b.slot, prompt, "CPU")  # host copies save 0.8 of their recompute
-    router.index.store(c.slot, prompt, "DISK")  # disk copies 0.5
+    router.index.store(c.slot, prompt, "STORAGE")  # disk copies 0.5
     decision = router.choose(prompt, BLOCK)
     assert (decision.instance, decision.reason, decision.prefill_tokens) == (b, "cache_hit", 26)
     b.queued_tokens = 40  # 40 + 25.6 > 64 on c's disk, < 128 recomputed on a
@@ -76,7 +76,7 @@ def test_slower_tiers_save_less_so_their_holder_is_left_sooner():
 def test_a_shared_store_counts_for_every_instance():
     router, (a, b, c) = make(load_weight_tokens=0)
     prompt = list(range(8))
-    router.index.store(a.slot, prompt, "obj", locality="remote")
+    router.index.store(a.slot, prompt, "STORAGE", locality="remote")
     a.queued_tokens, b.queued_tokens = 10, 5
     decision = router.choose(prompt, BLOCK)
     # 0.3 of each block saved wherever the request goes: the shortest queue wins.

@@ -10,14 +10,12 @@ from collections.abc import Sequence
 
 from kvtier.common.bounded import BoundedDict
 from kvtier.events import BlockRemoved, BlockStored, WireEvent, external_block_hash
-from kvtier.events.schema import MEDIUM_CPU, MEDIUM_DISK
+from kvtier.events.schema import MEDIUM_CPU, MEDIUM_STORAGE
 from kvtier.kv import BlockHash
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
 from kvtier.offload.keys import ChunkKey
 
-# Tier types whose chunks sit in files of this machine: events name their medium "DISK".
-_DISK_TIER_TYPES = frozenset({"disk", "fs"})
 # Chunks whose block hashes are remembered, per host slot (the rest are forgotten, least
 # recently named first): host memory holds one chunk a slot, the tiers behind it more.
 _NAMED_CHUNKS_PER_SLOT = 16
@@ -33,9 +31,10 @@ class TierEventNames:
         self.blocks_per_chunk = options.blocks_per_chunk
         self._chunk_blocks: BoundedDict[ChunkKey, tuple[BlockHash, ...]] = BoundedDict(
             _NAMED_CHUNKS_PER_SLOT * num_host_slots)
-        self._media = {HOST: MEDIUM_CPU, **{
-            spec.name: MEDIUM_DISK if spec.type in _DISK_TIER_TYPES else spec.name
-            for spec in options.secondary_tiers}}
+        # (medium, ownership) by tier: host memory is "CPU", a secondary tier "STORAGE" with
+        # its name as the owner, as vLLM's offloading events name them.
+        self._media = {HOST: (MEDIUM_CPU, None), **{
+            spec.name: (MEDIUM_STORAGE, spec.name) for spec in options.secondary_tiers}}
 
     def name(self, group_id: int, first_chunk: int, keys: list[ChunkKey],
              block_hashes: Sequence[BlockHash]) -> None:
@@ -61,7 +60,9 @@ class TierEventNames:
         # A move's locality is its secondary tier's; host memory is always this instance's own.
         if move.destination is None:
             locality = "local" if move.source == HOST else move.locality
-            return BlockRemoved(hashes, self._media[move.source], locality)
+            medium, owner = self._media[move.source]
+            return BlockRemoved(hashes, medium, self.group_id, locality, owner)
         locality = "local" if move.destination == HOST else move.locality
-        return BlockStored(hashes, None, [], self.block_size, None,
-                           self._media[move.destination], None, locality)
+        medium, owner = self._media[move.destination]
+        return BlockStored(hashes, None, [], self.block_size, None, medium, None,
+                           group_idx=self.group_id, locality=locality, ownership=owner)
