@@ -17,6 +17,8 @@ def parse_size(value: int | str, name: str) -> int:
     """Bytes in `value` (an int or a string such as "4GiB"); `name` is the field for errors."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a byte size such as 4GiB or 1073741824, got {value!r}")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # e.g. 4 * 2**30 computed in floats, as vLLM's configs carry it
     if isinstance(value, int):
         if value < 0:
             raise ValueError(f"{name} must be >= 0 bytes, got {value}")

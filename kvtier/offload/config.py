@@ -85,8 +85,9 @@ class OffloadConfig:
     secret_file: str | None = None
 
     def __post_init__(self) -> None:
-        require(self.spec_name == SPEC_NAME, f"{_WHERE}.spec_name", f"must be {SPEC_NAME!r}",
-                self.spec_name)
+        require(self.spec_name in (SPEC_NAME, _CPU_SPEC_NAME), f"{_WHERE}.spec_name",
+                f"must be {SPEC_NAME!r} (or vLLM's {_CPU_SPEC_NAME!r}: the same, host memory "
+                "first)", self.spec_name)
         require(self.cpu_bytes_to_use > 0, f"{_WHERE}.cpu_bytes_to_use",
                 "must be > 0 (the host tier's byte budget, e.g. \"4GiB\")", self.cpu_bytes_to_use)
         require(is_positive_int(self.blocks_per_chunk), f"{_WHERE}.blocks_per_chunk",
@@ -97,8 +98,10 @@ class OffloadConfig:
         require(isinstance(self.offload_prompt_only, bool), f"{_WHERE}.offload_prompt_only",
                 "must be true or false", self.offload_prompt_only)
         require(is_positive_int(self.store_threshold), f"{_WHERE}.store_threshold",
-                "must be an integer >= 1", self.store_threshold)
-        require(isinstance(self.tier_job_timeout_s, (int, float)) and self.tier_job_timeout_s > 0,
+                "must be an integer >= 1 (or 0, vLLM's off: the same as 1)",
+                self.store_threshold)
+        require(isinstance(self.tier_job_timeout_s, (int, float))
+                and not isinstance(self.tier_job_timeout_s, bool) and self.tier_job_timeout_s > 0,
                 f"{_WHERE}.tier_job_timeout_s", "must be a number of seconds > 0",
                 self.tier_job_timeout_s)
         require(self.write_policy in get_args(WritePolicyName), f"{_WHERE}.write_policy",
@@ -113,6 +116,12 @@ class OffloadConfig:
         if not isinstance(raw, Mapping):
             raise ValueError(f"{_WHERE} must be a JSON object, got {raw!r}")
         values = dict(raw)
+        if "block_size" in values:
+            raise ValueError(f"{_WHERE}.block_size: kvtier sizes chunks in device blocks: set "
+                             "blocks_per_chunk (vLLM's block_size 64 with 16-token device "
+                             "blocks is blocks_per_chunk 4)")
+        if values.get("store_threshold") == 0 and values["store_threshold"] is not False:
+            values["store_threshold"] = 1  # vLLM's 0: store at once, as 1 does here
         if "cpu_bytes_to_use" in values:
             values["cpu_bytes_to_use"] = parse_size(values["cpu_bytes_to_use"],
                                                     f"{_WHERE}.cpu_bytes_to_use")
@@ -129,10 +138,22 @@ def _parse_tiers(raw_tiers: list[Any] | tuple[Any, ...]) -> tuple[TierSpec, ...]
     from kvtier.offload.tiers.registry import parse_tier_options
 
     specs: list[TierSpec] = []
+    places: dict[tuple[str, Any], int] = {}
     for index, raw in enumerate(raw_tiers):
         where = f"{_WHERE}.secondary_tiers[{index}]"
         require(isinstance(raw, Mapping) and isinstance(raw.get("type"), str), where,
                 "must be an object with a string \"type\"", raw)
+        place = (raw["type"], _place(raw))
+        if place[1] is not None and place in places:
+            raise ValueError(f"{where} is secondary_tiers[{places[place]}] again (a {raw['type']} "
+                             f"tier at {place[1]}): every chunk would be written there twice; "
+                             "list each tier once")
+        places[place] = index
+        name = raw.get("name")
+        require(name is None or (isinstance(name, str) and name not in ("", "host")
+                                 and name not in {spec.name for spec in specs}),
+                f"{where}.name", "must be a string naming this tier alone (not \"host\", not "
+                "another tier's)", name)
         common = ("type", "module_path", "name", *TIER_POLICY_KEYS)
         options = {k: v for k, v in raw.items() if k not in common}
         module_path = raw.get("module_path")
@@ -142,6 +163,18 @@ def _parse_tiers(raw_tiers: list[Any] | tuple[Any, ...]) -> tuple[TierSpec, ...]
         specs.append(TierSpec(type=raw["type"], name=name, options=parsed,
                               module_path=module_path, **policies))
     return tuple(specs)
+
+
+def _place(raw: Mapping[str, Any]) -> Any:
+    """Where a tier keeps its chunks (a directory, a store URL, a bucket and prefix), or None
+    when its options do not say."""
+    if isinstance(raw.get("root_dir"), str):
+        return raw["root_dir"].rstrip("/") or "/"
+    if isinstance(raw.get("url"), str):
+        return raw["url"]
+    if isinstance(raw.get("bucket"), str):
+        return f"s3://{raw['bucket']}/{raw.get('prefix', 'kvtier')}"
+    return None
 
 
 def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:
@@ -155,6 +188,12 @@ def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:
 
 
 _FLAG_KEYS = "host, disk, fs, obj, redis, p2p, p2p_listen, policy, blocks_per_chunk, write"
+# Flag keys that set one value: given twice, which one was meant is not known.
+_ONCE_KEYS = ("host", "p2p", "p2p_listen", "policy", "blocks_per_chunk", "write")
+# The smallest byte budget a size after a tier's ':' may give: a bare number is bytes, and
+# "fs=/data/2024:01" is more likely a directory than a 1-byte budget.
+_MIN_TIER_BYTES = 2**20
+_CPU_SPEC_NAME = "CPUOffloadingSpec"
 _FLAG_EXAMPLE = "host=4GiB,disk=/var/cache/kvtier:50GiB"
 
 
@@ -165,7 +204,8 @@ def parse_kv_offload(flag: str, where: str = "--kv-offload") -> dict[str, Any]:
 
     `host` (required) is the host tier's byte budget. `disk=DIR:SIZE` adds a disk tier (this
     instance's slot file of SIZE bytes in DIR), `fs=DIR[:SIZE]` an fs tier (a file per chunk,
-    shared by the instances that mount DIR; SIZE is its byte budget); both may repeat.
+    shared by the instances that mount DIR; SIZE is its byte budget); both may repeat, each at
+    its own DIR (a size after the last ':' is at least 1MiB).
     `obj=s3://BUCKET/PREFIX[:SIZE]` adds an obj tier (an object per chunk in an S3-compatible
     bucket, configured by the standard AWS settings; SIZE bounds what this instance writes),
     `redis=redis://HOST:PORT/DB` a redis tier (`rediss://` for TLS, `redis+cluster://HOST:PORT`
@@ -181,12 +221,17 @@ def parse_kv_offload(flag: str, where: str = "--kv-offload") -> dict[str, Any]:
         raise ValueError(f"{where}: expected comma-separated key=value pairs such as "
                          f"{_FLAG_EXAMPLE!r} (keys: {_FLAG_KEYS}), got {flag!r}")
     extra: dict[str, Any] = {"spec_name": SPEC_NAME, "secondary_tiers": []}
+    seen: set[str] = set()
     for part in flag.split(","):
         key, sep, value = part.strip().partition("=")
         if not sep or not value:
             raise ValueError(f"{where}: expected comma-separated key=value pairs such as "
                              f"{_FLAG_EXAMPLE!r} (keys: {_FLAG_KEYS}), got {part!r}")
-        _apply_flag_pair(extra, key.strip(), value.strip(), where)
+        key = key.strip()
+        if key in _ONCE_KEYS and key in seen:
+            raise ValueError(f"{where}: {key}= is given twice; give it once")
+        seen.add(key)
+        _apply_flag_pair(extra, key, value.strip(), where)
     if "cpu_bytes_to_use" not in extra:
         raise ValueError(f"{where}: 'host=SIZE' is required (e.g. {_FLAG_EXAMPLE}): every "
                          f"offload passes through host memory")
@@ -196,14 +241,14 @@ def parse_kv_offload(flag: str, where: str = "--kv-offload") -> dict[str, Any]:
 def _apply_flag_pair(extra: dict[str, Any], key: str, value: str, where: str) -> None:
     if key == "host":
         extra["cpu_bytes_to_use"] = parse_size(value, f"{where} host")
-        require(extra["cpu_bytes_to_use"] > 0, f"{where} host", "must be > 0, e.g. host=4GiB",
-                value)
+        require(extra["cpu_bytes_to_use"] > 0, f"{where} host",
+                "must be at least one byte (a bare number is bytes), e.g. host=4GiB", value)
     elif key == "disk":
-        extra["secondary_tiers"].append(_parse_disk(value, where))
+        extra["secondary_tiers"].append(_parse_disk(value, f"{where} disk={value}"))
     elif key == "fs":
-        extra["secondary_tiers"].append(_parse_fs(value, where))
+        extra["secondary_tiers"].append(_parse_fs(value, f"{where} fs={value}"))
     elif key == "obj":
-        extra["secondary_tiers"].append(_parse_obj(value, where))
+        extra["secondary_tiers"].append(_parse_obj(value, f"{where} obj={value}"))
     elif key == "redis":
         extra["secondary_tiers"].append(_parse_redis(value, where))
     elif key in ("p2p", "p2p_listen"):
@@ -238,41 +283,57 @@ def _p2p_tier(extra: dict[str, Any]) -> dict[str, Any]:
     return extra["secondary_tiers"][-1]
 
 
-def _split_dir_size(value: str) -> tuple[str, str | None]:
-    # The size is optional and comes after the last colon; a path may itself contain colons.
+def _split_dir_size(value: str, where: str) -> tuple[str, int | None]:
+    """(place, size in bytes or None). The size is optional and comes after the last colon,
+    where it must be a size of at least 1MiB; a path may itself contain colons, as long as no
+    part after one looks like a number (such a path needs the JSON form)."""
     root, sep, size = value.rpartition(":")
-    if sep and root and size and size[0].isdigit():
-        return root, size
-    return value, None
+    if value.endswith(":"):
+        raise ValueError(f"{where}: ends with ':'; write DIR or DIR:SIZE, e.g. "
+                         "/var/cache/kvtier:50GiB")
+    if not sep or not (size[0].isdigit() or size[0] in "+-."):
+        return value, None
+    if not root:
+        raise ValueError(f"{where}: needs a directory or URL before ':{size}', e.g. "
+                         f"/var/cache/kvtier:{size}")
+    try:
+        num_bytes = parse_size(size, where)
+    except ValueError:
+        num_bytes = -1
+    if num_bytes < _MIN_TIER_BYTES:
+        raise ValueError(f"{where}: the size after the last ':' ({size!r}) must be at least "
+                         "1MiB, e.g. :50GiB (a bare number is bytes; a directory whose name "
+                         "ends in ':' and a number needs the JSON form, --kv-transfer-config)")
+    return root, num_bytes
 
 
 def _parse_disk(value: str, where: str) -> dict[str, Any]:
-    root, size = _split_dir_size(value)
+    root, size = _split_dir_size(value, where)
     if size is None:
-        raise ValueError(f"{where} disk={value}: the disk tier needs a size, e.g. "
-                         f"disk={value}:50GiB (its file is preallocated); for a directory "
-                         f"without a budget, shared between instances, use fs={value}")
-    return {"type": "disk", "root_dir": root, "max_bytes": parse_size(size, f"{where} disk")}
+        raise ValueError(f"{where}: the disk tier needs a size, e.g. disk={value}:50GiB (its "
+                         f"file is preallocated); for a directory without a budget, shared "
+                         f"between instances, use fs={value}")
+    return {"type": "disk", "root_dir": root, "max_bytes": size}
 
 
 def _parse_fs(value: str, where: str) -> dict[str, Any]:
-    root, size = _split_dir_size(value)
+    root, size = _split_dir_size(value, where)
     if size is None:
         return {"type": "fs", "root_dir": root}
-    return {"type": "fs", "root_dir": root, "max_bytes": parse_size(size, f"{where} fs")}
+    return {"type": "fs", "root_dir": root, "max_bytes": size}
 
 
 def _parse_obj(value: str, where: str) -> dict[str, Any]:
-    url, size = _split_dir_size(value)
+    url, size = _split_dir_size(value, where)
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     if not url.startswith("s3://") or not bucket:
-        raise ValueError(f"{where} obj={value}: expected s3://BUCKET/PREFIX[:SIZE], e.g. "
+        raise ValueError(f"{where}: expected s3://BUCKET/PREFIX[:SIZE], e.g. "
                          f"obj=s3://kv-cache/llama:100GiB")
     tier: dict[str, Any] = {"type": "obj", "bucket": bucket}
     if prefix:
         tier["prefix"] = prefix
     if size is not None:
-        tier["max_bytes"] = parse_size(size, f"{where} obj")
+        tier["max_bytes"] = size
     return tier
 
 

@@ -24,8 +24,9 @@ class HostArea:
         self.slot_bytes = slot_bytes
         self.num_slots = budget_bytes // slot_bytes
         if self.num_slots < 1:
-            raise ValueError(f"kv_connector_extra_config.cpu_bytes_to_use={budget_bytes} holds no "
-                             f"chunk; it must be at least one chunk ({slot_bytes} bytes)")
+            raise ValueError(f"the host tier's budget ({budget_bytes} bytes: --kv-offload host=, "
+                             f"or cpu_bytes_to_use) holds no chunk; it must be at least one "
+                             f"chunk ({slot_bytes} bytes; blocks_per_chunk sets its size)")
         # uint8 so any KV dtype can be viewed through it (the worker views it as torch tensors).
         self.buffer = _populated_zeros(self.num_slots * slot_bytes)
         self._bytes = memoryview(self.buffer)  # sliced per job: made once

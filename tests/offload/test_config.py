@@ -86,7 +86,16 @@ def test_one_flag_form_options():
     ("host", "^--kv-offload: expected comma-separated key=value pairs such as "),
     ("host=lots", "^--kv-offload host must be a byte size such as 4GiB, 512MiB or 1073741824, "
                   "got 'lots'$"),
-    ("host=0", r"^--kv-offload host must be > 0, e\.g\. host=4GiB, got '0'$"),
+    ("host=0", r"^--kv-offload host must be at least one byte \(a bare number is bytes\), "
+               r"e\.g\. host=4GiB, got '0'$"),
+    ("host=1GiB,host=2GiB", r"^--kv-offload: host= is given twice; give it once$"),
+    # A number after a tier's last ':' is its size, at least 1MiB: never a silent 1-byte budget.
+    ("host=1GiB,fs=/data/2024:01", r"^--kv-offload fs=/data/2024:01: the size after the last "
+                                   r"':' \('01'\) must be at least 1MiB"),
+    ("host=1GiB,fs=/data:-5GiB", r"the size after the last ':' \('-5GiB'\) must be at least"),
+    ("host=1GiB,obj=s3://b/p:-1", r"^--kv-offload obj=s3://b/p:-1: the size after the last"),
+    ("host=1GiB,fs=/data:50GiB:", r"^--kv-offload fs=/data:50GiB:: ends with ':'"),
+    ("host=1GiB,fs=:5GiB", r"^--kv-offload fs=:5GiB: needs a directory or URL before ':5GiB'"),
     ("host=1MiB,policy=mru", r"^--kv-offload policy must be lru or arc, e\.g\. policy=arc, "
                              "got 'mru'$"),
     ("host=1MiB,blocks_per_chunk=0", "^--kv-offload blocks_per_chunk must be an integer >= 1"),
@@ -95,6 +104,35 @@ def test_one_flag_form_options():
 def test_bad_flag_names_the_problem(flag, message):
     with pytest.raises(ValueError, match=message):
         parse_kv_offload(flag)
+
+
+@pytest.mark.parametrize("extra, value", [
+    ({"cpu_bytes_to_use": 4294967296.0}, ("cpu_bytes_to_use", 2**32)),  # an integral float
+    ({"cpu_bytes_to_use": 1, "store_threshold": 0}, ("store_threshold", 1)),  # vLLM's off
+    ({"cpu_bytes_to_use": 1, "spec_name": "CPUOffloadingSpec"}, ("secondary_tiers", ())),
+])
+def test_vllms_offloading_values_are_taken(extra, value):
+    assert getattr(OffloadConfig.from_extra_config(extra), value[0]) == value[1]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"block_size": 64}, r"^kv_connector_extra_config\.block_size: kvtier sizes chunks in "
+                         r"device blocks: set blocks_per_chunk"),
+    ({"tier_job_timeout_s": True}, r"tier_job_timeout_s must be a number of seconds > 0"),
+    ({"secondary_tiers": [{"type": "fs", "root_dir": "/a", "name": "host"}]},
+     r"secondary_tiers\[0\]\.name must be a string naming this tier alone"),
+    ({"secondary_tiers": [{"type": "fs", "root_dir": "/a", "name": "t"},
+                          {"type": "fs", "root_dir": "/b", "name": "t"}]},
+     r"secondary_tiers\[1\]\.name must be a string naming this tier alone"),
+    ({"secondary_tiers": [{"type": "redis", "url": "redis://h:1/0"},
+                          {"type": "redis", "url": "redis://h:1/0"}]},
+     r"a redis tier at redis://h:1/0\): every chunk would be written there twice"),
+    (parse_kv_offload("host=1GiB,disk=/d:1GiB,disk=/d/:1GiB"),
+     r"secondary_tiers\[1\] is secondary_tiers\[0\] again \(a disk tier at /d\)"),
+])
+def test_configs_that_would_misbehave_are_refused_naming_the_key(extra, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig.from_extra_config({"cpu_bytes_to_use": 1, **extra})
 
 
 def test_bad_flag_names_the_option_the_caller_gives():

@@ -24,7 +24,8 @@ def test_host_area_slots_are_zero_copy_views():
     assert area.num_slots == 6 and area.capacity_bytes == 96
     area.slot_view(2)[:4] = b"abcd"
     assert bytes(area.buffer[32:36]) == b"abcd"
-    with pytest.raises(ValueError, match="cpu_bytes_to_use=8 holds no chunk"):
+    with pytest.raises(ValueError, match=r"budget \(8 bytes: --kv-offload host=, or "
+                                         r"cpu_bytes_to_use\) holds no chunk"):
         HostArea(8, 16)
 
 

@@ -317,7 +317,9 @@ def test_receiver_killed_mid_transfer_fails_sends_by_deadline_and_frees_buffers(
         child.wait(10)
     results = wait_results(sender, count, timeout_s=timeout_s + 2)
     assert time.monotonic() - start < timeout_s + 2
-    assert any(r.ok for r in results) and not all(r.ok for r in results)
+    # Some sends fail with the receiver gone. (The first may too: its bytes arrived, but on a
+    # loaded machine its acknowledgement can be cut off by the kill.)
+    assert not all(r.ok for r in results), [r.ok for r in results]
     sender.unregister_buffer("src")  # every region was let go of, even frames queued to the dead
     # The sender reaches a live receiver afterwards.
     receiver = make_engine()
