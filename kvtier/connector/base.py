@@ -86,6 +86,8 @@ class ConnectorContext:
     # What `KVConnectorBase.create_shared` made for this engine (the same object in both
     # halves), or None.
     shared: Any = None
+    # The longest sequence a request may have (tokens), or None when not known.
+    max_model_len: int | None = None
     # The engine publishes KV events (`take_events` is read): a connector that makes events
     # only for publishing skips that work when False (the engine then drops what it returns).
     kv_events: bool = False

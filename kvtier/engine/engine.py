@@ -63,7 +63,8 @@ class Engine:
                                    num_layers=self.model_config.num_layers,
                                    kv_identity=runtime.kv_identity, metrics=self.metrics,
                                    kv_cache_config=runtime.kv_cache_config,
-                                   kv_events=config.cache.enable_kv_cache_events)
+                                   kv_events=config.cache.enable_kv_cache_events,
+                                   max_model_len=runtime.max_model_len)
         transfer = config.kv_transfer_config
         scheduler_connector, worker_connector = build_connectors(transfer, context)
         self.kv_cache_manager = KVCacheManager(

@@ -60,6 +60,13 @@ def _bytes(metrics, direction):
     return metrics.get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
 
 
+def test_chunks_longer_than_any_sequence_are_refused_at_start_up(model):
+    # 128 blocks of 4 tokens: 512 tokens a chunk, past max_model_len (24 blocks hold 96 tokens).
+    with pytest.raises(ValueError, match=r"blocks_per_chunk=128 makes chunks of 512 tokens, "
+                                         r"longer than max_model_len=\d+: no sequence would"):
+        _llm(model[0], kv_offload="host=1MiB,blocks_per_chunk=128")
+
+
 def test_evicted_from_device_reloads_from_host(model):
     model_dir, prompts, expected = model
     llm = _llm(model_dir, kv_offload="host=1MiB")

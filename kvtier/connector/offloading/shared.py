@@ -35,6 +35,12 @@ def create_offloading_shared(config: Any, context: ConnectorContext) -> Offloadi
         raise ValueError("OffloadingConnector needs ConnectorContext.kv_cache_config (the "
                          "engine passes its KVCacheConfig)")
     options: OffloadConfig = config.options  # parsed with the engine's config
+    chunk_tokens = options.blocks_per_chunk * context.block_size
+    if context.max_model_len is not None and chunk_tokens > context.max_model_len:
+        raise ValueError(f"blocks_per_chunk={options.blocks_per_chunk} makes chunks of "
+                         f"{chunk_tokens} tokens, longer than max_model_len="
+                         f"{context.max_model_len}: no sequence would fill one, so nothing "
+                         "would be offloaded; lower blocks_per_chunk")
     layouts = tuple(
         ChunkLayout(group.kv_cache_spec.page_size_bytes, len(group.layer_names),
                     chunk_blocks(group.kv_cache_spec, options.blocks_per_chunk))
