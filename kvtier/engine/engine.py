@@ -50,7 +50,12 @@ class Engine:
         self.runtime = derive_runtime(config, loaded.config, device,
                                       resolve_dtype(config.model.dtype))
         self.metrics = MetricsRegistry()
-        self.stats = EngineStats(self.metrics)
+        self.stats = EngineStats(self.metrics, self.runtime.max_model_len)
+        self.stats.describe_cache(
+            block_size=config.cache.block_size,
+            num_gpu_blocks=self.runtime.kv_cache_config.num_blocks,
+            enable_prefix_caching=config.cache.enable_prefix_caching,
+            cache_dtype=str(self.runtime.dtype).removeprefix("torch."))
         self._eos_token_ids = self._find_eos_token_ids()
         self._build_core(loaded.model)
         self._outputs = OutputProcessor()

@@ -27,6 +27,9 @@ class ChildState:
     completion: CompletionOutput
     # Full decoded text; completion.text is what may be shown (stop-string hold-back applied).
     text: str = ""
+    # When its first and latest tokens arrived (time.time()), for the latency series.
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
 
 @dataclass
@@ -57,6 +60,8 @@ class ProcessedStep:
     # Parents that got their first token or finished this step (for metrics).
     first_tokens: list[ParentState] = field(default_factory=list)
     finished: list[ParentState] = field(default_factory=list)
+    # Seconds between a completion's tokens, one value per step that brought it more.
+    token_intervals: list[float] = field(default_factory=list)
 
 
 class OutputProcessor:
@@ -90,6 +95,12 @@ class OutputProcessor:
             if parent is None:
                 continue  # aborted by the caller while the step ran
             child = parent.children[_child_index(parent, core.req_id)]
+            if core.new_token_ids:
+                if child.last_token_time is not None:
+                    step.token_intervals.append(now - child.last_token_time)
+                else:
+                    child.first_token_time = now
+                child.last_token_time = now
             try:
                 if self._apply(parent, child, core):
                     step.stopped_req_ids.append(child.req_id)

@@ -191,8 +191,9 @@ _FLAG_KEYS = "host, disk, fs, obj, redis, p2p, p2p_listen, policy, blocks_per_ch
 # Flag keys that set one value: given twice, which one was meant is not known.
 _ONCE_KEYS = ("host", "p2p", "p2p_listen", "policy", "blocks_per_chunk", "write")
 # The smallest byte budget a size after a tier's ':' may give: a bare number is bytes, and
-# "fs=/data/2024:01" is more likely a directory than a 1-byte budget.
-_MIN_TIER_BYTES = 2**20
+# "fs=/data/2024:01" is more likely a directory than a 1-byte budget. (A budget that holds no
+# chunk is refused when the tier starts.)
+_MIN_TIER_BYTES = 4096
 _CPU_SPEC_NAME = "CPUOffloadingSpec"
 _FLAG_EXAMPLE = "host=4GiB,disk=/var/cache/kvtier:50GiB"
 
@@ -205,7 +206,7 @@ def parse_kv_offload(flag: str, where: str = "--kv-offload") -> dict[str, Any]:
     `host` (required) is the host tier's byte budget. `disk=DIR:SIZE` adds a disk tier (this
     instance's slot file of SIZE bytes in DIR), `fs=DIR[:SIZE]` an fs tier (a file per chunk,
     shared by the instances that mount DIR; SIZE is its byte budget); both may repeat, each at
-    its own DIR (a size after the last ':' is at least 1MiB).
+    its own DIR (a size after the last ':' is at least 4KiB).
     `obj=s3://BUCKET/PREFIX[:SIZE]` adds an obj tier (an object per chunk in an S3-compatible
     bucket, configured by the standard AWS settings; SIZE bounds what this instance writes),
     `redis=redis://HOST:PORT/DB` a redis tier (`rediss://` for TLS, `redis+cluster://HOST:PORT`
@@ -285,7 +286,7 @@ def _p2p_tier(extra: dict[str, Any]) -> dict[str, Any]:
 
 def _split_dir_size(value: str, where: str) -> tuple[str, int | None]:
     """(place, size in bytes or None). The size is optional and comes after the last colon,
-    where it must be a size of at least 1MiB; a path may itself contain colons, as long as no
+    where it must be a size of at least 4KiB; a path may itself contain colons, as long as no
     part after one looks like a number (such a path needs the JSON form)."""
     root, sep, size = value.rpartition(":")
     if value.endswith(":"):
@@ -302,7 +303,7 @@ def _split_dir_size(value: str, where: str) -> tuple[str, int | None]:
         num_bytes = -1
     if num_bytes < _MIN_TIER_BYTES:
         raise ValueError(f"{where}: the size after the last ':' ({size!r}) must be at least "
-                         "1MiB, e.g. :50GiB (a bare number is bytes; a directory whose name "
+                         "4KiB, e.g. :50GiB (a bare number is bytes; a directory whose name "
                          "ends in ':' and a number needs the JSON form, --kv-transfer-config)")
     return root, num_bytes
 

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 HEALTH_TIMEOUT_S = 2.0
 # kv_role values of an instance that loads KV other instances computed.
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
+# The series whose samples (any labels) sum to an instance's load; vLLM's by-reason breakdown
+# of the waiting ones (vllm:num_requests_waiting_by_reason) is not counted again.
 _LOAD_SERIES = (b"vllm:num_requests_running", b"vllm:num_requests_waiting")
 
 
@@ -193,7 +195,8 @@ class RouterService:
             return
         load = 0.0
         for line in response.content.splitlines():
-            if line.startswith(_LOAD_SERIES):
+            name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+            if name in _LOAD_SERIES:
                 with contextlib.suppress(ValueError, IndexError):
                     load += float(line.rsplit(b" ", 1)[1])
         instance.reported_load = int(load)

@@ -237,3 +237,18 @@ def test_every_step_that_computed_is_timed_once(llm):
     llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:5]}], GREEDY)
     # Both start in the same step and decode side by side: 6 more steps, not 12.
     assert llm.get_metrics()["kvtier:engine_step_seconds_count"] == 2 * GREEDY.max_tokens
+
+
+def test_per_token_and_per_request_series_count_every_completion(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, n=2)
+    llm.generate({"prompt_token_ids": PROMPT}, params)
+    metrics = llm.get_metrics()
+    assert (metrics["vllm:request_prompt_tokens_count"],
+            metrics["vllm:request_prompt_tokens_sum"]) == (1, len(PROMPT))
+    assert (metrics["vllm:request_generation_tokens_count"],
+            metrics["vllm:request_generation_tokens_sum"]) == (2, 10)
+    assert metrics["vllm:request_time_per_output_token_seconds_count"] == 2
+    assert metrics["vllm:inter_token_latency_seconds_count"] == 2 * 4  # after each first token
+    assert [key for key in metrics if key.startswith("vllm:cache_config_info")] == [
+        'vllm:cache_config_info{block_size="4",num_gpu_blocks="64",'
+        'enable_prefix_caching="True",cache_dtype="float32"}']

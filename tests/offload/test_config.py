@@ -89,9 +89,9 @@ def test_one_flag_form_options():
     ("host=0", r"^--kv-offload host must be at least one byte \(a bare number is bytes\), "
                r"e\.g\. host=4GiB, got '0'$"),
     ("host=1GiB,host=2GiB", r"^--kv-offload: host= is given twice; give it once$"),
-    # A number after a tier's last ':' is its size, at least 1MiB: never a silent 1-byte budget.
+    # A number after a tier's last ':' is its size, at least 4KiB: never a silent 1-byte budget.
     ("host=1GiB,fs=/data/2024:01", r"^--kv-offload fs=/data/2024:01: the size after the last "
-                                   r"':' \('01'\) must be at least 1MiB"),
+                                   r"':' \('01'\) must be at least 4KiB"),
     ("host=1GiB,fs=/data:-5GiB", r"the size after the last ':' \('-5GiB'\) must be at least"),
     ("host=1GiB,obj=s3://b/p:-1", r"^--kv-offload obj=s3://b/p:-1: the size after the last"),
     ("host=1GiB,fs=/data:50GiB:", r"^--kv-offload fs=/data:50GiB:: ends with ':'"),

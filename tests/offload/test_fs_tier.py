@@ -51,6 +51,13 @@ def test_store_then_load_round_trip(make_tier, tmp_path):
     assert [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")] == []
 
 
+def test_a_budget_that_holds_no_chunk_is_refused_at_start(tmp_path):
+    with pytest.raises(ValueError, match=r"^fs\.max_bytes=100 holds no chunk; it must be at "
+                                         r"least one chunk \(4096 bytes\)"):
+        FsTier(FsTierOptions(root_dir=str(tmp_path), max_bytes=100),
+               TierContext("fs", NAMESPACE, max_chunk_bytes=4096))
+
+
 def test_the_first_store_describes_the_namespace_beside_the_chunks(tmp_path):
     description = {"model": "m", "weights_digest": "ab" * 16, "blocks_per_chunk": 2}
     tier = FsTier(FsTierOptions(root_dir=str(tmp_path)),

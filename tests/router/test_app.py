@@ -70,7 +70,10 @@ def test_an_instance_that_stops_publishing_is_reindexed_from_its_replay_buffer(t
             "replay_endpoint": publisher.config.replay_endpoint, "topic": "",
             "block_size": 16, "hash_algo": "sha256_cbor", "model": str(tmp_path)}
     instance_app.get("/health")(lambda: {})
-    instance_app.get("/metrics")(lambda: PlainTextResponse("vllm:num_requests_running 2.0\n"))
+    # vLLM 0.32's breakdown of the waiting requests by reason is not counted twice.
+    instance_app.get("/metrics")(lambda: PlainTextResponse(
+        'vllm:num_requests_running 2.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
+        'vllm:num_requests_waiting_by_reason{reason="capacity"} 1.0\n'))
     instance_app.get("/v1/kv_events_info")(lambda: info)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(instance_app, port=port, log_level="warning"))
@@ -89,7 +92,7 @@ def test_an_instance_that_stops_publishing_is_reindexed_from_its_replay_buffer(t
     async def scenario() -> None:
         await until(lambda: server.started)
         await service.check(instance)
-        assert (instance.healthy, instance.indexed, instance.reported_load) == (True, True, 2)
+        assert (instance.healthy, instance.indexed, instance.reported_load) == (True, True, 3)
         await asyncio.sleep(0.3)  # the subscription reaches the PUB socket
         publisher.publish([BlockRemoved([bytes(32)], "device", 0), AllBlocksCleared()])
         await until(lambda: instance.last_event_at is not None)

@@ -95,6 +95,10 @@ class FsTier(ThreadedTier):
 
     def __init__(self, options: FsTierOptions, context: TierContext) -> None:
         super().__init__(options, context)
+        chunk = context.max_chunk_bytes
+        if options.max_bytes is not None and chunk is not None and options.max_bytes < chunk:
+            raise ValueError(f"fs.max_bytes={options.max_bytes} holds no chunk; it must be at "
+                             f"least one chunk ({chunk} bytes), e.g. fs=DIR:20GiB")
         self.root = os.path.realpath(options.root_dir)
         self.directory = os.path.join(self.root, context.namespace.hex())
         self._secret = context.chunk_secret
