@@ -95,6 +95,7 @@ def test_a_value_of_the_wrong_type_or_range_is_refused_naming_the_field(fields, 
     with pytest.raises(ValueError, match=rf"^SamplingParams\.{name} must be"):
         SamplingParams(**fields)
     assert SamplingParams(stop=None, stop_token_ids=None).stop == []  # None: no stops
+    assert SamplingParams(stop=("a",), stop_token_ids=(3,)).stop_token_ids == [3]
 
 
 def test_a_step_that_raises_leaves_no_request_of_that_call_behind(llm, monkeypatch):
