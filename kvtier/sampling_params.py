@@ -57,12 +57,10 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         # None: no stops, as vLLM takes it; a tuple is taken as a list.
-        self.stop = [] if self.stop is None else self.stop
-        self.stop_token_ids = [] if self.stop_token_ids is None else self.stop_token_ids
-        if isinstance(self.stop, tuple):
-            self.stop = list(self.stop)
-        if isinstance(self.stop_token_ids, tuple):
-            self.stop_token_ids = list(self.stop_token_ids)
+        if self.stop is None or isinstance(self.stop, tuple):
+            self.stop = list(self.stop or ())
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids or ())
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0

@@ -148,6 +148,8 @@ def _decode_event(raw: dict[str, Any] | list[Any]) -> WireEvent | None:
     name = fields.get("type")
     if name not in _TYPES:
         return None
+    if name == "AllBlocksCleared":
+        return AllBlocksCleared()
     known = {k: fields[k] for k in _ALWAYS[name] + _WHEN_SET[name]
              if fields.get(k) is not None}
     if "block_hashes" in known:
@@ -156,8 +158,6 @@ def _decode_event(raw: dict[str, Any] | list[Any]) -> WireEvent | None:
         known["token_ids"] = list(known["token_ids"])
     if "locality" in known:
         known["locality"] = _locality(known["locality"])
-    if name == "AllBlocksCleared":
-        return AllBlocksCleared()
     known.setdefault("medium", MEDIUM_GPU)  # unspecified: the device cache's, as vLLM's were
     if name == "BlockStored":
         known.setdefault("parent_block_hash", None)
@@ -168,13 +168,11 @@ def _decode_event(raw: dict[str, Any] | list[Any]) -> WireEvent | None:
 
 
 def _array_fields(raw: list[Any]) -> dict[str, Any]:
-    """An array-encoded event (vLLM before 0.32): its tag, then vLLM's fields in order; the
-    fields after lora_name are left out (their order changed between versions)."""
+    """An array-encoded event (vLLM before 0.32): its tag, then the fields every event of its
+    type carries, in order; the optional ones after them are left out (their order changed
+    between versions)."""
     name = raw[0]
-    names = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-             "medium", "lora_name") if name == "BlockStored" else \
-        ("block_hashes", "medium") if name == "BlockRemoved" else ()
-    return {"type": name, **dict(zip(names, raw[1:]))}
+    return {"type": name, **dict(zip(_ALWAYS.get(name, ()), raw[1:]))}
 
 
 def _hashes(values: list[Any]) -> list[BlockHash64]:

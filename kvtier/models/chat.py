@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.models.errors import ChatTemplateError
+from kvtier.models.errors import ChatTemplateError, UnsupportedContentError
 from kvtier.models.tokenizer import Tokenizer
 
 # What the chat template is given besides chat_template_kwargs.
@@ -64,8 +64,8 @@ def text_of(content: Any, param: str) -> str:
         if not isinstance(part, Mapping) or part.get("type") != "text" or \
                 not isinstance(text, str):
             kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ChatTemplateError(f"content part type '{kind}' is not supported; only text",
-                                    param=f"{param}[{j}].type")
+            raise UnsupportedContentError(f"content part type '{kind}' is not supported; only "
+                                          f"text", param=f"{param}[{j}].type")
         texts.append(text)
     return "\n".join(texts)
 

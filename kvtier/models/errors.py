@@ -20,3 +20,7 @@ class ChatTemplateError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class UnsupportedContentError(ChatTemplateError):
+    """A message content part other than text (an image, audio)."""

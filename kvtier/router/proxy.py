@@ -149,7 +149,8 @@ async def _route(service: RouterService, path: str, content: bytes, body: dict[s
 async def from_any_instance(service: RouterService, path: str, raw: Request) -> Response:
     """GET `path` from the first healthy instance that answers (all serve the same model), the
     client's Authorization passed on."""
-    headers = {name: raw.headers[name] for name in ("authorization",) if name in raw.headers}
+    key = raw.headers.get("authorization")
+    headers = {"authorization": key} if key is not None else {}
     for instance in service.router.instances:
         if not instance.healthy:
             continue

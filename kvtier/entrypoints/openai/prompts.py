@@ -17,7 +17,7 @@ from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from kvtier.models.chat import render_chat
-from kvtier.models.errors import ChatTemplateError
+from kvtier.models.errors import ChatTemplateError, UnsupportedContentError
 
 # JSON may escape half of a UTF-16 pair ("\ud800"); no tokenizer or UTF-8 answer can carry it.
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -99,33 +99,29 @@ def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> Prompt:
     if ctx.tokenizer is None:
         raise BadRequestError("this model has no tokenizer, so it cannot take chat messages",
                               param="messages", code="invalid_value")
-    messages = [_message_dict(m, i) for i, m in enumerate(request.messages)]
+    messages = [_message_dict(m) for m in request.messages]
     try:
         text = render_chat(ctx.tokenizer, messages,
                            add_generation_prompt=request.add_generation_prompt,
                            continue_final_message=request.continue_final_message,
                            chat_template_kwargs=request.chat_template_kwargs)
     except ChatTemplateError as exc:
-        raise BadRequestError(str(exc), param=exc.param or "messages",
-                              code="invalid_value") from exc
+        code = "unsupported_parameter" if isinstance(exc, UnsupportedContentError) \
+            else "invalid_value"
+        raise BadRequestError(str(exc), param=exc.param or "messages", code=code) from exc
     # The template writes the special tokens itself.
     token_ids = _tokenize(ctx, text, "messages", add_special_tokens=False)
     return Prompt(text, token_ids)
 
 
-def _message_dict(message: Any, index: int) -> dict[str, Any]:
+def _message_dict(message: Any) -> dict[str, Any]:
+    """The message as the template takes it (render_chat joins text parts); extra fields only
+    when they are strings."""
     content = message.content
     if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                raise BadRequestError(f"content part type '{part.type}' is not supported; only "
-                                      f"text", param=f"messages[{index}].content[{j}].type",
-                                      code="unsupported_parameter")
-            texts.append(part.text)
-        content = "\n".join(texts)
+        content = [part.model_dump() for part in content]
     extra = {k: v for k, v in (message.model_extra or {}).items() if isinstance(v, str)}
-    return {**extra, "role": message.role, "content": content or ""}
+    return {**extra, "role": message.role, "content": content}
 
 
 def _tokenize(ctx: ServerContext, text: str, param: str, add_special_tokens: bool) -> list[int]:

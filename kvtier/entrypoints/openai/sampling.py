@@ -114,9 +114,10 @@ def logit_bias(request: SamplingFields) -> dict[int, float] | None:
 
 def _refuse_unsupported(request: SamplingFields, fields: Mapping[str, tuple]) -> None:
     for name, value in (request.model_extra or {}).items():
+        if name not in fields:
+            continue
         # `is False`: 0 == False, and prompt_logprobs=0 asks for something.
-        off = value is False or value == [] or value == {} or value in fields.get(name, ())
-        if name in fields and not off:
+        if not (value is False or value == [] or value == {} or value in fields[name]):
             raise BadRequestError(f"{name} is not supported; leave it unset", param=name,
                                   code="unsupported_parameter")
 
