@@ -50,6 +50,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # Per generated token, the logprobs of the top `logprobs` tokens and the sampled one; per
+    # prompt token, of the top `prompt_logprobs` and the prompt's own (the whole prompt is then
+    # computed: no cached prefix is read). -1: the whole vocabulary.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
 
@@ -103,9 +106,10 @@ class SamplingParams:
             (self.min_tokens >= 0, "min_tokens", "must be >= 0"),
             (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
              "must be <= max_tokens"),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs", "must be >= 0"),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-             "must be >= 0"),
+            (self.logprobs is None or self.logprobs >= -1, "logprobs",
+             "must be >= 0 (or -1 for the whole vocabulary)"),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
+             "must be >= 0 (or -1 for the whole vocabulary)"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
             (self.seed is None or _SEED_RANGE[0] <= self.seed
              and self.seed + self.n - 1 < _SEED_RANGE[1], "seed",

@@ -58,7 +58,7 @@ class Engine:
             cache_dtype=str(self.runtime.dtype).removeprefix("torch."))
         self._eos_token_ids = self._find_eos_token_ids()
         self._build_core(loaded.model)
-        self._outputs = OutputProcessor()
+        self._outputs = OutputProcessor(self.tokenizer)
         # The manager's hash block size and algorithm, so request hashes match its lookups.
         self._block_hasher = self.kv_cache_manager.make_block_hasher()
 
@@ -140,8 +140,6 @@ class Engine:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: its token ids against this vocabulary (an
         id past it would fail the whole batched sampling step)."""
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported yet; leave it unset")
         vocab = self.model_config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", list(params.logit_bias or ()))):
@@ -149,9 +147,11 @@ class Engine:
             if bad is not None:
                 raise ValueError(f"SamplingParams.{name} holds token id {bad}, outside the "
                                  f"vocabulary [0, {vocab})")
-        if params.logprobs is not None and params.logprobs > vocab:
-            raise ValueError(f"SamplingParams.logprobs must be <= the vocabulary size {vocab}, "
-                             f"got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > vocab:
+                raise ValueError(f"SamplingParams.{name} must be <= the vocabulary size "
+                                 f"{vocab} (or -1 for all of it), got {value}")
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -183,9 +183,12 @@ class Engine:
                 params, n=1, seed=None if params.seed is None else params.seed + index,
                 stop_token_ids=list(params.stop_token_ids) + extra_eos)
             child_id = request_id if params.n == 1 else f"{index}_{request_id}"
+            # Prompt logprobs come from computing the whole prompt: no cached prefix is read.
             children.append(Request(child_id, list(token_ids), child_params,
                                     eos_token_id=eos[0] if eos else None,
-                                    block_hasher=self._block_hasher, **options))
+                                    block_hasher=self._block_hasher,
+                                    skip_reading_prefix_cache=params.prompt_logprobs is not None,
+                                    **options))
         return children
 
     def _make_parent(self, request_id: str, prompt: str | None, token_ids: list[int],

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvtier.logprobs import Logprob, PromptLogprobs
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import EngineCoreOutput
 
@@ -42,6 +43,9 @@ class ParentState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
+    # With prompt_logprobs asked for, once the first token arrives (from the first completion
+    # to bring it: all n compute the same).
+    prompt_logprobs: PromptLogprobs | None = None
     # Filled when the first token arrives: the engine records TTFT once per request.
     counted_first_token: bool = False
 
@@ -65,7 +69,9 @@ class ProcessedStep:
 
 
 class OutputProcessor:
-    def __init__(self) -> None:
+    def __init__(self, tokenizer: Any = None) -> None:
+        # Names the tokens in logprobs (Logprob.decoded_token); None: they stay unnamed.
+        self.tokenizer = tokenizer
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, ParentState] = {}
 
@@ -129,10 +135,16 @@ class OutputProcessor:
         completion = child.completion
         completion.token_ids.extend(core.new_token_ids)
         if completion.logprobs is not None:
+            for entry in core.new_logprobs:
+                self._name_tokens(entry)
             completion.logprobs.extend(core.new_logprobs)
             completion.cumulative_logprob = (completion.cumulative_logprob or 0.0) + sum(
-                entry[token] for token, entry in zip(core.new_token_ids, core.new_logprobs)
-                if token in entry)
+                entry[token].logprob
+                for token, entry in zip(core.new_token_ids, core.new_logprobs) if token in entry)
+        if core.prompt_logprobs is not None and parent.prompt_logprobs is None:
+            for entry in core.prompt_logprobs:
+                self._name_tokens(entry)
+            parent.prompt_logprobs = core.prompt_logprobs
         if core.num_cached_tokens:
             parent.num_cached_tokens = max(parent.num_cached_tokens, core.num_cached_tokens)
         if core.kv_transfer_params is not None:
@@ -157,6 +169,13 @@ class OutputProcessor:
             completion.stop_reason = core.stop_reason
         completion.text = _visible_text(child)
         return stopped_by_string and core.finish_reason is None
+
+    def _name_tokens(self, entry: dict[int, Logprob] | None) -> None:
+        if self.tokenizer is None or entry is None:
+            return
+        for token_id, logprob in entry.items():
+            logprob.decoded_token = self.tokenizer.decode([token_id],
+                                                          skip_special_tokens=False)
 
 
 def _child_index(parent: ParentState, req_id: str) -> int:
@@ -216,7 +235,8 @@ def _to_request_output(parent: ParentState) -> RequestOutput:
                for c in parent.children]
     return RequestOutput(
         request_id=parent.request_id, prompt=parent.prompt,
-        prompt_token_ids=parent.prompt_token_ids, outputs=outputs, finished=parent.finished,
+        prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
+        outputs=outputs, finished=parent.finished,
         num_cached_tokens=parent.num_cached_tokens, kv_transfer_params=parent.kv_transfer_params,
         error=parent.error, metrics=RequestMetrics(parent.metrics.arrival_time,
                                                    parent.metrics.first_token_time,

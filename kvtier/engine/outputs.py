@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass
 class CompletionOutput:
@@ -17,8 +19,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     # The stop string or stop token id that ended it, if one did.
     stop_reason: int | str | None = None
-    # Per generated token {token_id: logprob}, when SamplingParams.logprobs was set.
-    logprobs: list[dict[int, float]] | None = None
+    # Per generated token, when SamplingParams.logprobs was set.
+    logprobs: SampleLogprobs | None = None
     # The sum of the generated tokens' logprobs, when SamplingParams.logprobs was set.
     cumulative_logprob: float | None = None
 
@@ -39,6 +41,9 @@ class RequestOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
+    # Per prompt token (None for the first), when SamplingParams.prompt_logprobs was set; from
+    # the first output with a generated token on.
+    prompt_logprobs: PromptLogprobs | None
     outputs: list[CompletionOutput]
     finished: bool
     # Prompt tokens served from the prefix cache (local hit or connector load).

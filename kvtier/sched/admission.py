@@ -39,6 +39,10 @@ def plan_admission(request: Request, kv_cache_manager: KVCacheManager,
         num_external, load_async = 0, False
         if connector is not None and ask_connector:
             answer, load_async = connector.get_num_new_matched_tokens(request, num_local)
+            if request.skip_reading_prefix_cache:
+                # Asked all the same, so the connector knows the request (a P/D producer
+                # holding its blocks for it learns to let them go); nothing is loaded.
+                answer, load_async = 0, False
             if answer is None:
                 return None
             num_external, load_async = answer, load_async and answer > 0

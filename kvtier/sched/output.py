@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.connector.base import KVConnectorMetadata, KVConnectorOutput
+    from kvtier.logprobs import PromptLogprobs, SampleLogprobs
     from kvtier.sampling_params import SamplingParams
 
 
@@ -65,8 +66,11 @@ class ModelRunnerOutput:
     # req_id -> tokens sampled this step: one token for a request whose whole known sequence has
     # now been computed, [] for a prefill chunk that did not reach the end of the prompt.
     sampled_token_ids: dict[str, list[int]]
-    # req_id -> per sampled token, {token_id: logprob} of the top-k (only when asked for).
-    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    # req_id -> per sampled token, the top-k and the sampled token (only when asked for).
+    logprobs: dict[str, SampleLogprobs] = field(default_factory=dict)
+    # req_id -> the whole prompt's logprobs, with the request's first sampled token (only when
+    # asked for).
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     # req_id -> why its step failed (e.g. sampling); the scheduler finishes it with an error.
     errors: dict[str, str] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None
@@ -82,7 +86,8 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     # The stop token id that ended the request, if one did.
     stop_reason: int | str | None = None
-    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    new_logprobs: SampleLogprobs = field(default_factory=list)
+    prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None

@@ -330,7 +330,8 @@ class Scheduler:
 
     def _append_sampled(self, request: Request,
                         runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
-        sampled = runner_output.sampled_token_ids.get(request.request_id)
+        req_id = request.request_id
+        sampled = runner_output.sampled_token_ids.get(req_id)
         if not sampled:
             return None
         kept: list[int] = []
@@ -341,13 +342,12 @@ class Scheduler:
             status = check_stop(request, self.config.max_model_len)
             if status is not None:
                 break
-        kv_transfer_params = None if status is None else self.finish_request(request, status)
-        logprobs = runner_output.logprobs.get(request.request_id, [])
+        transfer = None if status is None else self.finish_request(request, status)
         return EngineCoreOutput(
-            req_id=request.request_id, new_token_ids=kept,
-            finish_reason=request.get_finished_reason(), stop_reason=request.stop_reason,
-            new_logprobs=logprobs[:len(kept)], num_cached_tokens=request.num_cached_tokens or 0,
-            kv_transfer_params=kv_transfer_params)
+            req_id=req_id, new_token_ids=kept, finish_reason=request.get_finished_reason(),
+            stop_reason=request.stop_reason, num_cached_tokens=request.num_cached_tokens or 0,
+            new_logprobs=runner_output.logprobs.get(req_id, [])[:len(kept)],
+            prompt_logprobs=runner_output.prompt_logprobs.get(req_id), kv_transfer_params=transfer)
 
     def _end_request(self, request: Request, status: RequestStatus,
                      error: str | None = None) -> EngineCoreOutput:

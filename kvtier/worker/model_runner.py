@@ -14,6 +14,7 @@ from kvtier.models import cpu_kernels
 from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvtier.worker.input_batch import BatchInputs, InputBatchBuilder
 from kvtier.worker.kv_cache import allocate_kv_caches
+from kvtier.worker.logprobs import prompt_logprobs
 from kvtier.worker.request_state import RequestState, RequestStates
 from kvtier.worker.sampler import Sampler, SamplingRow
 
@@ -104,6 +105,7 @@ class ModelRunner:
                                     batch.metadata)  # (T, hidden)
         output = ModelRunnerOutput(req_ids=req_ids,
                                    sampled_token_ids={req_id: [] for req_id in req_ids})
+        self._compute_prompt_logprobs(scheduler_output, batch, hidden)
         if batch.sampling:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) fp32
             result = self.sampler.sample(logits, [self._sampling_row(s) for s in batch.sampling])
@@ -116,7 +118,30 @@ class ModelRunner:
                 output.sampled_token_ids[state.req_id] = [token]
                 if token_logprobs is not None:
                     output.logprobs[state.req_id] = [token_logprobs]
+                if state.prompt_logprobs is not None:
+                    # The first prompt token has nothing before it to predict it.
+                    output.prompt_logprobs[state.req_id] = [None, *state.prompt_logprobs]
+                    state.prompt_logprobs = None
         return output
+
+    def _compute_prompt_logprobs(self, scheduler_output: SchedulerOutput, batch: BatchInputs,
+                                 hidden: torch.Tensor) -> None:
+        """For the requests that ask: the logprobs of the prompt tokens this step's hidden
+        states predict (position p predicts token p + 1). Such a request reads no cache, so
+        its prompt is computed from position 0, in order, chunk by chunk."""
+        starts = batch.metadata.query_start_loc_list
+        for row, (req_id, num_new) in enumerate(scheduler_output.num_scheduled_tokens.items()):
+            state = self.states[req_id]
+            if state.prompt_logprobs is None:
+                continue
+            first = state.num_computed_tokens  # == len(state.prompt_logprobs) until the end
+            end = min(first + num_new, state.num_prompt_tokens - 1)
+            if end <= first:
+                continue
+            rows = hidden[starts[row]:starts[row] + end - first]  # (P, hidden)
+            next_ids = torch.tensor(state.token_ids[first + 1:end + 1], device=hidden.device)
+            state.prompt_logprobs.extend(prompt_logprobs(
+                self.model.compute_logits, rows, next_ids, state.params.prompt_logprobs))
 
     def _sampling_row(self, state: RequestState) -> SamplingRow:
         params = state.params

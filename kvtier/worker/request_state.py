@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtier.logprobs import Logprob
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import SchedulerOutput
 
@@ -23,6 +24,9 @@ class RequestState:
     # The prompt's token ids as a tensor, made at the first step that needs them (a repetition
     # penalty looks at them every step).
     prompt_tensor: torch.Tensor | None = None
+    # With prompt_logprobs asked for: those of prompt tokens 1.. computed so far, until they
+    # go out with the request's first sampled token (then None).
+    prompt_logprobs: list[dict[int, Logprob]] | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -48,7 +52,8 @@ class RequestStates:
         for new in out.scheduled_new_reqs:
             self.states[new.req_id] = RequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                [list(ids) for ids in new.block_ids], new.num_computed_tokens)
+                [list(ids) for ids in new.block_ids], new.num_computed_tokens,
+                prompt_logprobs=None if new.sampling_params.prompt_logprobs is None else [])
             seed = new.sampling_params.seed
             if seed is not None and new.req_id not in self.generators:
                 generator = torch.Generator(device=self.device)

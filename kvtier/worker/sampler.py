@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtier.logprobs import Logprob
 from kvtier.sampling_params import SamplingParams
+from kvtier.worker.logprobs import token_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,8 @@ class SamplingRow:
 class SamplerOutput:
     # Per row; None where sampling that row failed (its message is in `errors`).
     token_ids: list[int | None]
-    # Per row: {token_id: logprob} of the top-k plus the sampled token, or None if not asked for.
-    logprobs: list[dict[int, float] | None]
+    # Per row: the top-k plus the sampled token, or None if not asked for.
+    logprobs: list[dict[int, Logprob] | None]
     # Row index -> why sampling it failed.
     errors: dict[int, str] = field(default_factory=dict)
 
@@ -106,13 +108,15 @@ class Sampler:
             if any(is_greedy):
                 token_ids = torch.where(torch.tensor(is_greedy, device=logits.device),
                                         logits.argmax(dim=-1), token_ids)
-        ids = token_ids.tolist()
-        logprobs = [None] * len(rows)
+        logprobs: list[dict[int, Logprob] | None] = [None] * len(rows)
         if raw_logprobs is not None:
-            logprobs = [_top_logprobs(raw_logprobs[i], r.params.logprobs, ids[i])
-                        if r.params.logprobs is not None else None
-                        for i, r in enumerate(rows)]
-        return SamplerOutput(ids, logprobs)
+            asking = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+            index = torch.tensor(asking, device=logits.device)
+            entries = token_logprobs(raw_logprobs[index], token_ids[index],
+                                     [rows[i].params.logprobs for i in asking])
+            for i, entry in zip(asking, entries):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids.tolist(), logprobs)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A draw for every row (greedy ones included: the caller takes their argmax)."""
@@ -302,10 +306,3 @@ def top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int],
     masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
 
-
-def _top_logprobs(row_logprobs: torch.Tensor, k: int, sampled: int) -> dict[int, float]:
-    chosen = {sampled: float(row_logprobs[sampled])}
-    if k > 0:
-        values, ids = row_logprobs.topk(k)
-        chosen.update(zip(ids.tolist(), values.tolist()))
-    return chosen

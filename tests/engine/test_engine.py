@@ -148,12 +148,60 @@ def test_logprobs_match_hf(llm, model_dir):
         top2 = expected[position].topk(2).indices.tolist()
         assert set(entry) == {token, *top2}
         for token_id, value in entry.items():
-            assert value == pytest.approx(float(expected[position, token_id]), abs=1e-4)
+            assert value.logprob == pytest.approx(float(expected[position, token_id]),
+                                                  abs=1e-4)
+            rank = int((expected[position] > expected[position, token_id]).sum()) + 1
+            assert value.rank == rank
+            assert value.decoded_token == llm.get_tokenizer().decode([token_id])
     assert out.cumulative_logprob == pytest.approx(
         sum(float(expected[i, t]) for i, t in enumerate(out.token_ids)), abs=1e-3)
     assert out.finished()  # a method, as in vLLM
     assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0] \
         .cumulative_logprob is None  # logprobs not asked for
+
+
+def _hf_prompt_logprobs(hf_model, prompt):
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)  # (len(prompt), vocab)
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_prompt_logprobs_match_hf_and_read_no_cache(model_dir, chunk):
+    """Every prompt token's logprob and the top 3 at its position, computed in one prefill or
+    in chunks of 3 tokens; a prompt already in the prefix cache is computed again for them."""
+    hf_model = model_dir[1]
+    options = {} if chunk is None else {"max_num_batched_tokens": chunk,
+                                        "enable_chunked_prefill": True}
+    llm = LLM(str(model_dir[0]), dtype="float32", block_size=4, num_device_blocks=64,
+              **options)
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, prompt_logprobs=3)
+    expected = _hf_prompt_logprobs(hf_model, PROMPT)
+    llm.generate({"prompt_token_ids": PROMPT}, GREEDY)  # the prompt is now cached
+    for _ in range(2):
+        out = llm.generate({"prompt_token_ids": PROMPT}, params)[0]
+        assert out.num_cached_tokens == 0
+        assert len(out.prompt_logprobs) == len(PROMPT) and out.prompt_logprobs[0] is None
+        for position, (token, entry) in enumerate(zip(PROMPT[1:], out.prompt_logprobs[1:])):
+            row = expected[position]
+            assert set(entry) == {token, *row.topk(3).indices.tolist()}
+            assert entry[token].logprob == pytest.approx(float(row[token]), abs=1e-4)
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, [PROMPT], 3)[0]
+    llm.engine.check_invariants()
+    llm.engine.shutdown()
+
+
+def test_prompt_logprobs_edge_cases(llm, model_dir):
+    one = llm.generate({"prompt_token_ids": [7]}, SamplingParams(
+        temperature=0.0, max_tokens=2, prompt_logprobs=0, n=2))[0]
+    assert one.prompt_logprobs == [None]
+    full = llm.generate({"prompt_token_ids": PROMPT[:3]}, SamplingParams(
+        temperature=0.0, max_tokens=1, prompt_logprobs=-1))[0]
+    assert [len(entry) for entry in full.prompt_logprobs[1:]] == [128, 128]  # the vocabulary
+    assert llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].prompt_logprobs is None
+    with pytest.raises(ValueError, match="prompt_logprobs must be <= the vocabulary"):
+        llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(prompt_logprobs=129))
 
 
 def test_chat_renders_the_template(llm):

@@ -50,7 +50,6 @@ def test_a_null_is_a_field_left_out(server):
 
 
 @pytest.mark.parametrize("send, field", [
-    (completion, {"prompt_logprobs": 0}),
     (completion, {"bad_words": ["a"]}),
     (completion, {"allowed_token_ids": [5]}),
     (completion, {"guided_json": {"type": "object"}}),

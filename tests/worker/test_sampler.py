@@ -92,8 +92,21 @@ def test_logprobs_are_the_raw_model_distribution_with_the_sampled_token():
     out = Sampler(CPU, 0).sample(logits, [row(SamplingParams(temperature=0.0, logprobs=2))])
     assert out.token_ids == [2]
     assert out.logprobs[0].keys() == {2, 1}
-    assert out.logprobs[0][2] == pytest.approx(float(expected[2]))
-    assert out.logprobs[0][1] == pytest.approx(float(expected[1]))
+    assert out.logprobs[0][2].logprob == pytest.approx(float(expected[2]))
+    assert out.logprobs[0][1].logprob == pytest.approx(float(expected[1]))
+    assert (out.logprobs[0][2].rank, out.logprobs[0][1].rank) == (1, 2)
+
+
+def test_logprobs_rank_a_sampled_token_outside_the_top_k_and_skip_rows_not_asking():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5], [0.0, 0.0, 9.0, 0.0]])
+    # logit_bias makes token 3 the greedy pick; the logprobs stay the model's own.
+    biased = SamplingParams(temperature=0.0, logprobs=1, logit_bias={3: 50.0})
+    out = Sampler(CPU, 0).sample(logits, [row(biased), row(SamplingParams(temperature=0.0))])
+    assert out.token_ids == [3, 2]
+    assert {t: (e.rank, round(e.logprob, 4)) for t, e in out.logprobs[0].items()} == {
+        3: (4, round(float(torch.log_softmax(logits[0], -1)[3]), 4)),
+        2: (1, round(float(torch.log_softmax(logits[0], -1)[2]), 4))}
+    assert out.logprobs[1] is None
 
 
 GREEDY_ONE = dict(temperature=0.0, max_tokens=4)

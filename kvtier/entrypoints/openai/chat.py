@@ -18,7 +18,7 @@ from kvtier.entrypoints.openai.generation import (
     output_error,
     to_api_error,
 )
-from kvtier.entrypoints.openai.logprobs import chat_logprobs
+from kvtier.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_body
 from kvtier.entrypoints.openai.prompts import (
     Prompt,
     chat_prompt,
@@ -101,6 +101,7 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
     return ChatCompletionResponse(
         id=response_id, model=ctx.response_model(body.model), choices=choices, usage=usage,
         prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
+        prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs),
         kv_transfer_params=final.kv_transfer_params)
 
 
@@ -108,6 +109,7 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
                   outputs: Outputs, response_id: str) -> AsyncIterator[str]:
     tracker = DeltaTracker()
     num_cached = 0
+    prompt_logprobs_sent = False
     options = body.stream_options
     model = ctx.response_model(body.model)
 
@@ -126,8 +128,13 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
                        if (choice := _stream_choice(ctx, body, tracker, completion))]
             if choices:
                 continuous = options is not None and options.continuous_usage_stats
+                # The prompt's logprobs go with the first chunk.
+                prompt_logprobs = None if prompt_logprobs_sent else \
+                    prompt_logprobs_body(output.prompt_logprobs)
+                prompt_logprobs_sent = True
                 yield sse(ChatCompletionChunk(id=response_id, model=model, choices=choices,
-                                              usage=usage() if continuous else None))
+                                              usage=usage() if continuous else None,
+                                              prompt_logprobs=prompt_logprobs))
         else:
             if options and options.include_usage:
                 yield sse(ChatCompletionChunk(id=response_id, model=model, choices=[],

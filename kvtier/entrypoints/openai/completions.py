@@ -7,10 +7,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from kvtier.engine.outputs import CompletionOutput, RequestOutput
+from kvtier.engine.outputs import RequestOutput
 from kvtier.entrypoints.openai.connection import REQUEST_ID_HEADER, base_request_id
 from kvtier.entrypoints.openai.context import ServerContext
-from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.generation import (
     Outputs,
     engine_options,
@@ -20,7 +19,7 @@ from kvtier.entrypoints.openai.generation import (
     output_error,
     to_api_error,
 )
-from kvtier.entrypoints.openai.logprobs import completion_logprobs
+from kvtier.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_body
 from kvtier.entrypoints.openai.prompts import (
     Prompt,
     check_context,
@@ -56,9 +55,6 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     check_token_ids(body, ctx.vocab_size)
     prompts = await ctx.prepare(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
     params = completion_sampling_params(body, len(prompts), ctx.sampling_defaults)
-    if body.echo and body.logprobs is not None:
-        raise BadRequestError("echo together with logprobs is not supported", param="echo",
-                              code="unsupported_parameter")
     for i, prompt in enumerate(prompts):
         check_context(ctx, prompt, params.max_tokens,
                       "prompt" if len(prompts) == 1 else f"prompt[{i}]", "max_tokens")
@@ -83,8 +79,44 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     return JSONResponse(response.model_dump(), headers=headers)
 
 
-def _choice_text(body: CompletionRequest, prompt_text: str, completion: CompletionOutput) -> str:
-    return prompt_text + completion.text if body.echo else completion.text
+def _prompt_only(body: CompletionRequest) -> bool:
+    """echo with max_tokens 0: each choice is its prompt, nothing generated (the engine's one
+    token past it is dropped)."""
+    return body.echo and body.max_tokens == 0
+
+
+def _choice(ctx: ServerContext, body: CompletionRequest, prompt: Prompt, index: int,
+            final: RequestOutput, text: str, token_ids: list[int], logprobs: list | None,
+            text_offset: int, finish_reason: str | None, stop_reason: int | str | None, *,
+            first: bool) -> CompletionChoice:
+    """A choice of a response, or its part in one chunk of a stream: the text, tokens and
+    logprobs new in it (from `text_offset` in the generated text); `first`: the part that
+    opens the choice, where an echoed prompt goes."""
+    if _prompt_only(body):
+        text, token_ids, logprobs = "", [], []
+        if finish_reason is not None:
+            finish_reason, stop_reason = "length", None
+    shown_ids, shown_logprobs = token_ids, logprobs
+    if body.echo and first:
+        text = _prompt_text(ctx, prompt) + text
+        shown_ids = prompt.token_ids + token_ids
+        if logprobs is not None:
+            # As vLLM has it: the echoed prompt's tokens get their logprobs too.
+            shown_logprobs = [*(final.prompt_logprobs or [None] * len(prompt.token_ids)),
+                              *logprobs]
+    elif body.echo and body.logprobs is not None:
+        text_offset += len(_prompt_text(ctx, prompt))
+    api_logprobs = None
+    if body.logprobs is not None and shown_logprobs is not None:
+        api_logprobs = completion_logprobs(ctx.tokenizer, shown_ids, shown_logprobs,
+                                           body.logprobs, text_offset)
+    return CompletionChoice(
+        index=index, text=text, logprobs=api_logprobs, finish_reason=finish_reason,
+        stop_reason=stop_reason,
+        prompt_logprobs=prompt_logprobs_body(final.prompt_logprobs)
+        if body.prompt_logprobs is not None and first else None,
+        prompt_token_ids=prompt.token_ids if body.return_token_ids and first else None,
+        token_ids=token_ids if body.return_token_ids else None)
 
 
 def _prompt_text(ctx: ServerContext, prompt: Prompt) -> str:
@@ -95,21 +127,13 @@ def _prompt_text(ctx: ServerContext, prompt: Prompt) -> str:
 
 def _response(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt],
               finals: list[RequestOutput], response_id: str) -> CompletionResponse:
-    choices = []
-    for prompt_index, (prompt, final) in enumerate(zip(prompts, finals)):
-        prompt_text = _prompt_text(ctx, prompt) if body.echo else ""
-        for completion in final.outputs:
-            logprobs = None
-            if body.logprobs is not None and completion.logprobs is not None:
-                logprobs = completion_logprobs(ctx.tokenizer, completion.token_ids,
-                                               completion.logprobs, body.logprobs, 0)
-            choices.append(CompletionChoice(
-                index=prompt_index * body.n + completion.index,
-                text=_choice_text(body, prompt_text, completion), logprobs=logprobs,
-                finish_reason=completion.finish_reason, stop_reason=completion.stop_reason,
-                prompt_token_ids=prompt.token_ids if body.return_token_ids else None,
-                token_ids=completion.token_ids if body.return_token_ids else None))
-    num_completion = sum(len(c.token_ids) for f in finals for c in f.outputs)
+    choices = [_choice(ctx, body, prompt, prompt_index * body.n + completion.index, final,
+                       completion.text, completion.token_ids, completion.logprobs, 0,
+                       completion.finish_reason, completion.stop_reason, first=True)
+               for prompt_index, (prompt, final) in enumerate(zip(prompts, finals))
+               for completion in final.outputs]
+    num_completion = 0 if _prompt_only(body) else \
+        sum(len(c.token_ids) for f in finals for c in f.outputs)
     usage = usage_info(ctx, sum(len(p.token_ids) for p in prompts), num_completion,
                        sum(f.num_cached_tokens for f in finals))
     return CompletionResponse(id=response_id, model=ctx.response_model(body.model),
@@ -126,8 +150,9 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Pro
     model = ctx.response_model(body.model)
 
     def usage() -> UsageInfo:
-        return usage_info(ctx, num_prompt, sum(t.num_completion_tokens for t in trackers),
-                          sum(num_cached))
+        num_completion = 0 if _prompt_only(body) else \
+            sum(t.num_completion_tokens for t in trackers)
+        return usage_info(ctx, num_prompt, num_completion, sum(num_cached))
 
     try:
         async for prompt_index, output in merged(generations):
@@ -159,16 +184,8 @@ def _chunk_choices(ctx: ServerContext, body: CompletionRequest, prompt: Prompt,
         delta = tracker.advance(completion.index, completion)
         if delta is None:
             continue
-        prefix = _prompt_text(ctx, prompt) if body.echo and delta.is_first else ""
-        logprobs = None
-        if body.logprobs is not None and delta.logprobs is not None:
-            logprobs = completion_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs,
-                                           body.logprobs, delta.text_start)
-        choices.append(CompletionChoice(
-            index=prompt_index * body.n + completion.index, text=prefix + delta.text,
-            logprobs=logprobs, finish_reason=delta.finish_reason,
-            stop_reason=delta.stop_reason,
-            prompt_token_ids=prompt.token_ids if body.return_token_ids and delta.is_first
-            else None,
-            token_ids=delta.token_ids if body.return_token_ids else None))
+        choices.append(_choice(ctx, body, prompt, prompt_index * body.n + completion.index,
+                               output, delta.text, delta.token_ids, delta.logprobs,
+                               delta.text_start, delta.finish_reason, delta.stop_reason,
+                               first=delta.is_first))
     return choices

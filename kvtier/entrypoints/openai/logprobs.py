@@ -1,4 +1,4 @@
-"""Engine logprobs ({token_id: logprob} per generated token) in the two OpenAI shapes."""
+"""Engine logprobs ({token_id: Logprob} per token) in the two OpenAI shapes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from kvtier.entrypoints.openai.protocol import (
     ChatLogProbs,
     ChatTokenLogProb,
     CompletionLogProbs,
+    PromptLogprob,
+    PromptLogprobs,
     TopLogProb,
 )
+from kvtier.logprobs import Logprob
 
 _UNKNOWN_LOGPROB = -9999.0
 
@@ -20,12 +23,13 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _top(entry: dict[int, float], num_top: int) -> list[tuple[int, float]]:
-    return sorted(entry.items(), key=lambda item: -item[1])[:num_top]
+def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, float]]:
+    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
+    return [(token_id, logprob.logprob) for token_id, logprob in ranked]
 
 
 def completion_logprobs(tokenizer: Any, token_ids: list[int],
-                        logprobs: list[dict[int, float]], num_top: int,
+                        logprobs: list[dict[int, Logprob] | None], num_top: int,
                         text_offset: int) -> CompletionLogProbs:
     """text_offset: where the first token's text starts in the choice's text."""
     result = CompletionLogProbs()
@@ -33,29 +37,45 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int],
     for token_id, entry in zip(token_ids, logprobs):
         text = token_text(tokenizer, token_id)
         result.tokens.append(text)
-        result.token_logprobs.append(entry.get(token_id))
-        # The sampled token and the top `num_top` (up to num_top + 1 entries), as OpenAI's
+        result.text_offset.append(offset)
+        offset += len(text)
+        if entry is None:  # an echoed prompt's first token: nothing before it predicts it
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
+        # The token itself and the top `num_top` (up to num_top + 1 entries), as OpenAI's
         # completions API has them.
         top = _top(entry, num_top)
         if token_id in entry and all(t != token_id for t, _ in top):
-            top.append((token_id, entry[token_id]))
+            top.append((token_id, entry[token_id].logprob))
         result.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
-        result.text_offset.append(offset)
-        offset += len(text)
     return result
 
 
-def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, float]],
+def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, Logprob]],
                   num_top: int) -> ChatLogProbs:
     content = []
     for token_id, entry in zip(token_ids, logprobs):
         text = token_text(tokenizer, token_id)
         # A sampled token outside the returned top-k has no logprob to report; OpenAI writes
         # -9999 for such tokens (JSON has no -inf).
-        logprob = entry.get(token_id, _UNKNOWN_LOGPROB)
+        logprob = entry[token_id].logprob if token_id in entry else _UNKNOWN_LOGPROB
         top = [TopLogProb(token=token_text(tokenizer, t), logprob=lp,
                           bytes=list(token_text(tokenizer, t).encode()))
                for t, lp in _top(entry, num_top)]
         content.append(ChatTokenLogProb(token=text, logprob=logprob, bytes=list(text.encode()),
                                         top_logprobs=top))
     return ChatLogProbs(content=content)
+
+
+def prompt_logprobs_body(prompt_logprobs: list[dict[int, Logprob] | None] | None,
+                         ) -> PromptLogprobs | None:
+    """The engine's prompt logprobs as vLLM's `prompt_logprobs` field (-inf, which JSON
+    lacks, as -9999)."""
+    if prompt_logprobs is None:
+        return None
+    return [None if entry is None else {
+        token_id: PromptLogprob(logprob=max(lp.logprob, _UNKNOWN_LOGPROB), rank=lp.rank,
+                                decoded_token=lp.decoded_token)
+        for token_id, lp in entry.items()} for entry in prompt_logprobs]

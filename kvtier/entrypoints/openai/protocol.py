@@ -60,6 +60,9 @@ class SamplingFields(_Request):
     kv_transfer_params: dict[str, Any] | None = None
     # Adds prompt_token_ids / token_ids to the response (vLLM's return_token_ids).
     return_token_ids: StrictBool = False
+    # vLLM's: the logprobs of each prompt token and the top k at its position, as
+    # `prompt_logprobs` in the response (the whole prompt is computed for them).
+    prompt_logprobs: int | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -138,12 +141,25 @@ class CompletionLogProbs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's `prompt_logprobs`: {token id: this} per prompt token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One per prompt token, the first null (nothing precedes it to predict it).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = _when_set()
     prompt_token_ids: list[int] | None = _when_set()
     token_ids: list[int] | None = _when_set()
 
@@ -194,6 +210,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = _when_set()
+    prompt_logprobs: PromptLogprobs | None = _when_set()
     kv_transfer_params: dict[str, Any] | None = _when_set()
 
 
@@ -218,6 +235,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = _when_set()
+    prompt_logprobs: PromptLogprobs | None = _when_set()
 
 
 class CompletionChunk(BaseModel):

@@ -38,7 +38,7 @@ MAX_LOGIT_BIAS = 100.0
 # implement: refused when set to anything but their "off" value (other unknown fields are
 # ignored). Each name maps to the values that mean off besides null, false, [] and {}.
 _UNSUPPORTED = {name: () for name in (
-    "prompt_logprobs", "bad_words", "allowed_token_ids", "structured_outputs", "guided_json",
+    "bad_words", "allowed_token_ids", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
     "truncate_prompt_tokens", "logits_processors")}
 _UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "functions": (), "function_call": ("none",),
@@ -58,8 +58,20 @@ def completion_sampling_params(request: CompletionRequest, num_prompts: int,
                               code="unsupported_parameter")
     _check_response_format(request.response_format)
     _check_logprobs(request.logprobs, "logprobs")
-    return _build(request, max_tokens=request.max_tokens, max_tokens_param="max_tokens",
-                  logprobs=request.logprobs, defaults=defaults)
+    max_tokens = request.max_tokens
+    if max_tokens == 0:
+        if not request.echo:
+            raise BadRequestError("max_tokens must be >= 1, or 0 with echo set to true (the "
+                                  "prompt alone is answered)", param="max_tokens",
+                                  code="invalid_value")
+        max_tokens = 1  # the prompt alone is answered; the engine computes one token past it
+    # An echoed prompt's tokens get logprobs like the generated ones, as vLLM gives them.
+    prompt_logprobs = request.prompt_logprobs
+    if prompt_logprobs is None and request.echo:
+        prompt_logprobs = request.logprobs
+    return _build(request, max_tokens=max_tokens, max_tokens_param="max_tokens",
+                  logprobs=request.logprobs, prompt_logprobs=prompt_logprobs,
+                  defaults=defaults)
 
 
 def chat_sampling_params(request: ChatCompletionRequest,
@@ -79,7 +91,7 @@ def chat_sampling_params(request: ChatCompletionRequest,
     max_tokens = request.max_completion_tokens if param == "max_completion_tokens" \
         else request.max_tokens
     return _build(request, max_tokens=max_tokens, max_tokens_param=param, logprobs=logprobs,
-                  defaults=defaults)
+                  prompt_logprobs=request.prompt_logprobs, defaults=defaults)
 
 
 def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
@@ -151,7 +163,9 @@ def _check_logprobs(value: int | None, param: str) -> None:
 
 
 def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
-           logprobs: int | None, defaults: Mapping[str, float] | None) -> SamplingParams:
+           logprobs: int | None, prompt_logprobs: int | None,
+           defaults: Mapping[str, float] | None) -> SamplingParams:
+    _check_logprobs(request.prompt_logprobs, "prompt_logprobs")
     if max_tokens is not None and max_tokens < 1:
         raise BadRequestError(f"{max_tokens_param} must be >= 1, got {max_tokens}",
                               param=max_tokens_param, code="invalid_value")
@@ -166,7 +180,8 @@ def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param:
         stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
         stop_token_ids=list(request.stop_token_ids or []), ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
-        skip_special_tokens=request.skip_special_tokens, logprobs=logprobs)
+        skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs)
     try:
         return SamplingParams(**options)
     except ValueError as exc:

@@ -16,6 +16,7 @@ from kvtier.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from kvtier.logprobs import SampleLogprobs
 
 if TYPE_CHECKING:
     from kvtier.entrypoints.openai.context import ServerContext
@@ -44,7 +45,7 @@ class Delta:
     token_ids: list[int]
     # Offset of token_ids in the choice's whole output (for logprob slices).
     start: int
-    logprobs: list[dict[int, float]] | None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
     is_first: bool
