@@ -131,9 +131,12 @@ class Engine:
             for request in children:
                 self.scheduler.add_request(request)
                 added.append(request.request_id)
-        except SchedulerQueueFullError as exc:
+        except Exception as exc:
+            # All of the request's completions or none (a child's id taken, a full queue).
             self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            raise EngineQueueFullError(str(exc)) from exc
+            if isinstance(exc, SchedulerQueueFullError):
+                raise EngineQueueFullError(str(exc)) from exc
+            raise
         self._outputs.add(self._make_parent(request_id, prompt_text, token_ids, params,
                                             children, arrival))
 
@@ -221,8 +224,14 @@ class Engine:
         """One engine step; returns the requests with new tokens or finished in it."""
         started = time.monotonic()
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.runner.execute_model(scheduler_output)
-        core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+            core_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        except BaseException:
+            # The step's requests fail (the caller aborts them); the KV they were to write
+            # must not outlive them in the prefix cache.
+            self.scheduler.failures.uncache_failed_step(scheduler_output)
+            raise
         processed = self._outputs.process(core_outputs)
         if processed.stopped_req_ids:
             self.scheduler.finish_requests(processed.stopped_req_ids,

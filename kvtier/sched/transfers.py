@@ -1,4 +1,8 @@
-"""What the scheduler does when external KV does not arrive intact (load failures).
+"""What the scheduler does when KV is not written intact: load failures, failed steps.
+
+A step that raised (the forward pass, or anything after the blocks were handed out) leaves the
+blocks it was to fill unwritten, though their hashes are already in the prefix cache: they are
+dropped from it, so no later request reads them.
 
 Two ways a load fails: the worker reports some loaded blocks invalid
 (`KVConnectorOutput.invalid_block_ids`), or an asynchronous load misses its deadline. Bad
@@ -13,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from kvtier.kv import Request, RequestStatus
 from kvtier.sched.kv_loads import KVLoadTracker, status_after_load
-from kvtier.sched.output import EngineCoreOutput
+from kvtier.sched.output import EngineCoreOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from kvtier.kv import KVCacheManager
@@ -49,6 +53,16 @@ class TransferFailures:
     def reset_counts(self) -> None:
         self.num_load_failures = 0
         self.num_load_timeouts = 0
+
+    def uncache_failed_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The step of `scheduler_output` raised: its blocks may hold no valid KV."""
+        sched = self._scheduler
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            request = sched.requests.get(req_id)
+            if request is not None:
+                # schedule() already counted the step's tokens as computed.
+                first = request.num_computed_tokens - num_new
+                sched.kv_cache_manager.evict_blocks(self._block_ids_from(request, first))
 
     def abandon_overdue_loads(self) -> None:
         """Loads past their deadline count as failed: the request recomputes with fresh

@@ -122,7 +122,9 @@ class Sampler:
         """A draw for every row (greedy ones included: the caller takes their argmax)."""
         device = logits.device
         # Times the reciprocal: a broadcast division took ~7x as long here.
-        inverse = torch.tensor([1.0 / (r.params.temperature or 1.0) for r in rows],
+        # Greedy rows are drawn too (then replaced by their argmax): at temperature 1.
+        inverse = torch.tensor([1.0 if r.params.is_greedy else 1.0 / r.params.temperature
+                                for r in rows],
                                dtype=logits.dtype, device=device)
         logits = logits * inverse[:, None]
         logits = apply_top_k_top_p(logits, rows)
@@ -155,6 +157,10 @@ def inverse_cdf_sample(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor
     blocks = blocks.view(num_rows, num_blocks, _CDF_BLOCK)
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # (N, blocks)
     total = block_cdf[:, -1:]
+    if not bool(torch.isfinite(total).all()):
+        # (N values to check: an inf logit from a huge logit_bias turns its row to NaN)
+        raise ValueError("the sampling distribution is not finite: a logit_bias too large "
+                         "for float32 logits?")
     # Below the total even where draw x total rounds up to it.
     point = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
     block = torch.searchsorted(block_cdf, point, right=True).clamp_(max=num_blocks - 1)

@@ -136,6 +136,15 @@ def test_seeded_sampling_is_reproducible_in_any_batch(llm):
     assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
 
 
+def test_a_taken_completion_id_refuses_every_completion_of_the_request(llm):
+    # n > 1: completion i runs as "{i}_{id}"; one of those ids taken refuses all of them.
+    llm.engine.add_request("1_x", PROMPT, GREEDY)
+    with pytest.raises(ValueError, match="'1_x'"):
+        llm.engine.add_request("x", PROMPT, SamplingParams(temperature=0.0, max_tokens=2, n=2))
+    assert sorted(llm.engine.scheduler.requests) == ["1_x"]
+    assert sorted(drain(llm.engine)) == ["1_x"]
+
+
 def test_logprobs_match_hf(llm, model_dir):
     hf_model = model_dir[1]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=2)

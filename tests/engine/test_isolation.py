@@ -111,6 +111,30 @@ def test_a_step_that_raises_leaves_no_request_of_that_call_behind(llm, monkeypat
         == 8  # the next call runs
 
 
+def test_a_forward_pass_that_raises_leaves_no_unwritten_block_in_the_prefix_cache(
+        llm, monkeypatch):
+    """The blocks of a failed step are hashed when handed out, before the forward pass
+    writes them: a later request with the same prompt must compute it, not read them."""
+    prompt = list(range(11, 31))  # 5 full blocks of 4
+    expected = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    forward = llm.engine.runner.model.forward
+    calls = []
+
+    def forward_failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("device error")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner.model, "forward", forward_failing_once)
+    with pytest.raises(RuntimeError, match="device error"):
+        llm.generate({"prompt_token_ids": prompt}, GREEDY)
+    again = llm.generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == expected
+
+
 def _break_sampling(engine, request_id: str) -> None:
     # What a token id the edge checks missed would do: index past the logits in the sampler.
     params = engine.scheduler.requests[request_id].sampling_params

@@ -201,3 +201,20 @@ def test_a_kept_prompt_tensor_gives_the_same_penalties_as_the_token_list():
     sampler = Sampler(CPU, 0)
     assert sampler.sample(logits[:1], [kept]).token_ids == [expected]
     assert sampler.sample(logits, [kept, listed]).token_ids[0] == expected
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
+    sampler = Sampler(CPU, 0)
+    tiny = SamplingParams(temperature=1e-40, seed=1)
+    assert tiny.is_greedy
+    mixed = sampler.sample(logits.repeat(2, 1), [row(tiny), row(SamplingParams(seed=2))])
+    assert mixed.token_ids[0] == 1 and not mixed.errors
+
+
+def test_a_distribution_made_infinite_fails_its_row_alone():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]]).repeat(2, 1)
+    overflowing = SamplingParams(temperature=1.0, logit_bias={0: 1e39, 2: 1e39})
+    out = Sampler(CPU, 0).sample(logits, [row(overflowing), row(SamplingParams(seed=3))])
+    assert out.token_ids[0] is None and "not finite" in out.errors[0]
+    assert out.token_ids[1] is not None and 1 not in out.errors
