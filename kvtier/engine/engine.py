@@ -59,6 +59,7 @@ class Engine:
         self._eos_token_ids = self._find_eos_token_ids()
         self._build_core(loaded.model)
         self._outputs = OutputProcessor(self.tokenizer)
+        self._stopped = False
         # The manager's hash block size and algorithm, so request hashes match its lookups.
         self._block_hasher = self.kv_cache_manager.make_block_hasher()
 
@@ -277,5 +278,9 @@ class Engine:
     def shutdown(self) -> None:
         """Stop, keeping what this instance computed: the connector's worker half finishes its
         copies and hands its last report to the scheduler half, which flushes it to the
-        connector's stores, then both stop. Each of those waits has its own deadline."""
+        connector's stores, then both stop. Each of those waits has its own deadline. Later
+        calls do nothing."""
+        if self._stopped:
+            return
+        self._stopped = True
         self.scheduler.shutdown(self.runner.shutdown())

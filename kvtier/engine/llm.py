@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -52,10 +53,25 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         self.engine = Engine(config)
+        # shutdown() when this LLM is collected or the interpreter exits without it: a
+        # write-back tier's chunks are written out, its files and threads released.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self._ids = itertools.count()
         # What generate() samples with when given no parameters: SamplingParams' defaults, less
         # what the model's generation_config.json sets (as vLLM's LLM does).
         self._sampling_defaults = load_sampling_defaults("auto", config.model.model)
+
+    def shutdown(self) -> None:
+        """Stop the engine, keeping what it computed (write-back tiers write out what they
+        hold; a restart on the same disk tier finds it); the LLM serves no more. Also at
+        exit, when the LLM is collected, or at the end of a `with LLM(...) as llm:` block."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
 
     def get_default_sampling_params(self) -> SamplingParams:
         return SamplingParams(**self._sampling_defaults)
@@ -67,6 +83,8 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of `prompts`, each finished."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM was shut down; make a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:

@@ -37,5 +37,5 @@ def run(args: argparse.Namespace) -> int:
         outputs = llm.generate(args.prompts, params)
     for output in outputs:
         print(output.outputs[0].text, flush=True)
-    llm.engine.shutdown()
+    llm.shutdown()
     return 0

@@ -53,7 +53,7 @@ from kvtier.offload.tiers.base import (
     TierContext,
     TransferJob,
 )
-from kvtier.offload.tiers.registry import create_tier
+from kvtier.offload.tiers.registry import create_tiers
 
 # Under write_back, the host slots kept free or clean and idle (evictable at once, nothing lost),
 # counting chunks whose write-back is under way: this share of them, and at least twice the most
@@ -99,12 +99,10 @@ class TieringManager:
         self.metrics = OffloadMetrics(metrics_registry)
         secret = load_chunk_secret(config.secret_file) if config.secondary_tiers else None
         self.watch = PromotionWatch() if watch is None else watch
-        self.tiers: list[SecondaryTier] = [
-            create_tier(spec.type, spec.module_path, spec.options,
-                        TierContext(spec.name, namespace, metrics_registry,
-                                    self.area.slot_bytes, description, secret, self.host,
-                                    on_job_end=self.watch.ended))
-            for spec in config.secondary_tiers]
+        self.tiers: list[SecondaryTier] = create_tiers(
+            config.secondary_tiers,
+            lambda spec: TierContext(spec.name, namespace, metrics_registry, self.area.slot_bytes,
+                                     description, secret, self.host, on_job_end=self.watch.ended))
         self.tier_names = [tier.context.name for tier in self.tiers]
         self._tier_write_back = [(spec.write_policy or config.write_policy) == "write_back"
                                  for spec in config.secondary_tiers]

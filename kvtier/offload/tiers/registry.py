@@ -9,7 +9,7 @@ dataclass its options are parsed into (unknown keys are an error); without one i
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvtier.common.options import parse_options
@@ -61,3 +61,20 @@ def parse_tier_options(tier_type: str, module_path: str | None, raw: Mapping[str
 def create_tier(tier_type: str, module_path: str | None, options: Any,
                 context: TierContext) -> SecondaryTier:
     return get_tier_class(tier_type, module_path)(options, context)
+
+
+def create_tiers(specs: Sequence[Any], make_context: Callable[[Any], TierContext],
+                 ) -> list[SecondaryTier]:
+    """One tier per spec (type, module_path, options), in order. When one cannot start, the
+    ones already started are shut down (their threads, connections and file locks released)
+    before the error goes on."""
+    tiers: list[SecondaryTier] = []
+    try:
+        for spec in specs:
+            tiers.append(create_tier(spec.type, spec.module_path, spec.options,
+                                     make_context(spec)))
+    except BaseException:
+        for tier in tiers:
+            tier.shutdown()
+        raise
+    return tiers
