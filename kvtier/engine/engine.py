@@ -275,6 +275,10 @@ class Engine:
         """AssertionError if the KV cache bookkeeping is inconsistent (tests call it)."""
         self.kv_cache_manager.check_invariants()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
     def shutdown(self) -> None:
         """Stop, keeping what this instance computed: the connector's worker half finishes its
         copies and hands its last report to the scheduler half, which flushes it to the

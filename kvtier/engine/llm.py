@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -21,6 +22,15 @@ from kvtier.sampling_params import SamplingParams
 PromptType = str | dict[str, Any]
 _PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
 Messages = list[dict[str, Any]]
+# Engines of LLMs (or kept from them: `LLM(...).engine`) not shut down when the interpreter
+# exits are shut down then, so write-back tiers write their chunks out.
+_RUNNING: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_running_engines() -> None:
+    for engine in list(_RUNNING):
+        engine.shutdown()
 
 
 class LLM:
@@ -53,9 +63,7 @@ class LLM:
 
     def _start(self, config: EngineConfig) -> None:
         self.engine = Engine(config)
-        # shutdown() when this LLM is collected or the interpreter exits without it: a
-        # write-back tier's chunks are written out, its files and threads released.
-        self._finalizer = weakref.finalize(self, self.engine.shutdown)
+        _RUNNING.add(self.engine)
         self._ids = itertools.count()
         # What generate() samples with when given no parameters: SamplingParams' defaults, less
         # what the model's generation_config.json sets (as vLLM's LLM does).
@@ -64,8 +72,8 @@ class LLM:
     def shutdown(self) -> None:
         """Stop the engine, keeping what it computed (write-back tiers write out what they
         hold; a restart on the same disk tier finds it); the LLM serves no more. Also at
-        exit, when the LLM is collected, or at the end of a `with LLM(...) as llm:` block."""
-        self._finalizer()
+        the end of a `with LLM(...) as llm:` block, and at exit for an engine still running."""
+        self.engine.shutdown()
 
     def __enter__(self) -> LLM:
         return self
@@ -83,7 +91,7 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Outputs in the order of `prompts`, each finished."""
-        if not self._finalizer.alive:
+        if self.engine.stopped:
             raise RuntimeError("this LLM was shut down; make a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]

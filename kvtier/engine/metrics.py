@@ -8,9 +8,10 @@ Connectors and tiers receive the registry (ConnectorContext.metrics) and registe
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 # Samples that say nothing about the value (creation stamps, per-bucket counts).
 _SKIPPED_SUFFIXES = ("_created", "_bucket")
@@ -67,9 +68,25 @@ class MetricsRegistry:
                     values[family.name + _format_labels(sample.labels)] = float(sample.value)
         return values
 
-    def render(self) -> bytes:
-        """Prometheus text exposition (the body of GET /metrics)."""
-        return generate_latest(self.registry)
+    def render(self, labels: Mapping[str, str] | None = None) -> bytes:
+        """Prometheus text exposition (the body of GET /metrics); `labels` are added to every
+        series (the server's model_name and engine, as vLLM labels its series)."""
+        return generate_latest(_Labelled(self.registry, labels) if labels else self.registry)
+
+
+class _Labelled:
+    """A registry's families with the same labels added to every sample."""
+
+    def __init__(self, registry: CollectorRegistry, labels: Mapping[str, str]) -> None:
+        self._registry = registry
+        self._labels = dict(labels)
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self._registry.collect():
+            labelled = Metric(family.name, family.documentation, family.type, family.unit)
+            labelled.samples = [sample._replace(labels={**self._labels, **sample.labels})
+                                for sample in family.samples]
+            yield labelled
 
 
 def _format_labels(labels: dict[str, str]) -> str:

@@ -57,8 +57,8 @@ def _start(url: str, prompt: list[int], max_tokens: int, stop: threading.Event):
 
 def _metric(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics", timeout=10.0).text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
+        if line.partition(" ")[0].partition("{")[0] == name:  # labels: model_name, engine
+            return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"{name} missing from /metrics")
 
 

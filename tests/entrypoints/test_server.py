@@ -56,12 +56,15 @@ def tokenizer(tiny_model):
 
 
 def metrics(server) -> dict[str, float]:
-    """Every sample of /metrics, parsed with prometheus_client's parser, as name{labels}."""
+    """Every sample of /metrics, parsed with prometheus_client's parser, as name{labels}; the
+    labels every series has (vLLM's model_name and engine) are checked and left out."""
     text = httpx.get(f"{server.url}/metrics", timeout=10.0).text
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            own = dict(sample.labels)
+            assert (own.pop("model_name"), own.pop("engine")) == (MODEL, "0"), sample
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(own.items()))
             values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return values
 

@@ -59,7 +59,7 @@ def cluster(model_dir):
 
 def _instance_metric(instance: ServerProcess, name: str) -> float:
     for line in httpx.get(f"{instance.url}/metrics", timeout=10.0).text.splitlines():
-        if line.startswith(name + " "):
+        if line.partition(" ")[0].partition("{")[0] == name:  # labels: model_name, engine
             return float(line.split()[-1])
     return 0.0
 

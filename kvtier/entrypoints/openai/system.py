@@ -88,4 +88,7 @@ async def version() -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(raw: Request) -> Response:
-    return Response(_ctx(raw).engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    ctx = _ctx(raw)
+    # vLLM's labels on every series, so dashboards and alerts written for vLLM select them.
+    labels = {"model_name": ctx.model_name, "engine": "0"}
+    return Response(ctx.engine.metrics.render(labels), media_type=CONTENT_TYPE_LATEST)
