@@ -53,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
+    except OSError as exc:  # a file or port the system refused: its own message says which
+        print(f"kvtier {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
+from kvtier.common.output_paths import check_output_path
 from kvtier.common.plotting import require_matplotlib
 from kvtier.common.sizes import parse_size
 from kvtier.entrypoints.bench.trace import TRACE_BLOCK_TOKENS, TraceScaling
@@ -24,7 +26,7 @@ from kvtier.planner.cost_model import (
 from kvtier.planner.model_kv import model_kv
 from kvtier.planner.plan import PlanConfig, run_plan
 from kvtier.planner.simulator import SchedulerLimits
-from kvtier.planner.sweep import parse_sweep, run_sweep, write_sweep_plot
+from kvtier.planner.sweep import parse_sweep, run_sweep, with_tier_size, write_sweep_plot
 
 LIMITS = SchedulerLimits()
 
@@ -110,10 +112,14 @@ def run(args: argparse.Namespace) -> int:
         return _run_calibrate(args)
     config = _plan_config(args)
     sweep = None if args.sweep is None else parse_sweep(args.sweep)
+    if sweep is not None:
+        with_tier_size(config.offload, sweep.tier, sweep.sizes[0])  # its tier exists
     if args.output_plot is not None:
         if sweep is None:
             raise ValueError("--output-plot draws the sweep; add --sweep TIER=LOW..HIGH")
         require_matplotlib()
+    check_output_path(args.output_json, "--output-json")
+    check_output_path(args.output_plot, "--output-plot")
     print(config.scaling.describe(), file=sys.stderr)
     report = run_plan(config)
     if sweep is not None:
@@ -133,6 +139,13 @@ def run(args: argparse.Namespace) -> int:
 def _plan_config(args: argparse.Namespace) -> PlanConfig:
     if args.trace is None or args.device_kv is None:
         raise ValueError("--trace and --device-kv are required (or run `kvtier plan calibrate`)")
+    for flag, value in (("--block-size", args.block_size),
+                        ("--tokens-per-block", args.tokens_per_block),
+                        ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if not math.isfinite(args.time_scale) or args.time_scale < 0:
+        raise ValueError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
     offload = (None if args.kv_offload is None else OffloadConfig.from_extra_config(
         parse_kv_offload(_with_directories(args.kv_offload))))
     model = model_kv(args.model, args.block_size,

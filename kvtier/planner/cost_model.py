@@ -24,6 +24,7 @@ fits the coefficients; a JSON file of them lets one plan for other hardware.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,13 +59,14 @@ class CostModel:
     def __post_init__(self) -> None:
         for name in _NUMBERS + _OPTIONAL_NUMBERS:
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"cost model {name} must be a number >= 0, got {value!r}")
+            if not _is_cost(value):
+                raise ValueError(f"cost model {name} must be a finite number >= 0, got "
+                                 f"{value!r}")
         for table in ("load_s_per_byte", "store_s_per_byte"):
             for tier, value in getattr(self, table).items():
-                if not isinstance(value, (int, float)) or value < 0:
-                    raise ValueError(f"cost model {table}[{tier!r}] must be a number >= 0, "
-                                     f"got {value!r}")
+                if not _is_cost(value):
+                    raise ValueError(f"cost model {table}[{tier!r}] must be a finite number "
+                                     f">= 0, got {value!r}")
 
     def step_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_prefill_pairs: int = 0,
                num_decode_context: int = 0) -> float:
@@ -109,6 +111,11 @@ class CostModel:
                              "measure them")
         return cls(**{k: v for k, v in raw.items()
                       if k not in ("measurements", "served_measurements")})
+
+
+def _is_cost(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value >= 0)
 
 
 def prefill_pairs(num_tokens: int, num_context: int) -> int:

@@ -57,7 +57,7 @@ def run_plan(config: PlanConfig, scaled: list[ScaledRequest] | None = None) -> d
         "device_kv_bytes": config.device_bytes,
         "num_device_blocks": simulation.manager.kv_cache_config.num_blocks,
         **summarize_plan(simulation, requests),
-        "working_set": working_set(requests, keys, config.model, simulation),
+        "working_set": working_set(requests, config.model, simulation),
         "cost_model": None if config.cost is None else config.cost.to_json(),
         "num_steps": simulation.num_steps,
         "planner_runtime_s": time.perf_counter() - started,
@@ -144,15 +144,17 @@ def ceiling_hits(requests: list[SimRequest], block_size: int) -> int:
     return total
 
 
-def working_set(requests: list[SimRequest], keys: BlockKeys, model: ModelKV,
+def working_set(requests: list[SimRequest], model: ModelKV,
                 simulation: Simulation) -> dict[str, Any]:
-    """Distinct full prompt blocks of the trace against what each tier holds."""
-    distinct_bytes = keys.num_distinct * model.bytes_per_block
+    """Distinct full prompt blocks of the served requests (a rejected one brings none to any
+    tier) against what each tier holds."""
+    num_distinct = len({key for r in requests if r.rejected is None for key in r.keys})
+    distinct_bytes = num_distinct * model.bytes_per_block
     capacities = {"device": simulation.manager.kv_cache_config.num_blocks * model.bytes_per_block}
     if simulation.offload is not None:
         capacities.update({t.name: t.capacity_bytes for t in simulation.offload.all_tiers})
     return {
-        "distinct_blocks": keys.num_distinct,
+        "distinct_blocks": num_distinct,
         "bytes_per_block": model.bytes_per_block,
         "bytes_per_token": model.bytes_per_token,
         "bytes": distinct_bytes,

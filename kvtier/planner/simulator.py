@@ -44,6 +44,13 @@ class SchedulerLimits:
     max_num_seqs: int = 128
     watermark: float = 0.01
 
+    def __post_init__(self) -> None:
+        # (below 1, no request is ever admitted and the simulation would never end)
+        for flag, value in (("--max-num-batched-tokens", self.max_num_batched_tokens),
+                            ("--max-num-seqs", self.max_num_seqs)):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+
 
 @dataclass
 class SimRequest:

@@ -96,8 +96,32 @@ def test_sweep_draws_hit_rate_against_host_size(model_dir, tmp_path, capsys):
       "--kv-offload", "host=1GiB"], "--sweep tier 'ssd' is not in --kv-offload"),
     (["--device-kv", "1GiB", "--model", "MODEL", "--hits-only", "--output-plot", "x.png"],
      "--output-plot draws the sweep"),
+    # Each of these once had the simulation admit nothing and run forever, or said nothing.
+    (["--device-kv", "1GiB", "--hits-only", "--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--device-kv", "1GiB", "--hits-only", "--max-num-batched-tokens", "-3"],
+     "--max-num-batched-tokens must be >= 1"),
+    (["--device-kv", "1GiB", "--hits-only", "--time-scale", "inf"], "--time-scale must be a "
+                                                                    "finite number"),
+    (["--device-kv", "1GiB", "--hits-only", "--max-model-len", "0"], "--max-model-len must be"),
+    (["--device-kv", "1GiB", "--hits-only", "--block-size", "0"], "--block-size must be >= 1"),
+    (["--device-kv", "1GiB", "--hits-only", "--output-json", "OUT_DIR"], "is a directory"),
 ])
 def test_errors_name_the_fix(model_dir, capsys, extra, message):
-    argv = ["plan", "--trace", str(TRACE), *[model_dir if a == "MODEL" else a for a in extra]]
+    names = {"MODEL": model_dir, "OUT_DIR": model_dir}
+    argv = ["plan", "--trace", str(TRACE), *[names.get(a, a) for a in extra]]
     assert cli.main(argv) == cli.USAGE_ERROR
     assert message in capsys.readouterr().err
+
+
+def test_the_working_set_counts_the_served_requests_only(model_dir, tmp_path, capsys):
+    reports = []
+    for max_model_len in ("8192", "1500"):
+        out = tmp_path / f"plan{max_model_len}.json"
+        assert cli.main(["plan", "--trace", str(TRACE), "--model", model_dir, "--device-kv",
+                         "1GiB", "--hits-only", "--max-model-len", max_model_len,
+                         "--output-json", str(out)]) == 0, capsys.readouterr().err
+        reports.append(json.loads(out.read_text()))
+    everything, fewer = reports
+    assert everything["num_rejected"] == 0 < fewer["num_rejected"]
+    # A rejected request's blocks reach no tier.
+    assert fewer["working_set"]["distinct_blocks"] < everything["working_set"]["distinct_blocks"]

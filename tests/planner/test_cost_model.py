@@ -41,7 +41,9 @@ def test_json_round_trip_and_bad_files(tmp_path):
     for broken, message in (({**raw, "speed": 1}, "unknown keys"),
                             ({k: v for k, v in raw.items() if k != "decode_s_per_seq"},
                              "missing"),
-                            ({**raw, "step_s_base": -1}, "must be a number >= 0")):
+                            ({**raw, "step_s_base": -1}, "must be a finite number >= 0"),
+                            ({**raw, "step_s_base": float("nan")}, "finite number"),
+                            ({**raw, "step_s_base": True}, "finite number")):
         path.write_text(json.dumps(broken))
         with pytest.raises(ValueError, match=message):
             load_cost_model(path)
@@ -147,7 +149,7 @@ def test_store_and_server_terms_round_trip_and_default_to_zero(tmp_path):
     old = load_cost_model(path)
     assert (old.store_s_per_byte, old.server_s_per_step, old.server_s_per_token) == ({}, 0, 0)
     path.write_text(json.dumps({**raw, "store_s_per_byte": {"disk": -1}}))
-    with pytest.raises(ValueError, match=r"store_s_per_byte\['disk'\] must be a number >= 0"):
+    with pytest.raises(ValueError, match=r"store_s_per_byte\['disk'\] must be a finite number"):
         load_cost_model(path)
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvtier.common.output_paths import check_output_path
 from kvtier.common.plotting import require_matplotlib
 from kvtier.engine.args import add_engine_args, engine_config_from_args
 from kvtier.entrypoints.bench.config import BenchTarget, EngineTarget, MultiTurnConfig, ServerTarget
@@ -133,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.output_plot is not None:
         require_matplotlib()
+    check_output_path(args.output_json, "--output-json")
+    check_output_path(args.output_plot, "--output-plot")
     try:
         if args.bench_command == "trace":
             return run_trace_command(args, _target(args))

@@ -61,7 +61,8 @@ class TraceScaling:
     def __post_init__(self) -> None:
         checks = [
             (self.tokens_per_block >= 1, "tokens_per_block", "must be >= 1"),
-            (self.time_scale >= 0.0, "time_scale", "must be >= 0"),
+            (math.isfinite(self.time_scale) and self.time_scale >= 0.0, "time_scale",
+             "must be a finite number >= 0"),
             (self.max_requests is None or self.max_requests >= 1, "max_requests",
              "must be >= 1 or None"),
             (self.first_request >= 0, "first_request", "must be >= 0"),
@@ -108,16 +109,41 @@ def load_trace(path: Path) -> list[TraceRequest]:
     return requests
 
 
+def _finite(where: str, name: str, value: object) -> float:
+    # JSON's NaN and Infinity parse as numbers; no arrival time can be either.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not math.isfinite(value):
+        raise TraceFormatError(f"{where}: {name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _integer(where: str, name: str, value: object) -> int:
+    # A float id would be cut to another block's (1.9 -> 1); 1024.0 is taken as 1024.
+    if isinstance(value, bool) or not (isinstance(value, int) or isinstance(value, float)
+                                       and value.is_integer()):
+        raise TraceFormatError(f"{where}: {name} must hold integers, got {value!r}")
+    return int(value)
+
+
+def _list(where: str, value: object) -> list:
+    if not isinstance(value, list):
+        raise TraceFormatError(f"{where}: hash_ids must be a list of integers, got {value!r}")
+    return value
+
+
 def _parse_line(path: Path, number: int, line: str) -> TraceRequest:
     where = f"trace {path} line {number}"
     try:
         item = json.loads(line)
-        request = TraceRequest(float(item["timestamp"]), int(item["input_length"]),
-                               int(item["output_length"]),
-                               tuple(int(h) for h in item["hash_ids"]))
+        fields = [item[name] for name in ("timestamp", "input_length", "output_length",
+                                          "hash_ids")]
     except (ValueError, KeyError, TypeError) as exc:
         raise TraceFormatError(f"{where}: not a trace record ({exc!r}); each line needs "
                                "timestamp, input_length, output_length and hash_ids") from exc
+    request = TraceRequest(_finite(where, "timestamp", fields[0]),
+                           _integer(where, "input_length", fields[1]),
+                           _integer(where, "output_length", fields[2]),
+                           tuple(_integer(where, "hash_ids", h) for h in _list(where, fields[3])))
     num_blocks = len(request.hash_ids)
     if num_blocks == 0:
         raise TraceFormatError(f"{where}: hash_ids is empty; a request has at least one block")

@@ -78,6 +78,23 @@ def test_malformed_lines_are_named(tmp_path):
             "hash_ids is empty",
         '{"timestamp": -1, "input_length": 10, "output_length": 1, "hash_ids": [0]}':
             "must be >= 0",
+        # JSON's NaN and Infinity parse; as arrival times they stalled or hung a replay.
+        '{"timestamp": NaN, "input_length": 10, "output_length": 1, "hash_ids": [0]}':
+            "timestamp must be a finite number",
+        '{"timestamp": Infinity, "input_length": 10, "output_length": 1, "hash_ids": [0]}':
+            "timestamp must be a finite number",
+        # Each of these was converted to other hash ids or lengths, silently.
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": "12"}':
+            "hash_ids must be a list of integers",
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [0.7]}':
+            "hash_ids must hold integers, got 0.7",
+        '{"timestamp": 0, "input_length": 10, "output_length": 1, "hash_ids": [true]}':
+            "hash_ids must hold integers, got True",
+        '{"timestamp": 0, "input_length": 10.5, "output_length": 1, "hash_ids": [0]}':
+            "input_length must hold integers",
+        '{"timestamp": 0, "input_length": "10", "output_length": 1, "hash_ids": [0]}':
+            "input_length must hold integers",
+        '[1, 2]': "not a trace record",
     }
     for line, message in cases.items():
         path = tmp_path / "bad.jsonl"
@@ -94,7 +111,7 @@ def test_malformed_lines_are_named(tmp_path):
 def test_scaling_rejects_bad_values():
     with pytest.raises(ValueError, match="tokens_per_block must be >= 1"):
         TraceScaling(tokens_per_block=0)
-    with pytest.raises(ValueError, match="time_scale must be >= 0"):
+    with pytest.raises(ValueError, match="time_scale must be a finite number >= 0"):
         TraceScaling(time_scale=-1.0)
     with pytest.raises(ValueError, match="max_output_tokens"):
         TraceScaling(max_output_tokens=0)
