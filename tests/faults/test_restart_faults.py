@@ -107,3 +107,26 @@ def test_sigkill_then_restart(model_dir, tmp_path, tier, damage):
         assert hits > 0 and errors == 0
     elif damage == "flip":
         assert errors > 0
+
+
+def test_a_restart_with_another_model_frees_the_old_models_disk_file(model_dir, tmp_path):
+    """The disk tier's size is the directory's: the file of a model no server runs any more is
+    removed at the next start-up, not kept beside the new one."""
+    other_model = str(tmp_path / "other_model")
+    make_hf_model("llama", other_model, tokenizer="bytes", seed=1)
+    tier_dir = tmp_path / "tier"
+    first = _serve(model_dir, "disk", tier_dir)
+    try:
+        _answers(first.url)
+    finally:
+        first.process.kill()  # SIGKILL: its lock ends with the process
+        first.stop()
+    [old_file] = tier_dir.glob("*.kvslots")
+    second = _serve(other_model, "disk", tier_dir)
+    try:
+        _answers(second.url)
+    finally:
+        second.stop()
+    [new_file] = tier_dir.glob("*.kvslots")
+    assert new_file != old_file
+    assert sorted(p.name for p in tier_dir.iterdir()) == [new_file.stem + ".json", new_file.name]

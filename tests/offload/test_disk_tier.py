@@ -315,3 +315,67 @@ def test_unwritable_directory_is_a_clear_start_up_error(tmp_path):
                                                   "choose a writable directory"):
         DiskTier(DiskTierOptions(root_dir=str(blocker / "cache"), max_bytes="1MiB"),
                  TierContext("disk", NAMESPACE, max_chunk_bytes=CHUNK))
+
+
+# ---- one directory, one budget: other namespaces' files -------------------------------------
+
+
+def _kvslots(root):
+    return sorted(name for name in os.listdir(root) if name.endswith(".kvslots"))
+
+
+def test_unused_slot_files_of_other_namespaces_are_removed_at_start_up(make_tier, tmp_path,
+                                                                        caplog):
+    old = make_tier(tmp_path, num_slots=8, namespace=b"old-model" * 4)
+    assert tier_store(old, 1)
+    _close(old)
+    description = tmp_path / (os.path.basename(old.path)[:-len(".kvslots")] + ".json")
+    description.write_text("{}")
+    (tmp_path / "unrelated").write_text("kept")
+    with caplog.at_level("INFO", logger="kvtier.offload.tiers.slot_dir"):
+        new = make_tier(tmp_path, num_slots=8)
+    assert _kvslots(tmp_path) == [os.path.basename(new.path)]
+    assert not description.exists() and (tmp_path / "unrelated").read_text() == "kept"
+    assert f"removed 1 slot file(s) of other namespaces that no instance uses from {tmp_path}, " \
+           f"freeing {_budget(8)} bytes: {os.path.basename(old.path)}" in caplog.text
+
+
+_HOLD = "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR); " \
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()"
+
+
+def test_a_slot_file_another_process_holds_is_left_alone(make_tier, tmp_path, caplog):
+    other = make_tier(tmp_path, namespace=b"other-model" * 3)
+    _close(other)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, other.path],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with caplog.at_level("WARNING", logger="kvtier.offload.tiers.slot_dir"):
+            _close(make_tier(tmp_path))
+        assert os.path.exists(other.path)
+        assert f"1 slot file(s) of other namespaces in {tmp_path} ({_budget(8)} bytes) are in " \
+               f"use by other instances and left alone" in caplog.text
+    finally:
+        holder.communicate("", timeout=60)
+    third = make_tier(tmp_path, namespace=b"third-model" * 3)  # its holder has exited
+    assert _kvslots(tmp_path) == [os.path.basename(third.path)]
+
+
+def test_a_slot_file_removed_between_open_and_lock_is_opened_again(make_tier, tmp_path,
+                                                                    monkeypatch):
+    import fcntl
+
+    real_flock, removed = fcntl.flock, []
+
+    def flock_after_a_removal(fd, operation):
+        if not removed:  # another instance's start-up removes the file it found unused
+            removed.append(os.path.join(tmp_path, NAMESPACE.hex() + ".kvslots"))
+            os.unlink(removed[0])
+        return real_flock(fd, operation)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_removal)
+    tier = make_tier(tmp_path)
+    monkeypatch.undo()
+    assert removed == [tier.path]
+    assert os.path.samestat(os.fstat(tier._fd), os.stat(tier.path))  # not the removed file

@@ -4,6 +4,7 @@ full disk evicts and retries, and the used-bytes gauge is right from start-up.""
 
 import logging
 import os
+import shutil
 import stat
 import time
 
@@ -150,6 +151,48 @@ def test_disk_tier_file_is_private_to_the_owner(tmp_path):
     tier.shutdown()
     assert stat.S_IMODE(os.stat(tier.path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(tmp_path / "disk").st_mode) == 0o700
+
+
+# ---- what others may put in the directory or take from it -------------------------------------
+
+
+def test_fs_fifo_in_place_of_a_chunk_file_fails_its_load_at_once(make_fs, tmp_path):
+    tier = make_fs(tmp_path, num_read_threads=1)
+    assert tier_store(tier, 1) and tier_store(tier, 2)
+    assert tier.lookup(key(1)) is LookupResult.FOUND
+    path = tier.path_for(key(1))
+    os.unlink(path)
+    os.mkfifo(path, 0o600)  # after the lookup: the load opens it
+    assert tier_load(tier, 1)[0] is False  # not a thread blocked in open() for good
+    assert tier_load(tier, 2) == (True, chunk_bytes(2))  # the one read thread is free
+    assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
+    assert tier_store(tier, 1) and tier_load(tier, 1) == (True, chunk_bytes(1))
+
+
+@pytest.mark.parametrize("removed", ["root", "namespace"])
+def test_fs_directory_removed_at_run_time_is_made_again_by_a_store(make_fs, tmp_path, removed,
+                                                                  caplog):
+    tier = make_fs(tmp_path / "cache")
+    assert tier_store(tier, 1)
+    shutil.rmtree(tier.root if removed == "root" else tier.directory)
+    assert tier_load(tier, 1)[0] is False  # gone: a miss, and a load makes nothing
+    assert not os.path.exists(tier.directory)
+    with caplog.at_level(logging.WARNING, logger="kvtier.offload.tiers.fs"):
+        assert tier_store(tier, 2)
+    assert "was removed; making it again" in caplog.text
+    assert tier_load(tier, 2) == (True, chunk_bytes(2))
+    for directory in (tier.root, tier.directory):
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+
+
+def test_fs_namespace_directory_replaced_by_a_symlink_is_never_written(make_fs, tmp_path):
+    outside = _outside(tmp_path)
+    tier = make_fs(tmp_path / "cache")
+    assert tier_store(tier, 1)
+    shutil.rmtree(tier.directory)
+    os.symlink(outside, tier.directory)
+    assert tier_store(tier, 2) is False
+    assert os.listdir(outside) == ["victim.kvc"]
 
 
 # ---- read-only directories ---------------------------------------------------------------------

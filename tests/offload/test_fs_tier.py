@@ -10,7 +10,16 @@ import pytest
 from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.fs import FsTier, FsTierOptions, FsTierSetupError
 
-from .offload_helpers import NAMESPACE, chunk_bytes, key, tier_job, tier_load, tier_store, wait_jobs
+from .offload_helpers import (
+    CHUNK,
+    NAMESPACE,
+    chunk_bytes,
+    key,
+    tier_job,
+    tier_load,
+    tier_store,
+    wait_jobs,
+)
 
 # The scripts below run with `python -c` in the repository root, so they import kvtier and the
 # helpers as this module does.
@@ -32,14 +41,6 @@ def make_tier():
         tier.shutdown()
 
 
-
-
-
-
-
-
-
-
 def test_store_then_load_round_trip(make_tier, tmp_path):
     tier = make_tier(tmp_path)
     assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
@@ -51,11 +52,25 @@ def test_store_then_load_round_trip(make_tier, tmp_path):
     assert [name for name in os.listdir(os.path.dirname(path)) if name.endswith(".tmp")] == []
 
 
-def test_a_budget_that_holds_no_chunk_is_refused_at_start(tmp_path):
-    with pytest.raises(ValueError, match=r"^fs\.max_bytes=100 holds no chunk; it must be at "
-                                         r"least one chunk \(4096 bytes\)"):
-        FsTier(FsTierOptions(root_dir=str(tmp_path), max_bytes=100),
-               TierContext("fs", NAMESPACE, max_chunk_bytes=4096))
+def test_a_budget_that_holds_no_chunk_file_is_refused_at_start(tmp_path):
+    # A 64-byte chunk's file takes 166 bytes (header, 66-byte key): a budget of exactly that
+    # would be evicted down to 90% of it, below the file, at once.
+    with pytest.raises(ValueError, match=r"^fs\.max_bytes=166 holds no chunk: a chunk file "
+                                         r"takes up to 166 bytes and eviction keeps 90% of the "
+                                         r"budget, so it must be at least 185 bytes"):
+        FsTier(FsTierOptions(root_dir=str(tmp_path), max_bytes=166),
+               TierContext("fs", NAMESPACE, max_chunk_bytes=CHUNK))
+
+
+def test_the_smallest_budget_allowed_keeps_a_chunk(tmp_path):
+    tier = FsTier(FsTierOptions(root_dir=str(tmp_path), max_bytes=185),
+                  TierContext("fs", NAMESPACE, max_chunk_bytes=CHUNK))
+    try:
+        assert tier_store(tier, 1)
+        assert os.path.getsize(tier.path_for(key(1))) == 166
+        assert tier_load(tier, 1) == (True, chunk_bytes(1))
+    finally:
+        tier.shutdown()
 
 
 def test_the_first_store_describes_the_namespace_beside_the_chunks(tmp_path):
@@ -226,3 +241,63 @@ def test_full_disk_fails_the_store_and_leaves_no_file(tmp_path):
     assert out.stdout.split() == ["False", "OSError", "NOT_FOUND"], out.stderr
     leftovers = [f for _, _, files in os.walk(tmp_path) for f in files]
     assert leftovers == []
+
+
+# ---- the budget over a directory several instances write ------------------------------------
+
+
+def _bytes_of(directory, suffix=".kvc"):
+    return sum(os.path.getsize(os.path.join(d, name)) for d, _, names in os.walk(directory)
+               for name in names if name.endswith(suffix))
+
+
+def test_instances_sharing_a_directory_keep_its_budget_together(make_tier, tmp_path):
+    file_bytes = os.path.getsize(_stored_path(make_tier(tmp_path / "probe"), 0))
+    budget = 10 * file_bytes
+    first, second = (make_tier(tmp_path / "cache", max_bytes=budget) for _ in range(2))
+    for n in range(9):
+        assert tier_store(first, n) and tier_store(second, 100 + n)
+        # Each instance rescans after adding a twentieth of the budget (here: every store).
+        assert _bytes_of(first.directory) <= budget
+    assert _bytes_of(first.directory) >= 8 * file_bytes  # evicted down to 90%, not below
+
+
+def test_other_instances_files_are_seen_once_the_last_scan_is_old(make_tier, tmp_path,
+                                                                   monkeypatch):
+    file_bytes = os.path.getsize(_stored_path(make_tier(tmp_path / "probe"), 0))
+    tier = make_tier(tmp_path / "cache", max_bytes=100 * file_bytes)
+    other = make_tier(tmp_path / "cache")  # no budget of its own
+    for n in range(120):
+        assert tier_store(other, 100 + n)
+    monkeypatch.setattr("kvtier.offload.tiers.fs._RESCAN_S", 0.0)
+    assert tier_store(tier, 1)  # a store, however small, after the interval scans
+    assert _bytes_of(tier.directory) == 90 * file_bytes
+    assert tier.lookup(key(1)) is LookupResult.FOUND  # the most recent file stays
+
+
+# ---- temp files left by writers killed mid-write ---------------------------------------------
+
+
+def _dead_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(timeout=60)
+    return child.pid
+
+
+def test_temp_files_of_dead_writers_are_removed_and_live_ones_counted(make_tier, tmp_path):
+    from kvtier.offload.safe_dir import _HOST
+
+    tier = make_tier(tmp_path, max_bytes=1000 * 166)
+    assert tier_store(tier, 1)
+    subdir = os.path.dirname(tier.path_for(key(1)))
+    dead, live = f"ab.kvc.{_HOST}.{_dead_pid()}.7.tmp", f"cd.kvc.{_HOST}.{os.getpid()}.7.tmp"
+    foreign, old = "ef.kvc.otherhost.1.7.tmp", "12.kvc.99.7.tmp"  # another host; old format
+    for name in (dead, live, foreign, old):
+        with open(os.path.join(subdir, name), "wb") as f:
+            f.write(bytes(1000))
+    os.utime(os.path.join(subdir, old), (1000, 1000))  # long abandoned, whoever wrote it
+    restarted = make_tier(tmp_path, max_bytes=1000 * 166)
+    assert tier_store(restarted, 2)  # after the start-up scan
+    assert sorted(name for name in os.listdir(subdir) if name.endswith(".tmp")) == \
+        sorted([live, foreign])
+    assert restarted._used_bytes == 2 * 166 + 2 * 1000

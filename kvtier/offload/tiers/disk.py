@@ -35,7 +35,8 @@ with `direct_loads=False`, and with a chunk secret (every load then checks its c
 
 The root directory is resolved once at start-up (a symlink to a real directory is normal); the
 slot file, created 0600 in a 0700 directory, is opened without following a symlink: one planted
-in its place is refused, never truncated or grown.
+in its place is refused, never truncated or grown. The directory's size is the budget: the slot
+files of other namespaces no running instance holds are removed at start-up (tiers/slot_dir.py).
 """
 
 from __future__ import annotations
@@ -65,14 +66,13 @@ from kvtier.offload.chunk_format import (
     write_description,
 )
 from kvtier.offload.keys import ChunkKey
-from kvtier.offload.safe_dir import DIR_MODE
 from kvtier.offload.tiers.base import LookupResult, MappedChunk, TierContext, TransferJob
+from kvtier.offload.tiers.slot_dir import open_slot_file
 from kvtier.offload.tiers.slot_file import (
     DiskTierError,
     DiskTierInUseError,
     DiskTierSetupError,
     MappedFile,
-    open_locked,
     pread_all,
     pwrite_all,
 )
@@ -87,7 +87,6 @@ _SEQUENCE = struct.Struct("<Q")
 _PAGE = 4096  # the file header and each slot header take one page; payloads start page-aligned
 _SEQUENCE_AT = _PAGE - _SEQUENCE.size
 _MAX_KEY_BYTES = _SEQUENCE_AT - HEADER_BYTES - MAC_BYTES
-_SUFFIX = ".kvslots"
 # Seconds shutdown waits for the start-up check's thread (it stops between two slots).
 _SHUTDOWN_CHECKER_S = 1.0
 
@@ -138,15 +137,8 @@ class DiskTier(ThreadedTier):
             raise ValueError(f"disk.max_bytes={options.max_bytes} holds no chunk; it must be at "
                              f"least {_PAGE + self.stride} bytes (one {self.stride}-byte slot)")
         self.root = os.path.realpath(options.root_dir)
-        self.path = os.path.join(self.root, context.namespace.hex() + _SUFFIX)
         self._secret = context.chunk_secret
-        try:
-            os.makedirs(self.root, DIR_MODE, exist_ok=True)
-        except OSError as exc:
-            raise DiskTierSetupError(f"cannot create the disk tier's directory "
-                                     f"{self.root}: {exc.strerror}; choose a writable "
-                                     f"directory") from exc
-        self._fd = open_locked(self.path)
+        self.path, self._fd = open_slot_file(self.root, context.namespace, context.name)
         try:
             self._prepare_file()
             entries, num_damaged = self._read_slot_headers(context.namespace)

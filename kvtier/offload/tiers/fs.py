@@ -8,13 +8,17 @@ file that is renamed into place, so a reader sees a whole file or none, and conc
 of one chunk (threads or processes) simply race to rename identical bytes. Lookups are one stat
 on the caller's thread; reads and writes run on the thread pools of `ThreadedTier`. The byte
 budget is kept by deleting the least recently used files (mtime, which loads bump), scanned on
-the write pool. One instance's private overflow is cheaper in the disk tier (tiers/disk.py).
+the write pool: other instances fill the directory too, and only a scan sees their files, so
+each instance scans again once it has added a twentieth of the budget, or at a store a minute
+after its last scan. One instance's private overflow is cheaper in the disk tier
+(tiers/disk.py).
 
 The directory may be shared with others. The root is resolved once at start-up (a root that is
 a symlink to a real directory is normal); below it nothing is read, written or deleted through a
 symlink (offload/safe_dir.py). A read-only directory (a read-only mount, or one this user may
 not write) is a read-only tier: lookups and loads work, stores are skipped and counted. A full
-disk evicts the namespace's least recently used tenth and the store is tried once more.
+disk evicts the namespace's least recently used tenth and the store is tried once more. A
+namespace directory removed at run time is made again by the next store.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import stat
 import threading
@@ -41,25 +46,35 @@ from kvtier.offload.chunk_format import (
     write_chunk,
     write_description,
 )
-from kvtier.offload.keys import ChunkKey, key_digest
+from kvtier.offload.keys import ChunkKey, key_digest, make_chunk_key
 from kvtier.offload.safe_dir import (
     DIR_MODE,
     SymlinkRefusedError,
     is_regular_file,
-    open_file,
+    open_dir,
+    open_regular_file,
     opened_dir,
     unlink_quietly,
     write_atomically,
 )
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
+from kvtier.offload.tiers.fs_scan import CHUNK_SUFFIX, DirectoryScan, scan_directory
 from kvtier.offload.tiers.threaded import StoreSkipped, ThreadedTier, check_thread_options
 
 logger = logging.getLogger(__name__)
 
-_SUFFIX = ".kvc"
 # After an eviction pass the directory is brought down to this share of the budget (or, on a
 # full disk, of what it holds), so that passes (a directory scan each) are rare.
 _EVICT_TO = 0.9
+# A store scans the directory again once this instance has added this share of the budget
+# since its last scan, so N instances sharing it hold at most (1 + N * share) times the budget
+# (plus the temp files of writes in progress), at a scan per twentieth of the budget written.
+_RESCAN_SHARE = 0.05
+# A store also scans once the last scan is this old, so that the gauge follows the other
+# instances' writes. Rarely: a scan is a stat per file (200k files for 1 TiB of 5 MiB chunks).
+_RESCAN_S = 60.0
+# The longest block hash (sha256); xxh3_128's are 16 bytes. Sizes the largest chunk file.
+_MAX_BLOCK_HASH_BYTES = 32
 # A write that fails with one of these means the directory is read-only for this process.
 _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
@@ -94,11 +109,8 @@ class FsTier(ThreadedTier):
     options_cls: ClassVar[type] = FsTierOptions
 
     def __init__(self, options: FsTierOptions, context: TierContext) -> None:
+        _check_budget(options, context)
         super().__init__(options, context)
-        chunk = context.max_chunk_bytes
-        if options.max_bytes is not None and chunk is not None and options.max_bytes < chunk:
-            raise ValueError(f"fs.max_bytes={options.max_bytes} holds no chunk; it must be at "
-                             f"least one chunk ({chunk} bytes), e.g. fs=DIR:20GiB")
         self.root = os.path.realpath(options.root_dir)
         self.directory = os.path.join(self.root, context.namespace.hex())
         self._secret = context.chunk_secret
@@ -107,8 +119,11 @@ class FsTier(ThreadedTier):
         self.read_only = self._open_directory()
         self._last_full_log: float | None = None
         self._warned_symlink = False
-        # Bytes in the namespace's directory (all instances'), from the start-up scan on.
+        # Bytes in the namespace's directory (all instances'): the last scan's count plus what
+        # this instance added since.
         self._used_bytes = 0
+        self._added_since_scan = 0
+        self._last_scan = time.monotonic()
         self._scanned = threading.Event()
         labels = {"tier": context.name}
         metrics = context.metrics
@@ -135,9 +150,7 @@ class FsTier(ThreadedTier):
         read_only = bool(os.statvfs(self.root).f_flag & os.ST_RDONLY) or \
             not os.access(self.root, os.W_OK | os.X_OK)
         try:
-            with opened_dir(self.root) as root_fd, \
-                    opened_dir(os.path.basename(self.directory), root_fd, create=not read_only):
-                pass
+            self._make_directory(create=not read_only)
         except SymlinkRefusedError as exc:
             raise FsTierSetupError(f"the fs tier's namespace directory {self.directory} is a "
                                    f"symlink or not a directory; remove it (the tier never "
@@ -154,9 +167,16 @@ class FsTier(ThreadedTier):
                            "skipped", self.context.name, self.root)
         return read_only
 
+    def _make_directory(self, create: bool = True) -> None:
+        """Open the namespace directory, creating it (0700) when missing with `create`; never
+        through a symlink at either level."""
+        with opened_dir(self.root) as root_fd, \
+                opened_dir(os.path.basename(self.directory), root_fd, create):
+            pass
+
     def path_for(self, key: ChunkKey) -> str:
         digest = key_digest(key)
-        return os.path.join(self.directory, digest[:2], digest + _SUFFIX)
+        return os.path.join(self.directory, digest[:2], digest + CHUNK_SUFFIX)
 
     def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
         # Existence only: a damaged file fails its load (a counted error) and is dropped then.
@@ -169,9 +189,28 @@ class FsTier(ThreadedTier):
     @contextlib.contextmanager
     def _subdir(self, name: str, create: bool = False) -> Iterator[int]:
         """A descriptor of the namespace's subdirectory `name`, opened without following a
-        symlink at either level."""
-        with opened_dir(self.directory) as ns_fd, opened_dir(name, ns_fd, create) as fd:
-            yield fd
+        symlink at either level; with `create`, the directories removed since start-up are
+        made again (logged)."""
+        try:
+            ns_fd = open_dir(self.directory)
+        except FileNotFoundError:
+            if not create:
+                raise
+            self._recreate_directory()
+            ns_fd = open_dir(self.directory)
+        try:
+            with opened_dir(name, ns_fd, create) as fd:
+                yield fd
+        finally:
+            os.close(ns_fd)
+
+    def _recreate_directory(self) -> None:
+        logger.warning("fs tier %s: %s was removed; making it again", self.context.name,
+                       self.directory)
+        os.makedirs(self.root, DIR_MODE, exist_ok=True)
+        self._make_directory()
+        self._described = False  # its description went with it
+        self._last_scan = -math.inf  # and what it held: count afresh at the next store
 
     def _store(self, job: TransferJob) -> None:
         if self.read_only:
@@ -194,7 +233,7 @@ class FsTier(ThreadedTier):
     def _write(self, job: TransferJob) -> int:
         """Write the job's chunk file; the bytes it added (0: the same chunk was there)."""
         digest = key_digest(job.key)
-        name = digest + _SUFFIX
+        name = digest + CHUNK_SUFFIX
         with self._subdir(digest[:2], create=True) as dir_fd:
             if is_regular_file(name, dir_fd):
                 # Content-addressed: the same bytes are there already; mark them used.
@@ -211,9 +250,9 @@ class FsTier(ThreadedTier):
 
     def _load(self, job: TransferJob) -> None:
         digest = key_digest(job.key)
-        name = digest + _SUFFIX
+        name = digest + CHUNK_SUFFIX
         with self._subdir(digest[:2]) as dir_fd, \
-                os.fdopen(open_file(name, dir_fd, os.O_RDONLY), "rb") as f:
+                os.fdopen(open_regular_file(name, dir_fd), "rb") as f:
             try:
                 read_chunk_into(f, job.key, job.buffer, self._secret)
             except ChunkFormatError:
@@ -240,37 +279,46 @@ class FsTier(ThreadedTier):
                            "chunks (set a byte budget, fs=DIR:SIZE, to keep below it)",
                            self.context.name, exc.strerror, self.directory)
         with self._evict_lock:
-            files = self._scan()
-            used = sum(size for _, _, size, _ in files)
-            self._used_bytes = self._evict_down_to(files, int(used * _EVICT_TO))
+            scan = self._scan()
+            self._used_bytes = self._evict_down_to(scan, int(scan.used_bytes * _EVICT_TO))
             self._set_gauge()
 
     def _count_used(self) -> None:
         with self._evict_lock:
-            self._used_bytes = sum(size for _, _, size, _ in self._scan())
+            self._used_bytes = self._scan().used_bytes
         self._scanned.set()
         self._account(0)
 
     def _account(self, added: int) -> None:
+        """Count the `added` bytes of a store; scan again when due (see _RESCAN_SHARE) and evict
+        down to _EVICT_TO of the budget when over it."""
         budget = self.options.max_bytes
         with self._evict_lock:
             self._used_bytes += added
-            if budget is not None and self._used_bytes > budget:
-                self._used_bytes = self._evict_down_to(self._scan(), int(budget * _EVICT_TO))
+            self._added_since_scan += added
+            if budget is not None and (
+                    self._used_bytes > budget
+                    or self._added_since_scan >= budget * _RESCAN_SHARE
+                    or time.monotonic() - self._last_scan >= _RESCAN_S):
+                scan = self._scan()
+                self._used_bytes = scan.used_bytes
+                if self._used_bytes > budget:
+                    self._used_bytes = self._evict_down_to(scan, int(budget * _EVICT_TO))
             self._set_gauge()
 
     def _set_gauge(self) -> None:
         if self._used_gauge is not None:
             self._used_gauge.set(self._used_bytes)
 
-    def _evict_down_to(self, files: list[tuple[str, str, int, float]], target: int) -> int:
-        files = sorted(files, key=lambda entry: entry[3])  # oldest access first
-        used = sum(size for _, _, size, _ in files)
-        for sub, name, size, _ in files:
+    def _evict_down_to(self, scan: DirectoryScan, target: int) -> int:
+        """Delete the least recently used chunk files until the directory holds `target` bytes;
+        the bytes it holds then."""
+        used = scan.used_bytes
+        for file in sorted(scan.files, key=lambda file: file.mtime):
             if used <= target:
                 break
-            if self._delete(sub, name):
-                used -= size
+            if self._delete(file.sub, file.name):
+                used -= file.size
                 if self._evictions is not None:
                     self._evictions.inc()
         return used
@@ -282,37 +330,16 @@ class FsTier(ThreadedTier):
         except OSError:
             return False
 
-    def _scan(self) -> list[tuple[str, str, int, float]]:
-        """(subdirectory, name, size, mtime) of every chunk file of this namespace, across all
-        instances; symlinked subdirectories are left out (and logged once)."""
-        found = []
-        try:
-            with opened_dir(self.directory) as ns_fd:
-                for sub in os.scandir(ns_fd):
-                    if sub.is_symlink():
-                        self._warn_symlink(sub.name)
-                    elif sub.is_dir(follow_symlinks=False):
-                        found += self._scan_subdir(ns_fd, sub.name)
-        except OSError:
-            pass  # no directory yet (read-only), or it was removed meanwhile
-        return found
-
-    def _scan_subdir(self, ns_fd: int, sub: str) -> list[tuple[str, str, int, float]]:
-        found = []
-        try:
-            with opened_dir(sub, ns_fd) as fd:
-                for entry in os.scandir(fd):
-                    if not entry.name.endswith(_SUFFIX):
-                        continue
-                    try:
-                        st = entry.stat(follow_symlinks=False)
-                    except OSError:
-                        continue  # deleted by another instance meanwhile
-                    if stat.S_ISREG(st.st_mode):
-                        found.append((sub, entry.name, st.st_size, st.st_mtime))
-        except OSError:
-            pass  # replaced or removed meanwhile
-        return found
+    def _scan(self) -> DirectoryScan:
+        """Every instance's files in the namespace directory (under the eviction lock)."""
+        scan = scan_directory(self.directory, self._warn_symlink)
+        self._last_scan = time.monotonic()
+        self._added_since_scan = 0
+        if scan.num_removed_temps:
+            logger.info("fs tier %s: removed %d temp file(s) (%d bytes) in %s left by writers "
+                        "that died mid-write", self.context.name, scan.num_removed_temps,
+                        scan.removed_temp_bytes, self.directory)
+        return scan
 
     def _warn_symlink(self, name: str) -> None:
         if not self._warned_symlink:
@@ -320,3 +347,16 @@ class FsTier(ThreadedTier):
             logger.warning("fs tier %s: %s in %s is a symlink; the tier never reads, writes or "
                            "deletes through it (remove it)", self.context.name, name,
                            self.directory)
+
+
+def _check_budget(options: FsTierOptions, context: TierContext) -> None:
+    """Refuse a budget under which an eviction pass keeps no chunk file."""
+    if options.max_bytes is None or context.max_chunk_bytes is None:
+        return
+    key = make_chunk_key(context.namespace, 0, bytes(_MAX_BLOCK_HASH_BYTES))
+    largest = file_size(key, context.max_chunk_bytes, context.chunk_secret)
+    if options.max_bytes * _EVICT_TO < largest:
+        raise ValueError(f"fs.max_bytes={options.max_bytes} holds no chunk: a chunk file takes "
+                         f"up to {largest} bytes and eviction keeps {_EVICT_TO:.0%} of the "
+                         f"budget, so it must be at least {math.ceil(largest / _EVICT_TO)} "
+                         f"bytes, e.g. fs=DIR:20GiB")

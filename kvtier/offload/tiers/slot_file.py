@@ -31,11 +31,13 @@ import numpy as np
 import torch
 
 from kvtier.common.libc import load_libc
-from kvtier.offload.safe_dir import FILE_MODE
+from kvtier.offload.safe_dir import FILE_MODE, names_file
 
 _MADV_POPULATE_READ = 22  # Linux 5.14+ <sys/mman.h>
 # mincore's answer per page: bit 0 says resident, the other bits are reserved.
 _RESIDENT_BIT = bytes(value & 1 for value in range(256))
+# Opens of the slot file `open_locked` tries, each losing it to a removal between open and lock.
+_OPEN_TRIES = 3
 
 
 class DiskTierError(Exception):
@@ -105,6 +107,26 @@ class MappedFile:
 
 def open_locked(path: str) -> int:
     """The slot file, opened read-write (created 0600 if missing) and locked for this process."""
+    for _ in range(_OPEN_TRIES):
+        fd = _open_slot_file(path)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise DiskTierInUseError(
+                f"disk tier file {path} is in use by another kvtier instance; give each "
+                f"instance its own directory, or share a cache between instances with the fs "
+                f"tier (fs=DIR in --kv-offload)") from None
+        # Another instance's start-up removes unused slot files (tiers/slot_dir.py): one removed
+        # between our open and our lock is no longer the file the path names.
+        if names_file(path, fd):
+            return fd
+        os.close(fd)
+    raise DiskTierSetupError(f"the disk tier's file {path} was removed {_OPEN_TRIES} times "
+                             f"while being opened; is another program deleting it?")
+
+
+def _open_slot_file(path: str) -> int:
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
     except OSError as exc:
@@ -117,14 +139,6 @@ def open_locked(path: str) -> int:
         os.close(fd)
         raise DiskTierSetupError(f"the disk tier's file {path} is not a regular file; remove "
                                  f"it")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise DiskTierInUseError(
-            f"disk tier file {path} is in use by another kvtier instance; give each instance "
-            f"its own directory, or share a cache between instances with the fs tier "
-            f"(fs=DIR in --kv-offload)") from None
     return fd
 
 
