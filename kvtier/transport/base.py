@@ -10,10 +10,11 @@ sides name the transfer by the same `TransferId`; the receiver never needs to kn
     recv(tid, [Region("kv", 0, n)], timeout_s)  send(peer, tid, [Region("kv", 4096, n)], timeout_s)
     ... get_finished() -> [TransferResult(tid, RECV, error=None)]   ... (tid, SEND, None)
 
-Every call but `connect` returns at once; completions (success or failure) come from
-`get_finished()`, each transfer exactly once. `get_finished(timeout_s)` waits up to `timeout_s`
-for a completion when none is there yet, and returns as soon as one is (empty at its deadline):
-a caller that has nothing else to do waits for its transfer without polling.
+Every call but `connect` returns at once (`connect_async` is its non-blocking form);
+completions (success or failure) come from `get_finished()`, each transfer exactly once.
+`get_finished(timeout_s)` waits up to `timeout_s` for a completion when none is there yet, and
+returns as soon as one is (empty at its deadline): a caller that has nothing else to do waits
+for its transfer without polling.
 
 Every transfer has a deadline: one not complete by then is reported failed, on both sides.
 Until a transfer's result is reported its regions belong to the engine: the sender must not
@@ -51,6 +52,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NewType
 
@@ -61,6 +63,8 @@ TransferId = NewType("TransferId", str)
 BufferId = NewType("BufferId", str)
 # The remote engine's id, learnt in the handshake.
 PeerId = NewType("PeerId", str)
+# connect() waits this much past its own deadline for the engine's verdict, which is final.
+_CONNECT_GRACE_S = 1.0
 
 
 class TransportError(Exception):
@@ -135,12 +139,22 @@ class TransferEngine(ABC):
     def unregister_buffer(self, buffer_id: BufferId) -> None:
         """Forget a buffer; raises TransportError while a pending transfer uses it."""
 
-    @abstractmethod
     def connect(self, address: str, timeout_s: float) -> PeerId:
         """Reach the engine at `address` and run the handshake; blocks at most `timeout_s`.
 
         Raises NamespaceMismatchError / AuthenticationError when refused, TimeoutError when
         the peer does not answer in time."""
+        return self.connect_async(address, timeout_s).result(timeout=timeout_s + _CONNECT_GRACE_S)
+
+    @abstractmethod
+    def connect_async(self, address: str, timeout_s: float) -> Future[PeerId]:
+        """`connect` without blocking: the future ends with the peer id or `connect`'s error
+        within `timeout_s`, set from the engine's own thread (keep its callbacks short)."""
+
+    @abstractmethod
+    def is_connected(self, peer: PeerId) -> bool:
+        """Whether the connection to `peer` is up: a send to a peer whose connection closed
+        (deadline, refusal, the peer restarted) fails until it is connected again."""
 
     @abstractmethod
     def send(self, peer: PeerId, transfer_id: TransferId, regions: Sequence[Region],

@@ -6,6 +6,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kvtier.transport import protocol
+
 # The secret never comes from the command line, where other users of the machine can read it.
 SECRET_ENV = "KVTIER_TRANSPORT_SECRET"
 SECRET_FILE_ENV = "KVTIER_TRANSPORT_SECRET_FILE"
@@ -29,8 +31,10 @@ class TransportConfig:
     # 0: any free port (read it back from the engine's `address`).
     port: int = 0
     secret: bytes | None = None
-    # Largest frame accepted from a peer, checked by zmq before anything is allocated for it.
-    max_frame_bytes: int = 1 << 30
+    # Largest frame accepted from a peer (the largest this protocol sends), checked by zmq
+    # before anything is allocated for it; a larger one disconnects the peer. It bounds each
+    # frame, not a message: zmq holds a message's frames until its last one arrived.
+    max_frame_bytes: int = protocol.MAX_FRAME_BYTES
     # Handshakes not finished in this time are forgotten (a peer that went quiet).
     handshake_timeout_s: float = 10.0
     # One of BACKENDS; both ends of a transfer must use the same.
@@ -44,8 +48,11 @@ class TransportConfig:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.secret is not None and len(self.secret) < _MIN_SECRET_BYTES:
             raise ValueError(f"the transport secret must be at least {_MIN_SECRET_BYTES} bytes")
-        if self.max_frame_bytes <= 0 or self.handshake_timeout_s <= 0:
-            raise ValueError("max_frame_bytes and handshake_timeout_s must be > 0")
+        if self.max_frame_bytes < protocol.MAX_FRAME_BYTES:
+            raise ValueError(f"max_frame_bytes must be >= {protocol.MAX_FRAME_BYTES} (peers "
+                             f"send frames that large), got {self.max_frame_bytes}")
+        if self.handshake_timeout_s <= 0:
+            raise ValueError("handshake_timeout_s must be > 0")
         if self.backend not in BACKENDS:
             raise ValueError(f"transport backend {self.backend!r} is unknown; choose one of "
                              f"{', '.join(BACKENDS)}")

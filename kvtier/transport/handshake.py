@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvtier.transport import protocol
@@ -28,6 +29,8 @@ from kvtier.transport.base import (
 )
 
 logger = logging.getLogger(__name__)
+# (code, peer) pairs RefusalLog remembers having logged; the least recent is forgotten beyond.
+_MAX_LOGGED = 1024
 
 _ERRORS: dict[str, type[HandshakeError]] = {
     protocol.REFUSED_NAMESPACE: NamespaceMismatchError,
@@ -55,18 +58,24 @@ class Refusal:
 
 
 class RefusalLog:
-    """Counts refusals by code and logs the first of each code per peer, so one misconfigured
-    peer that retries forever fills no logs."""
+    """Counts refusals by code and logs the first of each code per peer (its engine id or
+    address, which stay the same across its retries), so one misconfigured peer that retries
+    forever fills no logs; remembers at most _MAX_LOGGED of them."""
 
     def __init__(self, counts: dict[str, int]) -> None:
         self._counts = counts
-        self._logged: set[tuple[str, str]] = set()
+        self._logged: OrderedDict[tuple[str, str], None] = OrderedDict()
 
     def record(self, refusal: Refusal, peer: str) -> None:
         self._counts[f"refused_{refusal.code}"] += 1
-        if (refusal.code, peer) not in self._logged:
-            self._logged.add((refusal.code, peer))
-            logger.warning("transport: refused peer %s: %s", peer, refusal.reason)
+        key = (refusal.code, peer)
+        if key in self._logged:
+            self._logged.move_to_end(key)
+            return
+        self._logged[key] = None
+        if len(self._logged) > _MAX_LOGGED:
+            self._logged.popitem(last=False)
+        logger.warning("transport: refused peer %s: %s", peer[:80], refusal.reason)
 
 
 def _check_peer(local: LocalIdentity, namespace_hex: str, auth: bool) -> Refusal | None:

@@ -23,6 +23,12 @@ MAX_HEADER_BYTES = 64 * 1024
 # Regions of one side of a transfer: their sizes must fit in one header.
 MAX_REGIONS = 4096
 NONCE_BYTES = 32
+# A transfer's first bytes go with its offer (all of a transfer this small); the rest goes as
+# data messages of DATA_MESSAGE_BYTES (see zmq_transfer.py).
+EAGER_BYTES = 4 << 20
+DATA_MESSAGE_BYTES = 4 << 20
+# No frame of this protocol is larger: a payload frame is (part of) one message's bytes.
+MAX_FRAME_BYTES = max(EAGER_BYTES, DATA_MESSAGE_BYTES, MAX_HEADER_BYTES)
 
 _BYTES = (bytes,)
 _STR = (str,)

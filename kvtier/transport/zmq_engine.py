@@ -33,8 +33,6 @@ from kvtier.transport.zmq_loop import IOLoop
 from kvtier.transport.zmq_state import Receiving, Sending, State, Stop, make_socket
 
 MAX_ID_CHARS = 1024
-# connect() waits this much past its own deadline for the I/O thread's verdict, which is final.
-_CONNECT_GRACE_S = 1.0
 
 
 class ZmqTransferEngine(TransferEngine):
@@ -124,10 +122,13 @@ class ZmqTransferEngine(TransferEngine):
 
     # ---- operations ----------------------------------------------------------------------------
 
-    def connect(self, address: str, timeout_s: float) -> PeerId:
+    def connect_async(self, address: str, timeout_s: float) -> Future[PeerId]:
         future: Future = Future()
         self._submit((address, self._deadline(timeout_s), future))
-        return future.result(timeout=timeout_s + _CONNECT_GRACE_S)
+        return future
+
+    def is_connected(self, peer: PeerId) -> bool:
+        return peer in self._state.peers
 
     def send(self, peer: PeerId, transfer_id: TransferId, regions: Sequence[Region],
              timeout_s: float) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -45,7 +46,10 @@ from kvtier.transport.zmq_transfer import ReceiverSide, SenderSide
 
 logger = logging.getLogger(__name__)
 
+# Unfinished handshakes kept; a new one beyond this forgets the oldest.
 MAX_HANDSHAKES = 1024
+# Welcomed connections kept; beyond this the least recently active must handshake again.
+MAX_WELCOMED = 1024
 # Deadlines are checked this often at most: a transfer fails at most this late.
 _EXPIRY_INTERVAL_S = 0.01
 _IDLE_POLL_MS = 200
@@ -70,9 +74,12 @@ class IOLoop(SenderSide, ReceiverSide):
         self.poller = zmq.Poller()
         self.poller.register(listener, zmq.POLLIN)
         self.poller.register(wake, zmq.POLLIN)
-        self.accepting: dict[bytes, Accepting] = {}
+        # Routing id -> its unfinished handshake, oldest first.
+        self.accepting: OrderedDict[bytes, Accepting] = OrderedDict()
+        # Routing id -> the peer it authenticated as, least recently active first.
+        self.welcomed: OrderedDict[bytes, PeerId] = OrderedDict()
         self.conns: dict[zmq.Socket, Connection] = {}
-        self.peers: dict[PeerId, Connection] = {}
+        self.peers = state.peers
         self.sends: dict[TransferId, Sending] = {}
         self.releasing: list[Sending] = []
         self.recvs: dict[TransferId, Receiving] = {}
@@ -100,8 +107,7 @@ class IOLoop(SenderSide, ReceiverSide):
             self._close_all()
 
     def _idle(self) -> bool:
-        return not (self.sends or self.recvs or self.releasing or self.stop
-                    or any(not a.welcomed for a in self.accepting.values())
+        return not (self.sends or self.recvs or self.releasing or self.stop or self.accepting
                     or any(c.peer is None for c in self.conns.values()))
 
     def _finished(self) -> bool:
@@ -197,15 +203,15 @@ class IOLoop(SenderSide, ReceiverSide):
         except MalformedMessageError as exc:
             self._malformed(source, exc)
             return
-        kind, accepting = msg["t"], self.accepting.get(source)
-        if kind == "hello" and (accepting is None or not accepting.welcomed):
-            self._on_hello(source, msg)
-        elif kind == "proof" and accepting is not None and accepting.peer is not None \
-                and not accepting.welcomed:
-            self._reply_handshake(source, accepting, accepting.on_proof(msg))
-        elif kind in self.TRANSFER_KINDS and accepting is not None and accepting.welcomed:
+        kind, accepting, welcomed = msg["t"], self.accepting.get(source), source in self.welcomed
+        if kind in self.TRANSFER_KINDS and welcomed:
+            self.welcomed.move_to_end(source)
             getattr(self, f"_on_{kind}")(source, msg, frames[1:])
-        elif kind == "refused" and accepting is not None and not accepting.welcomed:
+        elif kind == "hello" and not welcomed:
+            self._on_hello(source, msg)
+        elif kind == "proof" and accepting is not None:
+            self._reply_handshake(source, accepting, accepting.on_proof(msg))
+        elif kind == "refused" and accepting is not None:
             code = msg["code"] if msg["code"] in protocol.REFUSAL_CODES else "protocol"
             self.refusals.record(Refusal(code, f"it refused us: {msg['reason']}"),
                                  accepting.peer or "?")
@@ -218,8 +224,9 @@ class IOLoop(SenderSide, ReceiverSide):
             self._malformed(source, MalformedMessageError(f"unexpected {kind!r}"))
 
     def _on_hello(self, source: bytes, msg: dict) -> None:
+        self.accepting.pop(source, None)  # a hello again starts over
         if len(self.accepting) >= MAX_HANDSHAKES:
-            self._forget_stale_handshakes(time.monotonic(), force=True)
+            self.accepting.popitem(last=False)  # only the oldest: others' handshakes go on
         accepting = Accepting(self.local, time.monotonic())
         self.accepting[source] = accepting
         self._reply_handshake(source, accepting, accepting.on_hello(msg))
@@ -229,7 +236,19 @@ class IOLoop(SenderSide, ReceiverSide):
         if refusal is not None:  # counted before the peer can hear of it
             self.refusals.record(refusal, accepting.peer or "?")
             del self.accepting[source]
+        elif accepting.welcomed:
+            del self.accepting[source]
+            self._welcome(source, accepting.peer)
         self._reply(source, frame)
+
+    def _welcome(self, source: bytes, peer: PeerId) -> None:
+        """Remember a connection that passed the handshake: one per peer, whose new connection
+        replaces its old (the dialer closes that), and at most MAX_WELCOMED."""
+        for old in [s for s, p in self.welcomed.items() if p == peer]:
+            del self.welcomed[old]
+        self.welcomed[source] = peer
+        if len(self.welcomed) > MAX_WELCOMED:
+            self.welcomed.popitem(last=False)
 
     def _reply(self, source: bytes, frame: bytes) -> None:
         # ROUTER drops what a gone or stuck peer cannot take; it never blocks this thread.
@@ -342,13 +361,12 @@ class IOLoop(SenderSide, ReceiverSide):
             self._pop_offer(tid)  # its sender gave up (and may be gone)
         for conn in [c for c in self.conns.values() if c.peer is None and now >= c.deadline]:
             self._close(conn, TimeoutError(f"no handshake with {conn.dialing.address} in time"))
-        self._forget_stale_handshakes(now, force=False)
+        self._forget_stale_handshakes(now)
 
-    def _forget_stale_handshakes(self, now: float, force: bool) -> None:
-        limit = now - (0 if force else self.handshake_timeout_s)
-        for source in [s for s, a in self.accepting.items()
-                       if not a.welcomed and a.started <= limit]:
-            del self.accepting[source]
+    def _forget_stale_handshakes(self, now: float) -> None:
+        limit = now - self.handshake_timeout_s
+        while self.accepting and next(iter(self.accepting.values())).started <= limit:
+            self.accepting.popitem(last=False)  # oldest first: they are kept in start order
 
     def _close(self, conn: Connection, error: Exception | None, linger_ms: int = 0) -> None:
         """Close a dialed connection; its unfinished sends fail once zmq released them."""

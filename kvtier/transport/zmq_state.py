@@ -96,6 +96,8 @@ class State:
     """What the I/O thread and the callers share: counters, results, commands."""
 
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    # The connection to each peer we reached; written by the I/O thread only.
+    peers: dict[PeerId, Connection] = field(default_factory=dict)
     commands: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _results: deque[TransferResult] = field(default_factory=deque, init=False)
     # Signalled by the I/O thread with each result, so that a waiting caller wakes at once.
@@ -135,7 +137,8 @@ def make_socket(ctx: zmq.Context, kind: int, max_frame_bytes: int) -> zmq.Socket
     # No send limit: a full queue would block or drop accepts and dones. Queued frames are
     # headers and zero-copy views of the caller's buffers, so pending transfers bound them.
     socket.setsockopt(zmq.SNDHWM, 0)
-    # zmq refuses larger frames before allocating them: a peer cannot exhaust our memory.
+    # zmq refuses a larger frame before allocating it and drops the peer. Per frame only: it
+    # buffers a message's frames until the last, which no zmq option bounds.
     socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     return socket
 

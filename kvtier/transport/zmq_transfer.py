@@ -28,18 +28,14 @@ import zmq
 
 from kvtier.transport import protocol
 from kvtier.transport.base import Direction, TransferId
+from kvtier.transport.protocol import DATA_MESSAGE_BYTES, EAGER_BYTES
 from kvtier.transport.zmq_state import Offer, Receiving, Sending, cut, scatter
 
 # Offers that wait for a matching recv; beyond this a peer is told the receiver is busy.
 MAX_UNMATCHED_OFFERS = 4096
-# A transfer's first bytes go with its offer (all of a transfer this small).
-EAGER_BYTES = 4 << 20
 # What offers waiting for their recv may hold of such bytes; beyond it they are dropped, and
 # sent again after the accept.
 MAX_KEPT_EAGER_BYTES = 64 << 20
-# The rest of a transfer goes as data messages of this many bytes, so that the receiver copies
-# one into the caller's regions while the next is on the wire.
-DATA_MESSAGE_BYTES = 4 << 20
 
 
 class SenderSide:

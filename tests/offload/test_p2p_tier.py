@@ -210,3 +210,25 @@ def _settled(tier, n):
         assert time.monotonic() < deadline, "the peer's answer never arrives"
         time.sleep(0.005)
     return answer
+
+
+def test_a_refused_peer_that_retries_is_logged_once(caplog):
+    from kvtier.offload.tiers.p2p_server import P2PServer
+    from kvtier.transport.handshake import LocalIdentity
+
+    ctx = zmq.Context()
+    server = P2PServer(ctx, "tcp://127.0.0.1:*", None, LocalIdentity("srv", "aa" * 32, None),
+                       None)
+    client = p2p_wire.PeerClient(ctx, server.address, LocalIdentity("cli", "bb" * 32, None),
+                                 1 << 20, 2.0, 2.0)
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.transport.handshake"):
+            for _ in range(20):  # each try on a new socket, so a new zmq routing id
+                with pytest.raises(p2p_wire.PeerRefused):
+                    client.has([key(1)])
+        assert server.counts["refused_namespace"] == 20
+        assert [r.getMessage().count("refused peer cli") for r in caplog.records] == [1]
+    finally:
+        client.close()
+        assert server.shutdown(2.0)
+        ctx.term()

@@ -4,7 +4,17 @@ import pytest
 import zmq
 
 from kvtier.transport import TransportConfig
+from tests.tiny_models import hf_greedy, make_block_prompts, make_hf_model
+from tests.transport.p2p_helpers import MAX_TOKENS
 from tests.transport.transport_helpers import BACKENDS, NAMESPACE, UNAVAILABLE
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    """(model dir, prompts, HF's greedy tokens for them) of a tiny random Llama."""
+    model_dir = str(tmp_path_factory.mktemp("model"))
+    prompts = make_block_prompts()
+    return model_dir, prompts, hf_greedy(make_hf_model("llama", model_dir), prompts, MAX_TOKENS)
 
 
 @pytest.fixture(params=[pytest.param(name, marks=pytest.mark.skipif(

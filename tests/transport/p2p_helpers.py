@@ -3,6 +3,8 @@ handed from a producer to a consumer."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -48,21 +50,38 @@ def run_request(llm: LLM, request_id: str, prompt, params, kv_transfer_params):
     raise AssertionError(f"{request_id} did not finish")
 
 
-def hand_over(producer: LLM, consumer: LLM, prompts: list[list[int]],
-              step_producer: bool = True) -> tuple[list, list]:
+@contextmanager
+def stepping(llm: LLM) -> Iterator[None]:
+    """Step `llm` in the background, as its serving loop would, until the block ends."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.is_set():
+            llm.engine.step()
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def hand_over(producer: LLM, consumer: LLM,
+              prompts: list[list[int]]) -> tuple[list, list]:
     """Each prompt prefilled on `producer` (transfer t<i>), then decoded greedily on `consumer`
-    with the returned kv_transfer_params; (prefill outputs, decode outputs). `step_producer`:
-    step the producer once in between, as its serving loop would (the worker starts a whole
-    request's send there; a layer-wise push has sent everything during the prefill)."""
+    with the returned kv_transfer_params while the producer steps, as its serving loop would
+    (it connects to the consumer and sends there); (prefill outputs, decode outputs)."""
     address = consumer.engine.runner.connector.address
     prefills, decodes = [], []
     for i, prompt in enumerate(prompts):
         prefills.append(run_request(producer, f"p{i}", prompt, PREFILL,
                                     {"transfer_id": f"t{i}", "consumer_address": address}))
-        if step_producer:
-            producer.engine.step()
-        decodes.append(run_request(consumer, f"c{i}", prompt, GREEDY,
-                                   prefills[-1].kv_transfer_params))
+        with stepping(producer):
+            decodes.append(run_request(consumer, f"c{i}", prompt, GREEDY,
+                                       prefills[-1].kv_transfer_params))
     return prefills, decodes
 
 

@@ -12,7 +12,6 @@ import torch
 
 from kvtier import LLM
 from kvtier.transport import TransportError
-from tests.tiny_models import hf_greedy, make_block_prompts, make_hf_model
 from tests.transport.p2p_helpers import (
     BLOCK_SIZE,
     GREEDY,
@@ -24,13 +23,6 @@ from tests.transport.p2p_helpers import (
 )
 from tests.transport.p2p_helpers import run_request as _run
 from tests.transport.transport_helpers import UNAVAILABLE
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = str(tmp_path_factory.mktemp("model"))
-    prompts = make_block_prompts()
-    return model_dir, prompts, hf_greedy(make_hf_model("llama", model_dir), prompts, MAX_TOKENS)
 
 
 def _drain(llm: LLM) -> None:
@@ -109,7 +101,8 @@ def test_an_idle_consumer_waits_for_its_load_rather_than_a_fixed_sleep(model, en
     consumer.engine.add_request("c0", prompts[0], GREEDY,
                                 kv_transfer_params=prefill.kv_transfer_params)
     consumer.engine.step()  # posts the loads; nothing to compute yet
-    push = threading.Timer(0.3, producer.engine.step)  # sends the request's layers
+    # The producer's serving loop: it connects and sends the request's layers.
+    push = threading.Timer(0.3, _drain, [producer])
     start = time.monotonic()
     push.start()
     consumer.engine.runner.connector.wait_for_transfers(timeout_s=10.0)
@@ -188,9 +181,7 @@ def layer_engines(model):
 def test_layer_push_over_chunked_prefill_matches_hf(model, layer_engines):
     _, prompts, expected = model
     producer, consumer = layer_engines
-    # Every layer was sent during the prefill itself: no further producer step is needed for
-    # the consumer to get them.
-    prefills, decodes = hand_over(producer, consumer, prompts, step_producer=False)
+    prefills, decodes = hand_over(producer, consumer, prompts)
     assert [p.kv_transfer_params["num_tokens"] for p in prefills] == \
         [len(prompt) // BLOCK_SIZE * BLOCK_SIZE for prompt in prompts]
     assert [d.outputs[0].token_ids for d in decodes] == expected
@@ -209,6 +200,9 @@ def test_layer_push_ending_before_its_request_frees_the_blocks(model, layer_engi
     _, prompts, expected = model
     producer, consumer = layer_engines
     params = {"transfer_id": "t0", "consumer_address": consumer.engine.runner.connector.address}
+    # Connected beforehand, as a producer that served this consumer before: each layer goes
+    # out in the step that computes it.
+    producer.engine.runner.connector._connections.get(params["consumer_address"]).result(5)
     producer.engine.add_request("p0", prompts[0], GREEDY, kv_transfer_params=params)
     for _ in range(10):  # until the prompt is computed and its layers are sent
         producer.engine.step()

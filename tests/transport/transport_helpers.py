@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -94,3 +96,18 @@ def welcome(router: zmq.Socket, sender: TransferEngine) -> list:
     router.send_multipart([source, protocol.encode("welcome")])
     connecting.join()
     return connected
+
+
+def zmtp_dealer(address: str) -> socket.socket:
+    """A raw TCP connection that has done ZMTP 3.0's greeting as a DEALER: a peer that sends
+    frames as it likes, none of them checked or buffered by a zmq of its own."""
+    host, port = address.removeprefix("tcp://").rsplit(":", 1)
+    conn = socket.create_connection((host, int(port)), timeout=5)
+    # signature, version 3.0, NULL mechanism, as-server 0, filler
+    conn.sendall(b"\xff" + bytes(8) + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\x00") + bytes(32))
+    greeting = b""
+    while len(greeting) < 64:
+        greeting += conn.recv(64 - len(greeting))
+    ready = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    conn.sendall(b"\x04" + bytes([len(ready)]) + ready)  # a short command frame
+    return conn

@@ -18,6 +18,9 @@ class P2PConnectorOptions:
     # A producer's send of one request, handshake included, fails (and frees its blocks or its
     # host copy) after this long, e.g. when the consumer never asks for it.
     send_timeout_s: float = 60.0
+    # A producer's connect to a consumer (the handshake) fails after this long; it runs in
+    # the background, never inside the engine step.
+    connect_timeout_s: float = 5.0
     # The transfer engine backend (kvtier.transport.BACKENDS); producer and consumer must agree.
     transport: str = "zmq"
     # "layer": a producer sends each layer's KV of the prompt's full blocks while the forward
@@ -33,6 +36,9 @@ class P2PConnectorOptions:
                 "port must be in 0..65535", self.port)
         require(isinstance(self.send_timeout_s, (int, float)) and self.send_timeout_s > 0,
                 where, "send_timeout_s must be a number of seconds > 0", self.send_timeout_s)
+        require(isinstance(self.connect_timeout_s, (int, float)) and self.connect_timeout_s > 0,
+                where, "connect_timeout_s must be a number of seconds > 0",
+                self.connect_timeout_s)
         require(self.transport in BACKENDS, where, f"transport must be one of {BACKENDS}",
                 self.transport)
         require(self.push in ("layer", "request"), where, 'push must be "layer" or "request"',

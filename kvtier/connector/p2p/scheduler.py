@@ -43,8 +43,9 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._dropped: list[str] = []
         self._sends: list[BlockSend] = []
         self._drains: list[BlockLoad] = []
-        # request id -> (request, its block ids, blocks to load), set at allocation.
-        self._pending_loads: dict[str, tuple[Request, list[int], int]] = {}
+        # request id -> (request, its transfer, its block ids, blocks to load), set at
+        # allocation.
+        self._pending_loads: dict[str, tuple[Request, LoadParams, list[int], int]] = {}
         # Requests whose transfer was taken: a request resumes after its load and asks again.
         self._taken: set[str] = set()
 
@@ -56,9 +57,21 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             logger.warning("request %s: %s; no KV transfer for it", request.request_id, exc)
             return None
 
+    def _load_params(self, request: Request) -> LoadParams | None:
+        """A consumer request's transfer, or None. The client supplies its num_tokens, which
+        sizes the load's host buffer: more than the prompt is refused (the producer never sends
+        that many), costing that request its transfer and no other request anything."""
+        params = self._params(LoadParams.parse, request) if self.config.is_consumer else None
+        if params is not None and params.num_tokens > request.num_prompt_tokens:
+            logger.warning("request %s: kv_transfer_params num_tokens %d exceeds its %d prompt "
+                           "tokens; no KV transfer for it", request.request_id,
+                           params.num_tokens, request.num_prompt_tokens)
+            return None
+        return params
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        params = self._params(LoadParams.parse, request) if self.config.is_consumer else None
+        params = self._load_params(request)
         if params is None or request.request_id in self._pending_loads \
                 or request.request_id in self._taken:
             return 0, False
@@ -75,7 +88,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         if request.request_id in self._taken:
             return
         if num_external_tokens <= 0:
-            params = self._params(LoadParams.parse, request) if self.config.is_consumer else None
+            params = self._load_params(request)
             if params is not None and params.num_tokens > 0:
                 self._taken.add(request.request_id)
                 # Nothing to load (all of it hit locally), but the producer holds its blocks
@@ -89,7 +102,8 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             raise NotImplementedError("P2PConnector supports models with one KV cache group")
         self._taken.add(request.request_id)
         self._pending_loads[request.request_id] = (
-            request, list(block_ids[0]), num_external_tokens // self.context.block_size)
+            request, self._load_params(request), list(block_ids[0]),
+            num_external_tokens // self.context.block_size)
 
     def _start_push(self, request: Request, blocks: KVCacheBlocks) -> None:
         params = self._params(SendParams.parse, request)
@@ -106,8 +120,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                                     pushes=self._plan_pushes(scheduler_output),
                                     dropped_pushes=self._dropped)
         self._sends, self._drains, self._dropped = [], [], []
-        for req_id, (request, block_ids, num_blocks) in self._pending_loads.items():
-            params = LoadParams.parse(request.kv_transfer_params)
+        for req_id, (request, params, block_ids, num_blocks) in self._pending_loads.items():
             # The scheduler has set num_computed_tokens to local hit + external tokens.
             end = request.num_computed_tokens // self.context.block_size
             meta.loads.append(BlockLoad(req_id, params.transfer_id,

@@ -8,12 +8,19 @@ Either way the request's blocks stay allocated until its sends end, since the en
 so collects transfer results) only while a finished request holds blocks. A
 consumer receives every layer into its own host buffer and copies the blocks it needs into the
 paged cache once all of them arrived; one failed layer fails the load.
+
+A producer's sends never wait for a connection inside the step: a layer whose connection to
+its consumer is not up yet waits on the transfer (`waiting`) and goes out at a later step's
+`get_finished` once it is (see `peers.py`). A layer whose send failed because its connection
+closed before the send's deadline is sent once more, on a new connection.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +33,7 @@ from kvtier.connector.p2p.layout import (
     split_layer_transfer_id,
 )
 from kvtier.connector.p2p.metadata import BlockLoad, BlockSend, LayerPush, P2PConnectorOptions
+from kvtier.connector.p2p.peers import PeerConnections
 from kvtier.transport import (
     BufferId,
     Direction,
@@ -39,7 +47,6 @@ from kvtier.transport import (
 )
 
 logger = logging.getLogger(__name__)
-_CONNECT_TIMEOUT_S = 5.0
 _COUNTED = ("requests_sent", "send_errors", "sends_refused", "blocks_loaded", "load_errors")
 # Sends still in flight at shutdown get this long (a consumer may be waiting for them).
 _SHUTDOWN_TIMEOUT_S = 10.0
@@ -54,9 +61,16 @@ class _Transfer:
     direction: Direction
     payload: LayerMajorPayload
     num_layers_left: int
-    peer: PeerId | None = None
     load: BlockLoad | None = None
     error: str | None = None
+    # A send's consumer, the connection to it, and the layers that wait for that connection.
+    address: str = ""
+    connection: Future[PeerId] | None = None
+    waiting: list[int] = field(default_factory=list)
+    # The peer and deadline of the first layer sent; the layers sent a second time.
+    sent_to: PeerId | None = None
+    deadline: float = 0.0
+    resent: set[int] = field(default_factory=set)
 
     @property
     def buffer_id(self) -> BufferId:
@@ -73,7 +87,7 @@ class P2PConnectorWorker(KVConnectorWorker):
         self.transport = make_transfer_engine(TransportConfig(
             namespace=context.namespace, bind_host=options.bind_host, port=options.port,
             secret=load_secret(), backend=options.transport))
-        self._peers: dict[str, PeerId] = {}
+        self._connections = PeerConnections(self.transport, options.connect_timeout_s)
         # (direction, transfer id) -> the transfer whose layers the transport is moving.
         self._open: dict[tuple[Direction, str], _Transfer] = {}
         # Layer-wise pushes by request id, from their first chunk until the request finishes.
@@ -133,17 +147,8 @@ class P2PConnectorWorker(KVConnectorWorker):
         return transfer
 
     def _connect(self, transfer: _Transfer, address: str) -> None:
-        try:
-            peer = self._peers.get(address)
-            if peer is None:
-                peer = self.transport.connect(address, _CONNECT_TIMEOUT_S)
-                self._peers[address] = peer
-            transfer.peer = peer
-        except (TransportError, TimeoutError, ConnectionError) as exc:
-            transfer.error = f"cannot reach {address}: {exc}"
-            if isinstance(exc, HandshakeError):
-                # Another KV namespace or secret: operators need to tell it from a dead peer.
-                self._counts.add("sends_refused", 1)
+        transfer.address = address
+        transfer.connection = self._connections.get(address)
 
     def _start_send(self, send: BlockSend) -> None:
         transfer = self._open_transfer(send.req_id, send.transfer_id, Direction.SEND,
@@ -167,16 +172,57 @@ class P2PConnectorWorker(KVConnectorWorker):
         return transfer
 
     def _send_layer(self, transfer: _Transfer, layer_index: int) -> None:
+        """Send one layer as soon as the transfer's connection is up (now, if it is)."""
+        if transfer.error is not None:
+            self._end_layer(transfer, transfer.error)
+            return
+        transfer.waiting.append(layer_index)
+        self._send_waiting(transfer)
+
+    def _send_waiting(self, transfer: _Transfer) -> None:
+        """Send the layers that wait for the transfer's connection once it is up; fail them
+        when it failed."""
+        if not transfer.waiting or not transfer.connection.done():
+            return
+        layers, transfer.waiting = transfer.waiting, []
+        exc = transfer.connection.exception()
+        if exc is not None and transfer.error is None:
+            transfer.error = f"cannot reach {transfer.address}: {exc}"
+            if isinstance(exc, HandshakeError):
+                # Another KV namespace or secret: operators need to tell it from a dead peer.
+                self._counts.add("sends_refused", 1)
+        for layer_index in layers:
+            self._send_now(transfer, layer_index)
+
+    def _send_now(self, transfer: _Transfer, layer_index: int) -> None:
         if transfer.error is None:
+            peer = transfer.connection.result()
             try:
-                self.transport.send(transfer.peer,
-                                    layer_transfer_id(transfer.transfer_id, layer_index),
+                self.transport.send(peer, layer_transfer_id(transfer.transfer_id, layer_index),
                                     [transfer.payload.region(transfer.buffer_id, layer_index)],
                                     self.options.send_timeout_s)
+                if transfer.sent_to is None:
+                    transfer.sent_to = peer
+                    transfer.deadline = time.monotonic() + self.options.send_timeout_s
                 return
             except TransportError as exc:
                 transfer.error = str(exc)
         self._end_layer(transfer, transfer.error)
+
+    def _may_resend(self, transfer: _Transfer, layer_index: int, error: str | None) -> bool:
+        """Whether a failed layer send is worth a second one: its connection closed before
+        the transfer's deadline (the consumer restarted, or another send's deadline closed
+        it), so its consumer may still be waiting for it."""
+        return (error is not None and transfer.direction is Direction.SEND
+                and transfer.error is None and layer_index not in transfer.resent
+                and time.monotonic() < transfer.deadline
+                and not self.transport.is_connected(transfer.sent_to))
+
+    def _resend(self, transfer: _Transfer, layer_index: int) -> None:
+        if not transfer.resent:  # the first layer back connects again, for every other
+            transfer.connection = self._connections.get(transfer.address)
+        transfer.resent.add(layer_index)
+        self._send_layer(transfer, layer_index)
 
     def _start_load(self, load: BlockLoad) -> None:
         transfer = self._open_transfer(load.req_id, load.transfer_id, Direction.RECV,
@@ -231,8 +277,14 @@ class P2PConnectorWorker(KVConnectorWorker):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
         landed, self._landed = self._landed + self.transport.get_finished(), []
         for result in landed:
-            transfer_id, _ = split_layer_transfer_id(result.transfer_id)
-            self._end_layer(self._open[(result.direction, transfer_id)], result.error)
+            transfer_id, layer_index = split_layer_transfer_id(result.transfer_id)
+            transfer = self._open[(result.direction, transfer_id)]
+            if self._may_resend(transfer, layer_index, result.error):
+                self._resend(transfer, layer_index)
+            else:
+                self._end_layer(transfer, result.error)
+        for transfer in [t for t in self._open.values() if t.waiting]:
+            self._send_waiting(transfer)
         self._unfinished -= finished_req_ids
         ready = self._sent_early - self._unfinished
         self._sent_early -= ready

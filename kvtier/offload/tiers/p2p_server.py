@@ -87,11 +87,11 @@ class P2PServer:
         connection = self._connections.get(identity)
         if connection is not None and kind == "proof" and not connection.welcomed:
             reply, refusal = connection.on_proof(message)
-            self._refused(identity, refusal)
+            self._refused(identity, connection, refusal)
             return [reply]
         if connection is None or not connection.welcomed or kind not in ("has", "get"):
             refusal = Refusal(protocol.REFUSED_PROTOCOL, f"{kind} before the handshake ended")
-            self._refused(identity, refusal)
+            self._refused(identity, connection, refusal)
             return [protocol.encode("refused", code=refusal.code, reason=refusal.reason)]
         if kind == "has":
             found = [self._host.is_ready(key) for key in message["keys"]]
@@ -107,13 +107,16 @@ class P2PServer:
             self._connections.move_to_end(identity)
             while len(self._connections) > _MAX_CONNECTIONS:
                 self._connections.popitem(last=False)
-        self._refused(identity, refusal)
+        self._refused(identity, connection, refusal)
         return reply
 
-    def _refused(self, identity: bytes, refusal: Refusal | None) -> None:
+    def _refused(self, identity: bytes, connection: Accepting | None,
+                 refusal: Refusal | None) -> None:
         if refusal is not None:
             self._connections.pop(identity, None)
-            self._refusals.record(refusal, identity.hex())
+            # By the engine id it said hello with: a client retries on a new socket (a new
+            # routing id) each time, and must not be logged each time.
+            self._refusals.record(refusal, connection.peer if connection else "(no hello)")
 
     def _forget_stale(self) -> None:
         cutoff = time.monotonic() - _HANDSHAKE_TIMEOUT_S

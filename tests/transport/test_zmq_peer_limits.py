@@ -1,0 +1,92 @@
+"""What a zmq engine keeps for peers that are not (yet) trusted, and how much of it: frames no
+larger than the protocol sends, handshakes under way bounded without ever dropping others'
+because of connections that finished theirs."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import zmq
+
+from kvtier.transport import TransportConfig, protocol, zmq_loop
+from kvtier.transport.handshake import Dialing, LocalIdentity
+from kvtier.transport.zmq_engine import ZmqTransferEngine
+from tests.transport.transport_helpers import NAMESPACE, zmtp_dealer
+
+
+@pytest.fixture
+def engines():
+    made = []
+
+    def make(**options) -> ZmqTransferEngine:
+        made.append(ZmqTransferEngine(TransportConfig(namespace=NAMESPACE, **options)))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.shutdown(timeout_s=2.0)
+
+
+def _disconnected(conn) -> bool:
+    """Whether the engine closed a raw connection (within its 5 s timeout)."""
+    try:
+        while conn.recv(4096):
+            pass  # the engine's own greeting and READY
+    except ConnectionResetError:
+        pass
+    except TimeoutError:
+        return False
+    return True
+
+
+def test_a_frame_larger_than_the_protocol_sends_drops_the_peer_before_the_handshake(engines):
+    engine = engines()
+    assert engine.config.max_frame_bytes == protocol.MAX_FRAME_BYTES == 4 << 20
+    conn = zmtp_dealer(engine.address)
+    # A long frame (flags: more, long) announcing 8 MiB: zmq drops the connection on the
+    # announcement, before it allocates anything for it.
+    conn.sendall(b"\x03" + struct.pack(">Q", 8 << 20) + bytes(1 << 16))
+    assert _disconnected(conn)
+    conn.close()
+    with pytest.raises(ValueError, match="max_frame_bytes must be >="):
+        TransportConfig(namespace=NAMESPACE, max_frame_bytes=1 << 20)
+
+
+def _hello(ctx: zmq.Context, address: str, name: str) -> tuple[zmq.Socket, Dialing, dict]:
+    """A raw peer that said hello: (its socket, its side of the handshake, the reply)."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.RCVTIMEO, 5000)
+    dealer.connect(address)
+    dialing = Dialing(LocalIdentity(name, NAMESPACE.hex(), None), address)
+    dealer.send(dialing.hello())
+    return dealer, dialing, protocol.decode(dealer.recv())
+
+
+def _prove(dealer: zmq.Socket, dialing: Dialing, ack: dict) -> str:
+    """Finish a raw peer's handshake; the engine's answer ("welcome" or "refused")."""
+    proof, _ = dialing.on_hello_ack(ack)
+    dealer.send(proof)
+    return protocol.decode(dealer.recv())["t"]
+
+
+def test_finished_handshakes_never_push_out_one_under_way(engines, monkeypatch):
+    monkeypatch.setattr(zmq_loop, "MAX_HANDSHAKES", 2)
+    receiver, dialer = engines(), engines()
+    for _ in range(5):  # each connect replaces the last: five handshakes that finished
+        dialer.connect(receiver.address, timeout_s=5)
+    ctx = zmq.Context()
+    try:
+        a = _hello(ctx, receiver.address, "a")
+        b = _hello(ctx, receiver.address, "b")
+        assert _prove(*a) == "welcome"  # b's hello did not drop a's handshake
+        c = _hello(ctx, receiver.address, "c")
+        d = _hello(ctx, receiver.address, "d")  # a third under way: the oldest, b's, goes
+        assert [_prove(*d), _prove(*c), _prove(*b)] == ["welcome", "welcome", "refused"]
+    finally:
+        ctx.destroy(linger=0)
+    # A peer that connects again replaces its old connection: one is remembered.
+    loop = receiver._thread._target.__self__
+    assert list(loop.welcomed.values()).count(dialer.engine_id) == 1
+    assert not loop.accepting
