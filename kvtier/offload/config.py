@@ -9,9 +9,11 @@ so the two take one code path.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
+from urllib.parse import urlsplit
 
 from kvtier.common.options import is_positive_int, parse_options, require
 from kvtier.common.sizes import parse_size
@@ -167,14 +169,30 @@ def _parse_tiers(raw_tiers: list[Any] | tuple[Any, ...]) -> tuple[TierSpec, ...]
 
 def _place(raw: Mapping[str, Any]) -> Any:
     """Where a tier keeps its chunks (a directory, a store URL, a bucket and prefix), or None
-    when its options do not say."""
+    when its options do not say; spelled one way, so that two spellings of one place compare
+    equal."""
     if isinstance(raw.get("root_dir"), str):
-        return raw["root_dir"].rstrip("/") or "/"
+        return os.path.realpath(raw["root_dir"])
     if isinstance(raw.get("url"), str):
-        return raw["url"]
+        return _url_place(raw["url"])
     if isinstance(raw.get("bucket"), str):
-        return f"s3://{raw['bucket']}/{raw.get('prefix', 'kvtier')}"
+        prefix = raw.get("prefix", "kvtier")
+        return f"s3://{raw['bucket']}/{prefix.strip('/') if isinstance(prefix, str) else prefix}"
     return None
+
+
+def _url_place(url: str) -> str:
+    """A redis tier's `url` without what does not change the server: the host's case, the
+    default port, database 0 (which a cluster's URL leaves out). Other URLs as given."""
+    parts = urlsplit(url)
+    if not parts.scheme.startswith("redis") or not parts.hostname:
+        return url
+    try:
+        port = parts.port or 6379
+    except ValueError:
+        return url  # refused by the tier's options, naming the port
+    database = parts.path.strip("/") or ("" if parts.scheme.endswith("+cluster") else "0")
+    return f"{parts.scheme}://{parts.hostname}:{port}/{database}".rstrip("/")
 
 
 def _unique_name(tier_type: str, earlier: list[TierSpec]) -> str:

@@ -129,6 +129,12 @@ def test_vllms_offloading_values_are_taken(extra, value):
      r"a redis tier at redis://h:1/0\): every chunk would be written there twice"),
     (parse_kv_offload("host=1GiB,disk=/d:1GiB,disk=/d/:1GiB"),
      r"secondary_tiers\[1\] is secondary_tiers\[0\] again \(a disk tier at /d\)"),
+    (parse_kv_offload("host=1GiB,disk=/d:1GiB,disk=/d/../x/../d:1GiB"),
+     r"secondary_tiers\[1\] is secondary_tiers\[0\] again \(a disk tier at /d\)"),
+    (parse_kv_offload("host=1GiB,obj=s3://b/p,obj=s3://b/p/"),
+     r"secondary_tiers\[1\] is secondary_tiers\[0\] again \(a obj tier at s3://b/p\)"),
+    (parse_kv_offload("host=1GiB,redis=redis://h:1/0,redis=redis://H:1"),
+     r"secondary_tiers\[1\] is secondary_tiers\[0\] again \(a redis tier at redis://h:1/0\)"),
 ])
 def test_configs_that_would_misbehave_are_refused_naming_the_key(extra, message):
     with pytest.raises(ValueError, match=message):

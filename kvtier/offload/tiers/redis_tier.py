@@ -10,8 +10,14 @@ pipelined batch of EXISTS (tiers/remote.py). Capacity is the server's: `maxmemor
 The URL picks the server: `redis://HOST:PORT/DB`, `rediss://...` (TLS),
 `redis+cluster://HOST:PORT` (any node of a cluster; `rediss+cluster://` with TLS). The password
 comes from `password_file` or the environment variable `password_env`, never from the URL (it
-would show in process listings and logs). Refused credentials and a failed TLS handshake are
-errors at start-up; a server that does not answer is a miss until it does.
+would show in process listings and logs). Refused credentials, a failed TLS handshake, a
+database the server does not have and a URL of the wrong kind for the server (one server's at a
+cluster node, or the other way round) are errors at start-up; a server that does not answer is a
+miss until it does.
+
+No call is retried after a timeout, which would stretch it past its deadline: a single server's
+client retries once after a broken connection, a cluster's client never (redis-py's cluster
+client retries timeouts too, and refreshes the slot map in between).
 """
 
 from __future__ import annotations
@@ -21,15 +27,23 @@ import os
 import ssl
 import threading
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, ClassVar
-from urllib.parse import unquote, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
+from redis.exceptions import (
+    ClusterDownError,
+    NoPermissionError,
+    RedisClusterException,
+    TryAgainError,
+)
 from redis.retry import Retry
 
+from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.common.options import is_positive_int, require
 from kvtier.offload.keys import ChunkKey, key_digest
 from kvtier.offload.tiers.base import TierContext
@@ -40,10 +54,13 @@ logger = logging.getLogger(__name__)
 _SCHEMES = {"redis": (False, False), "rediss": (True, False),
             "redis+cluster": (False, True), "rediss+cluster": (True, True)}
 _TLS_FILES = ("ssl_ca_file", "ssl_cert_file", "ssl_key_file")
+# Errors that say the server (or cluster) cannot answer now, rather than refused one request.
+_OUTAGES = (redis.ConnectionError, redis.TimeoutError, RedisClusterException, ClusterDownError,
+            TryAgainError)
 
 
 class RedisTierError(ValueError):
-    """The redis tier's server refused its credentials (raised at start-up)."""
+    """The redis tier's server or URL is set up wrong (raised at start-up)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +97,7 @@ class RedisTierOptions:
             raise ValueError("redis.url must not carry a password (process listings and logs "
                              "would show it); put it in password_file or the environment "
                              f"variable {self.password_env}")
+        _check_url_parts(self.url, parts)
         require(self.ttl_s is None or is_positive_int(self.ttl_s), "redis.ttl_s",
                 "must be an integer number of seconds >= 1 or null", self.ttl_s)
         require(isinstance(self.ssl, bool), "redis.ssl", "must be true or false", self.ssl)
@@ -101,20 +119,41 @@ class RedisTier(RemoteTier):
     def __init__(self, options: RedisTierOptions, context: TierContext) -> None:
         self._settings = _client_settings(options)
         super().__init__(options, context, store_kind="redis")
-        self.endpoint = urlsplit(options.url)._replace(query="").geturl()
+        self.endpoint = options.url
         self._prefix = f"{options.key_prefix}:{context.namespace.hex()}:"
         self._client_lock = threading.Lock()
         self._client: Any = None
+        # Runs each batch of existence checks, so that the probe thread waits for no more than
+        # `_check_deadline_s` however long the client takes (a cluster's refresh of its slot
+        # map asks each node in turn).
+        self._exists_runner = DaemonThreadPool(1, f"kvtier-{context.name}-exists")
+        self._check_deadline_s = options.connect_timeout_s + options.timeout_s + 1.0
         try:
-            self._connected().ping()
+            problem = self._wrong_kind_of_server()
         except Exception as exc:  # redis-py's errors, and RedisClusterException for a cluster
             problem = self._start_up_problem(exc)
             if problem is None:
                 logger.warning("redis tier: cannot reach %s (%s); the tier misses until the "
                                "server answers", self.endpoint, exc)
                 return
+        if problem is not None:
             self.shutdown()
             raise RedisTierError(f"redis tier: {self.endpoint} {problem}") from None
+
+    def _wrong_kind_of_server(self) -> str | None:
+        """Ping the server; what to fix when a redis:// URL names a cluster node (which would
+        answer most keys with MOVED), else None."""
+        client = self._connected()
+        client.ping()
+        if self._settings[0]:
+            return None
+        try:
+            in_cluster = client.info("cluster").get("cluster_enabled")
+        except NoPermissionError:
+            return None  # an ACL user without INFO: MOVED errors will say it, if it is so
+        if not in_cluster:
+            return None
+        return "is a node of a cluster; name it as redis+cluster://HOST:PORT"
 
     def _start_up_problem(self, exc: Exception) -> str | None:
         """What the user must fix when the first call failed with `exc`; None when the server
@@ -135,6 +174,13 @@ class RedisTier(RemoteTier):
             return (f"refused the TLS handshake ({cause}); check that the server speaks TLS on "
                     f"this port, and set ssl_cert_file and ssl_key_file if it asks clients for "
                     f"a certificate")
+        if "Cluster mode is not enabled" in str(exc):
+            return "is not a cluster node; name a single server as redis://HOST:PORT/DB"
+        if "DB index is out of range" in str(exc):
+            return (f"has no database {self._settings[1]['db']} ({exc}); name one below the "
+                    f"server's `databases` setting (16 by default) in the URL")
+        if isinstance(exc, redis.ResponseError) and not self._is_outage(exc):
+            return f"refused the tier's first call ({exc}); fix the URL or the server's settings"
         return None
 
     def _connected(self) -> Any:
@@ -165,16 +211,29 @@ class RedisTier(RemoteTier):
         pipe.execute()
 
     def _exists_many(self, names: Sequence[str]) -> list[bool]:
+        answer = self._exists_runner.submit(self._exists_pipeline, names)
+        try:
+            return answer.result(timeout=self._check_deadline_s)
+        except FutureTimeout:  # a running pipeline ends by itself, within the client's timeouts
+            answer.cancel()  # one still queued behind it need not run
+            raise redis.TimeoutError(f"existence checks unanswered after "
+                                     f"{self._check_deadline_s:g} s") from None
+
+    def _exists_pipeline(self, names: Sequence[str]) -> list[bool]:
         pipe = self._connected().pipeline(transaction=False)
         for name in names:
             pipe.exists(name)
         return [bool(n) for n in pipe.execute()]
 
+    def _is_outage(self, exc: Exception) -> bool:
+        return isinstance(exc, _OUTAGES)
+
     def shutdown(self) -> bool:
         stopped = super().shutdown()
+        runner_stopped = self._exists_runner.shutdown(0.5, cancel_pending=True)
         if self._client is not None:
             self._client.close()
-        return stopped
+        return stopped and runner_stopped
 
 
 def _client_settings(options: RedisTierOptions) -> tuple[bool, dict[str, Any]]:
@@ -187,9 +246,11 @@ def _client_settings(options: RedisTierOptions) -> tuple[bool, dict[str, Any]]:
         "password": _password(options),
         "socket_connect_timeout": options.connect_timeout_s,
         "socket_timeout": options.timeout_s,
-        # One retry, on a broken connection only (a pooled connection the server closed, e.g.
-        # across its restart); never on a timeout, which would stretch a call past its deadline.
-        "retry": Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+        # A single server's client: one retry, on a broken connection only (a pooled connection
+        # the server closed, e.g. across its restart). A cluster's client retries whatever its
+        # own list holds, timeouts included, whatever supported_errors says: no retry at all.
+        "retry": (Retry(NoBackoff(), 0) if is_cluster else
+                  Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))),
     }
     if use_ssl or options.ssl:
         for name in _TLS_FILES:
@@ -200,11 +261,28 @@ def _client_settings(options: RedisTierOptions) -> tuple[bool, dict[str, Any]]:
         kwargs.update(ssl=True, ssl_ca_certs=options.ssl_ca_file,
                       ssl_certfile=options.ssl_cert_file, ssl_keyfile=options.ssl_key_file)
     if not is_cluster:
-        db = parts.path.strip("/")
-        require(db == "" or db.isdigit(), "redis.url", "database must be a number, e.g. "
-                                                       "redis://HOST:PORT/0", options.url)
-        kwargs["db"] = int(db or 0)
+        kwargs["db"] = int(parts.path.strip("/") or 0)
     return is_cluster, kwargs
+
+
+def _check_url_parts(url: str, parts: SplitResult) -> None:
+    """Refuse what a URL may say that the tier would not honour: a bad port or database, a
+    database in a cluster's URL, options in a query."""
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    require(port != 0, "redis.url", "port must be a number in 1..65535, e.g. "
+                                    "redis://HOST:6379/0", url)
+    require(not parts.query and not parts.fragment, "redis.url",
+            "must not carry options after '?' or '#'; set them as keys of the tier's JSON form "
+            "(timeout_s, connect_timeout_s, ...)", url)
+    db = parts.path.strip("/")
+    if _SCHEMES[parts.scheme][1]:
+        require(db == "", "redis.url", "of a cluster names no database (a cluster has only "
+                                       "database 0), e.g. redis+cluster://HOST:PORT", url)
+    require(db == "" or db.isdigit(), "redis.url", "database must be a number, e.g. "
+                                                   "redis://HOST:PORT/0", url)
 
 
 def _ssl_cause(exc: BaseException) -> ssl.SSLError | None:

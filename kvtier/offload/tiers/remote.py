@@ -7,14 +7,18 @@ A key the index does not know is queued for an existence check on a probe thread
 answers UNKNOWN; the scheduler asks again next step and by then the answer is in the index (a
 hit) or in a short-lived absent list (a miss). The checks of one step go out as one batch.
 
-When a call fails for a reason other than a missing or damaged chunk (connection refused, a
-timeout, a server error), the store counts as down for `_DOWN_S`: lookups answer NOT_FOUND and
-jobs fail at once, so a dead or stalled store costs misses, not waits. After that the next call
-tries again; the clients reconnect by themselves, so hits resume without a restart.
+When a call finds the store unable to answer (`_is_outage`: connection refused, a timeout, a
+server error), the store counts as down for `_DOWN_S`: lookups answer NOT_FOUND and jobs fail
+at once, so a dead or stalled store costs misses, not waits. After that the next call tries
+again; the clients reconnect by themselves, so hits resume without a restart. A request the
+store refuses (out of memory, a wrong type, access denied) fails that job alone, counted: the
+other chunks are still there, and a full store must not turn its hits into misses.
 
 Every chunk is written in the checked format of offload/chunk_format.py: a value that is not
 this key's chunk (garbage, another key's, truncated) fails its load, is deleted and is
-recomputed.
+recomputed. A value that is intact but fails this instance's MAC check (written by an instance
+with another chunk secret, or none) is a miss and stays: one misconfigured instance must not
+wipe the pool the others share.
 """
 
 from __future__ import annotations
@@ -74,7 +78,8 @@ def encode_chunk(key: ChunkKey, payload: memoryview, secret: bytes | None = None
 
 class RemoteTier(ThreadedTier):
     """A tier on a network key-value store. A subclass names each chunk (`_name`) and
-    implements `_put`, `_get` (raises MissingChunk), `_delete` and `_exists_many`."""
+    implements `_put`, `_get` or `_get_within` (raise MissingChunk), `_delete`, `_exists_many`
+    and, where its errors tell an outage from a refusal, `_is_outage`."""
 
     locality: Locality = "remote"
 
@@ -176,17 +181,38 @@ class RemoteTier(ThreadedTier):
     def _load(self, job: TransferJob) -> None:
         self._check_up()
         try:
-            data = self._call("get", self._get, self._name(job.key))
+            data = self._call("get", self._get_within, self._name(job.key), job.deadline)
             read_chunk_into(io.BytesIO(data), job.key, job.buffer, self.context.chunk_secret)
         except MissingChunk:
             self._forget(job.key)
             raise
         except ChunkFormatError:
-            self._forget(job.key)
-            self._delete_quietly(job.key)  # so that the next store writes a good copy
+            if self._is_foreign(data, job):
+                self._mark_absent(job.key)
+            else:
+                self._forget(job.key)
+                self._delete_quietly(job.key)  # so that the next store writes a good copy
             raise
         with self._lock:
             self._remember(job.key)
+
+    def _is_foreign(self, data: bytes, job: TransferJob) -> bool:
+        """Whether `data`, which failed this instance's checks, is an intact copy of the chunk
+        that only lacks a MAC made with this instance's secret. Checked without the secret, into
+        the job's buffer, which holds garbage after a failed load anyway."""
+        if self.context.chunk_secret is None:
+            return False
+        try:
+            read_chunk_into(io.BytesIO(data), job.key, job.buffer)
+        except ChunkFormatError:
+            return False
+        return True
+
+    def _mark_absent(self, key: ChunkKey) -> None:
+        """Answer `key`'s lookups NOT_FOUND for a while, though the store has a value for it."""
+        with self._lock:
+            self._known.pop(key, None)
+            self._absent[key] = time.monotonic() + _ABSENT_S
 
     def _check_up(self) -> None:
         if time.monotonic() < self._down_until:
@@ -200,23 +226,27 @@ class RemoteTier(ThreadedTier):
             pass  # counted by _call; the bad value stays until overwritten or evicted
 
     def _call(self, op: str, fn: Callable[..., T], *args: Any) -> T:
-        """`fn(*args)`, timed; a failure other than a missing or damaged chunk marks the store
-        down and is counted."""
+        """`fn(*args)`, timed; a failure other than a missing chunk is counted, and one that
+        says the store cannot answer (`_is_outage`) marks it down."""
         start = time.monotonic()
         try:
             result = fn(*args)
         except MissingChunk:
             raise
-        except Exception:
-            self._down_until = time.monotonic() + _DOWN_S
-            if self._request_errors is not None:
-                self._request_errors.labels(self.context.name, self._store_kind, op).inc()
+        except Exception as exc:
+            if self._is_outage(exc):
+                self._down_until = time.monotonic() + _DOWN_S
+            self._count_error(op)
             raise
         finally:
             if self._request_seconds is not None:
                 self._request_seconds.labels(self.context.name, self._store_kind, op).observe(
                     time.monotonic() - start)
         return result
+
+    def _count_error(self, op: str) -> None:
+        if self._request_errors is not None:
+            self._request_errors.labels(self.context.name, self._store_kind, op).inc()
 
     def shutdown(self) -> bool:
         self._stopping = True
@@ -232,12 +262,25 @@ class RemoteTier(ThreadedTier):
     @abstractmethod
     def _put(self, key: ChunkKey, data: bytes) -> None: ...
 
-    @abstractmethod
+    def _get_within(self, name: str, deadline: float) -> bytes:
+        """The value under `name` for a job that must end by `deadline` (time.monotonic());
+        raises MissingChunk if there is none. By default `_get(name)`, for a client whose
+        timeouts bound the whole read; a store whose reads can outlast them overrides this
+        instead of `_get`."""
+        return self._get(name)
+
     def _get(self, name: str) -> bytes:
         """The value under `name`; raises MissingChunk if there is none."""
+        raise NotImplementedError
 
     @abstractmethod
     def _delete(self, names: Sequence[str]) -> None: ...
 
     @abstractmethod
     def _exists_many(self, names: Sequence[str]) -> list[bool]: ...
+
+    def _is_outage(self, exc: Exception) -> bool:
+        """Whether `exc`, raised by a call to the store, says the store cannot answer now
+        (connection, timeout, server error), rather than that it refused this one request. By
+        default every failure does, for a store whose errors cannot be told apart."""
+        return True
