@@ -6,7 +6,7 @@ import time
 from kvtier.offload.config import OffloadConfig
 from kvtier.offload.keys import make_chunk_key
 from kvtier.offload.manager import Lookup, TieringManager
-from kvtier.offload.tiers.base import TransferJob
+from kvtier.offload.tiers.base import LookupResult, TransferJob
 
 NAMESPACE = bytes(range(32))
 CHUNK = 64
@@ -94,3 +94,26 @@ def drain(manager: TieringManager, timeout: float = 10.0) -> None:
         assert time.monotonic() < deadline, "tier jobs hang"
         manager.poll()
         time.sleep(0.002)
+
+
+def settled_lookup(tier, n: int, timeout: float = 15.0) -> LookupResult:
+    """A store tier's answer for chunk `n` once its existence check is back (not UNKNOWN)."""
+    deadline = time.monotonic() + timeout
+    while (answer := tier.lookup(key(n))) is LookupResult.UNKNOWN:
+        assert time.monotonic() < deadline, "existence check hangs"
+        time.sleep(0.005)
+    return answer
+
+
+def tier_factory(build):
+    """For a fixture: yields `make(...)`, which builds a tier with `build(...)`; every tier made
+    is shut down after the test."""
+    tiers = []
+
+    def make(*args, **options):
+        tiers.append(build(*args, **options))
+        return tiers[-1]
+
+    yield make
+    for tier in tiers:
+        tier.shutdown()

@@ -12,7 +12,17 @@ from kvtier.offload.tiers.obj import ObjTier, ObjTierError, ObjTierOptions
 
 from ..stores import SeaweedS3
 from . import remote_tier_e2e as e2e
-from .offload_helpers import NAMESPACE, chunk_bytes, key, tier_job, tier_load, tier_store, wait_jobs
+from .offload_helpers import (
+    NAMESPACE,
+    chunk_bytes,
+    key,
+    settled_lookup,
+    tier_factory,
+    tier_job,
+    tier_load,
+    tier_store,
+    wait_jobs,
+)
 
 BUCKET = "kv-cache"
 _prefixes = itertools.count()
@@ -44,31 +54,16 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def make_tier(aws_env, prefix):
-    tiers = []
+    yield from tier_factory(lambda **options: ObjTier(
+        ObjTierOptions(bucket=BUCKET, prefix=prefix, **options),
+        TierContext("obj", NAMESPACE, description={"model": "m"})))
 
-    def make(**options):
-        tier = ObjTier(ObjTierOptions(bucket=BUCKET, prefix=prefix, **options),
-                       TierContext("obj", NAMESPACE, description={"model": "m"}))
-        tiers.append(tier)
-        return tier
-
-    yield make
-    for tier in tiers:
-        tier.shutdown()
-
-
-def _settled_lookup(tier, n, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while (answer := tier.lookup(key(n))) is LookupResult.UNKNOWN:
-        assert time.monotonic() < deadline, "existence check hangs"
-        time.sleep(0.005)
-    return answer
 
 
 def test_store_then_load_round_trip_in_the_checked_format(make_tier, s3, prefix):
     tier = make_tier()
     assert tier.lookup(key(1)) is LookupResult.UNKNOWN  # never waits on the network
-    assert _settled_lookup(tier, 1) is LookupResult.NOT_FOUND
+    assert settled_lookup(tier, 1) is LookupResult.NOT_FOUND
     assert tier_store(tier, 1)
     assert tier.lookup(key(1)) is LookupResult.FOUND
     assert tier_load(tier, 1) == (True, chunk_bytes(1))
@@ -84,7 +79,7 @@ def test_another_instance_finds_the_chunk_by_an_existence_check(make_tier):
     assert tier_store(make_tier(), 2)
     other = make_tier()
     assert other.lookup(key(2)) is LookupResult.UNKNOWN
-    assert _settled_lookup(other, 2) is LookupResult.FOUND
+    assert settled_lookup(other, 2) is LookupResult.FOUND
     assert tier_load(other, 2) == (True, chunk_bytes(2))
 
 
@@ -127,7 +122,7 @@ def test_a_paused_store_costs_misses_within_the_timeouts(make_tier, s3):
     s3.pause()
     try:
         start = time.monotonic()
-        assert _settled_lookup(tier, 6) is LookupResult.NOT_FOUND
+        assert settled_lookup(tier, 6) is LookupResult.NOT_FOUND
         job = tier_job(6)
         tier.submit_store(job)
         assert wait_jobs(tier, [job.job_id]) == {job.job_id: False}
@@ -217,7 +212,7 @@ def test_a_store_down_at_start_up_is_a_miss(aws_env, monkeypatch, prefix):
     tier = ObjTier(ObjTierOptions(bucket=BUCKET, prefix=prefix, connect_timeout_s=0.5),
                    TierContext("obj", NAMESPACE))
     try:
-        assert _settled_lookup(tier, 7) is LookupResult.NOT_FOUND
+        assert settled_lookup(tier, 7) is LookupResult.NOT_FOUND
         assert not tier_store(tier, 7)
     finally:
         tier.shutdown()

@@ -13,7 +13,15 @@ from kvtier.engine.metrics import MetricsRegistry
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.obj import ObjTier, ObjTierError, ObjTierOptions
 
-from .offload_helpers import CHUNK, NAMESPACE, key, tier_store, wait_jobs
+from .offload_helpers import (
+    CHUNK,
+    NAMESPACE,
+    key,
+    settled_lookup,
+    tier_factory,
+    tier_store,
+    wait_jobs,
+)
 
 _ERRORS = 'kvtier:offload_store_request_errors_total{{tier="obj",store="s3",op="{}"}}'
 _GOOD_DELETE = b"<DeleteResult></DeleteResult>"
@@ -88,26 +96,10 @@ def s3(monkeypatch):
 
 @pytest.fixture
 def make_tier(s3):
-    tiers = []
+    yield from tier_factory(lambda metrics=None, **options: ObjTier(
+        ObjTierOptions(bucket="b", prefix="p", connect_timeout_s=0.5, timeout_s=0.5, **options),
+        TierContext("obj", NAMESPACE, metrics=metrics, max_chunk_bytes=CHUNK)))
 
-    def make(metrics=None, **options):
-        tier = ObjTier(ObjTierOptions(bucket="b", prefix="p", connect_timeout_s=0.5,
-                                      timeout_s=0.5, **options),
-                       TierContext("obj", NAMESPACE, metrics=metrics, max_chunk_bytes=CHUNK))
-        tiers.append(tier)
-        return tier
-
-    yield make
-    for tier in tiers:
-        tier.shutdown()
-
-
-def _settled_lookup(tier, n, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while (answer := tier.lookup(key(n))) is LookupResult.UNKNOWN:
-        assert time.monotonic() < deadline, "existence check hangs"
-        time.sleep(0.005)
-    return answer
 
 
 def test_a_refused_put_fails_that_job_alone(make_tier, s3):
@@ -125,8 +117,8 @@ def test_a_head_answered_403_counts_and_misses_that_key_alone(make_tier, s3):
     tier = make_tier(metrics)
     s3.answers["head"] = {tier._name(key(1)): 403, tier._name(key(2)): 200}
     assert tier.lookup(key(1)) is tier.lookup(key(2)) is LookupResult.UNKNOWN  # one batch
-    assert _settled_lookup(tier, 1) is LookupResult.NOT_FOUND
-    assert _settled_lookup(tier, 2) is LookupResult.FOUND
+    assert settled_lookup(tier, 1) is LookupResult.NOT_FOUND
+    assert settled_lookup(tier, 2) is LookupResult.FOUND
     assert metrics.snapshot()[_ERRORS.format("exists")] == 1
 
 
@@ -135,7 +127,7 @@ def test_a_head_answered_500_counts_and_marks_the_store_down(make_tier, s3):
     tier = make_tier(metrics)
     assert tier_store(tier, 1)
     s3.answers["head"] = {tier._name(key(2)): 500}
-    assert _settled_lookup(tier, 2) is LookupResult.NOT_FOUND
+    assert settled_lookup(tier, 2) is LookupResult.NOT_FOUND
     assert metrics.snapshot()[_ERRORS.format("exists")] == 1
     assert tier.lookup(key(1)) is LookupResult.NOT_FOUND  # down for a second
 
@@ -171,7 +163,7 @@ def test_objects_the_store_did_not_delete_stay_in_the_budget(make_tier, s3, answ
 def test_a_bucket_check_answered_5xx_starts_the_tier_down(make_tier, s3, status):
     s3.answers["head_bucket"] = status
     tier = make_tier()
-    assert _settled_lookup(tier, 1) is LookupResult.NOT_FOUND
+    assert settled_lookup(tier, 1) is LookupResult.NOT_FOUND
 
 
 @pytest.mark.parametrize("status, message", [

@@ -13,22 +13,20 @@ from kvtier.offload.tiers.redis_tier import RedisTier, RedisTierError, RedisTier
 
 from ..stores import ValkeyCluster, ValkeyServer, make_tls_files, tls_server_binary
 from . import remote_tier_e2e as e2e
-from .offload_helpers import NAMESPACE, chunk_bytes, key, tier_job, tier_load, tier_store, wait_jobs
+from .offload_helpers import (
+    NAMESPACE,
+    chunk_bytes,
+    key,
+    settled_lookup,
+    tier_factory,
+    tier_job,
+    tier_load,
+    tier_store,
+    wait_jobs,
+)
 
 PASSWORD = "kvtier-test-password"
 _prefixes = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    with ValkeyServer(tmp_path_factory.mktemp("valkey")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster")) as servers:
-        yield servers
 
 
 @pytest.fixture(params=["single", "cluster"])
@@ -48,25 +46,10 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def make_tier(prefix):
-    tiers = []
+    yield from tier_factory(lambda url, secret=None, **options: RedisTier(
+        RedisTierOptions(url=url, key_prefix=prefix, **options),
+        TierContext("redis", NAMESPACE, chunk_secret=secret)))
 
-    def make(url, secret=None, **options):
-        tier = RedisTier(RedisTierOptions(url=url, key_prefix=prefix, **options),
-                         TierContext("redis", NAMESPACE, chunk_secret=secret))
-        tiers.append(tier)
-        return tier
-
-    yield make
-    for tier in tiers:
-        tier.shutdown()
-
-
-def _settled_lookup(tier, n, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while (answer := tier.lookup(key(n))) is LookupResult.UNKNOWN:
-        assert time.monotonic() < deadline, "existence check hangs"
-        time.sleep(0.005)
-    return answer
 
 
 def _raw(server, name):
@@ -85,14 +68,14 @@ def _raw(server, name):
 def test_store_then_load_round_trip_in_the_checked_format(make_tier, server):
     tier = make_tier(server.url)
     assert tier.lookup(key(1)) is LookupResult.UNKNOWN  # never waits on the network
-    assert _settled_lookup(tier, 1) is LookupResult.NOT_FOUND
+    assert settled_lookup(tier, 1) is LookupResult.NOT_FOUND
     assert tier_store(tier, 1)
     assert tier.lookup(key(1)) is LookupResult.FOUND
     assert tier_load(tier, 1) == (True, chunk_bytes(1))
     _, value = _raw(server, tier._name(key(1)))
     assert value.startswith(b"KVTC") and value.endswith(chunk_bytes(1))
     other = make_tier(server.url)  # another instance finds it by an existence check
-    assert _settled_lookup(other, 1) is LookupResult.FOUND
+    assert settled_lookup(other, 1) is LookupResult.FOUND
     assert tier_load(other, 1) == (True, chunk_bytes(1))
 
 
@@ -141,7 +124,7 @@ def test_a_paused_server_costs_misses_within_the_timeouts(make_tier, server):
     server.pause()
     try:
         start = time.monotonic()
-        assert _settled_lookup(tier, 6) is LookupResult.NOT_FOUND
+        assert settled_lookup(tier, 6) is LookupResult.NOT_FOUND
         job = tier_job(6)
         tier.submit_store(job)
         assert wait_jobs(tier, [job.job_id]) == {job.job_id: False}
@@ -245,7 +228,7 @@ def test_a_bad_redis_flag_names_the_form(flag, message):
 def test_a_server_down_at_start_up_is_a_miss_until_it_answers(make_tier, scheme, tmp_path):
     server = ValkeyServer(tmp_path, cluster=False)
     tier = make_tier(f"{scheme}://127.0.0.1:{server.port}", connect_timeout_s=0.5)
-    assert _settled_lookup(tier, 7) is LookupResult.NOT_FOUND
+    assert settled_lookup(tier, 7) is LookupResult.NOT_FOUND
     assert not tier_store(tier, 7)
     if scheme == "redis":  # a lone node is no cluster; the single server shows the recovery
         with server:
@@ -296,7 +279,7 @@ def test_tls_with_a_private_ca_and_a_client_certificate(make_tier, tls):
     tier = make_tier(server.url, **_tls_options(files))
     assert tier_store(tier, 11)
     other = make_tier(server.url, **_tls_options(files))
-    assert _settled_lookup(other, 11) is LookupResult.FOUND
+    assert settled_lookup(other, 11) is LookupResult.FOUND
     assert tier_load(other, 11) == (True, chunk_bytes(11))
     _, value = _raw(server, tier._name(key(11)))
     assert value.endswith(chunk_bytes(11))

@@ -12,46 +12,29 @@ from kvtier.engine.metrics import MetricsRegistry
 from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.redis_tier import RedisTier, RedisTierError, RedisTierOptions
 
-from ..stores import ValkeyCluster, ValkeyServer
-from .offload_helpers import NAMESPACE, chunk_bytes, key, tier_job, tier_load, tier_store, wait_jobs
+from ..stores import ValkeyServer
+from .offload_helpers import (
+    NAMESPACE,
+    chunk_bytes,
+    key,
+    settled_lookup,
+    tier_factory,
+    tier_job,
+    tier_load,
+    tier_store,
+    wait_jobs,
+)
 
 _prefixes = itertools.count()
 _PUT_ERRORS = 'kvtier:offload_store_request_errors_total{tier="redis",store="redis",op="put"}'
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    with ValkeyServer(tmp_path_factory.mktemp("valkey")) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    with ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster")) as servers:
-        yield servers
-
-
 @pytest.fixture
 def make_tier():
-    tiers = []
+    yield from tier_factory(lambda url, secret=None, metrics=None, **options: RedisTier(
+        RedisTierOptions(url=url, key_prefix=f"err{next(_prefixes)}", **options),
+        TierContext("redis", NAMESPACE, metrics=metrics, chunk_secret=secret)))
 
-    def make(url, secret=None, metrics=None, **options):
-        tier = RedisTier(RedisTierOptions(url=url, key_prefix=f"err{next(_prefixes)}", **options),
-                         TierContext("redis", NAMESPACE, metrics=metrics, chunk_secret=secret))
-        tiers.append(tier)
-        return tier
-
-    yield make
-    for tier in tiers:
-        tier.shutdown()
-
-
-def _settled_lookup(tier, n, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while (answer := tier.lookup(key(n))) is LookupResult.UNKNOWN:
-        assert time.monotonic() < deadline, "existence check hangs"
-        time.sleep(0.005)
-    return answer
 
 
 def test_a_refused_write_fails_that_job_alone(make_tier, tmp_path):
@@ -78,7 +61,7 @@ def test_a_value_with_another_secrets_mac_is_a_miss_and_stays(make_tier, single)
     assert tier_store(writer, 1)
     reader = make_tier(single.url, secret=b"B" * 32)
     reader._prefix = writer._prefix  # the same pool
-    assert _settled_lookup(reader, 1) is LookupResult.FOUND
+    assert settled_lookup(reader, 1) is LookupResult.FOUND
     assert not tier_load(reader, 1)[0]
     assert reader.lookup(key(1)) is LookupResult.NOT_FOUND
     assert single.client().exists(writer._name(key(1))) == 1
@@ -94,7 +77,7 @@ def test_a_paused_cluster_answers_each_check_within_its_deadline(make_tier, clus
     try:
         for n in (2, 3):
             start = time.monotonic()
-            assert _settled_lookup(tier, n) is LookupResult.NOT_FOUND
+            assert settled_lookup(tier, n) is LookupResult.NOT_FOUND
             assert time.monotonic() - start < 4.0  # the deadline: 0.5 + 1.0 + 1.0 s
             time.sleep(1.1)  # the "down" mark lapses: the next check asks again
         job = tier_job(1, memoryview(bytearray(len(chunk_bytes(1)))))
