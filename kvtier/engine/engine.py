@@ -26,6 +26,7 @@ from kvtier.engine.runtime import (
 from kvtier.engine.stats import EngineStats
 from kvtier.kv import KVCacheManager, Request, RequestStatus
 from kvtier.models.detokenizer import IncrementalDetokenizer
+from kvtier.models.generation_config import load_eos_token_ids
 from kvtier.models.loader import load_model
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.config import SchedulerConfig
@@ -97,9 +98,18 @@ class Engine:
             eos_token_ids=self._eos_token_ids, connector=worker_connector)
 
     def _find_eos_token_ids(self) -> tuple[int, ...]:
+        """The tokenizer's (else config.json's) EOS ids first, then generation_config.json's."""
         if self.tokenizer is not None and self.tokenizer.eos_token_ids:
-            return tuple(self.tokenizer.eos_token_ids)
-        return tuple(self.model_config.eos_token_ids)
+            eos = tuple(self.tokenizer.eos_token_ids)
+        else:
+            eos = tuple(self.model_config.eos_token_ids)
+        extra = load_eos_token_ids(self.config.model.model)
+        bad = first_outside(list(extra), self.model_config.vocab_size)
+        if bad is not None:
+            raise ValueError(f"generation_config.json of {self.config.model.model}: "
+                             f"eos_token_id {bad} is outside the vocabulary "
+                             f"[0, {self.model_config.vocab_size})")
+        return eos + tuple(dict.fromkeys(i for i in extra if i not in eos))
 
     @property
     def model_name(self) -> str:

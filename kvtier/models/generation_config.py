@@ -2,7 +2,9 @@
 
 Hugging Face model directories may ship one; the fields below, where it sets them, become what
 a request that leaves them unset samples with (the OpenAI server's requests, `LLM.generate`
-without sampling parameters). Other fields (max_new_tokens, do_sample, ...) are not taken.
+without sampling parameters). Its `eos_token_id` (one id or a list) adds to the ids that end a
+completion, whatever --generation-config says, as in vLLM: chat models often list their
+end-of-turn token there only. Other fields (max_new_tokens, do_sample, ...) are not taken.
 """
 
 from __future__ import annotations
@@ -53,3 +55,24 @@ def load_sampling_defaults(source: str, model_path: str | None) -> dict[str, flo
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
     return defaults
+
+
+def load_eos_token_ids(model_path: str | None) -> tuple[int, ...]:
+    """The `eos_token_id` ids of the model directory's generation_config.json (none without
+    one); ValueError names a file whose value is not an id or a list of ids."""
+    if model_path is None or not os.path.isdir(model_path):
+        return ()
+    path = os.path.join(model_path, GENERATION_CONFIG)
+    if not os.path.isfile(path):
+        return ()
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: not readable as JSON ({exc})") from exc
+    value = config.get("eos_token_id") if isinstance(config, dict) else None
+    ids = [] if value is None else [value] if not isinstance(value, list) else value
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got "
+                         f"{value!r}")
+    return tuple(ids)

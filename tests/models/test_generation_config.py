@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from kvtier import LLM
+from kvtier import LLM, SamplingParams
 from kvtier.entrypoints.openai.protocol import CompletionRequest
 from kvtier.entrypoints.openai.sampling import completion_sampling_params
 from kvtier.models.generation_config import load_sampling_defaults
@@ -75,3 +75,24 @@ def test_llm_generate_without_parameters_samples_with_the_models_defaults(tmp_pa
             prompt, defaults)[0].outputs[0].token_ids
     finally:
         llm.engine.shutdown()
+
+
+def test_its_eos_token_ids_end_completions_too(tmp_path):
+    """Chat models often list their end-of-turn token in generation_config.json only."""
+    make_hf_model("llama", tmp_path)
+    prompt = {"prompt_token_ids": [5, 6, 7, 8]}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_device_blocks=32)
+    tokens = llm.generate(prompt, greedy)[0].outputs[0].token_ids
+    llm.shutdown()
+    stop = tokens[2]
+    write_config(tmp_path, eos_token_id=[2, stop])
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_device_blocks=32)
+    out = llm.generate(prompt, greedy)[0].outputs[0]
+    assert out.token_ids == tokens[:tokens.index(stop) + 1] and out.finish_reason == "stop"
+    ignoring = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    assert llm.generate(prompt, ignoring)[0].outputs[0].token_ids == tokens
+    llm.shutdown()
+    write_config(tmp_path, eos_token_id=[2, "x"])
+    with pytest.raises(ValueError, match="eos_token_id must be a token id or a list"):
+        LLM(str(tmp_path), dtype="float32", block_size=4, num_device_blocks=32)
