@@ -10,9 +10,10 @@ from typing import Any
 from kvtier.models.errors import ChatTemplateError, UnsupportedContentError
 from kvtier.models.tokenizer import Tokenizer
 
-# What the chat template is given besides chat_template_kwargs.
+# Template variables chat_template_kwargs may not replace: the request's own fields and the
+# template's helpers. Other special tokens, `tools` and `documents` they may, as in transformers.
 _TEMPLATE_NAMES = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token",
-                             "raise_exception"})
+                             "raise_exception", "strftime_now"})
 
 
 def read_chat_template(value: str) -> str:

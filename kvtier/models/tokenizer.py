@@ -11,21 +11,20 @@ from functools import cached_property
 from typing import Any
 
 import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvtier.models.chat_template import compile_chat_template
 from kvtier.models.errors import ChatTemplateError, ModelLoadError
 from kvtier.models.hf_config import read_json
-
-
-def _raise_from_template(message: str) -> None:
-    raise ChatTemplateError(message)
 
 
 class Tokenizer:
     def __init__(self, backend: BackendTokenizer, *, bos_token: str | None,
                  eos_token: str | None, chat_template: str | None,
-                 extra_eos_token_ids: tuple[int, ...] = ()) -> None:
+                 extra_eos_token_ids: tuple[int, ...] = (),
+                 other_special_tokens: dict[str, str] | None = None) -> None:
+        """`other_special_tokens`: the named special tokens besides bos and eos (unk_token,
+        pad_token, a model's image_token...), which chat templates may print."""
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
@@ -34,6 +33,7 @@ class Tokenizer:
         eos = [] if eos_token is None else [backend.token_to_id(eos_token)]
         self.eos_token_ids: tuple[int, ...] = tuple(
             dict.fromkeys(i for i in [*eos, *extra_eos_token_ids] if i is not None))
+        self.other_special_tokens = dict(other_special_tokens or {})
 
     @property
     def vocab_size(self) -> int:
@@ -53,30 +53,34 @@ class Tokenizer:
         as ChatTemplateError)."""
         self.chat_template = template
         self.__dict__.pop("_compiled_template", None)
-        try:
-            self._compiled_template  # noqa: B018 (compiles it)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ChatTemplateError(f"the chat template does not parse: {exc}") from exc
+        self._compiled_template  # noqa: B018 (compiles it)
 
     @cached_property
     def _compiled_template(self) -> jinja2.Template:
         if self.chat_template is None:
             raise ChatTemplateError("this model's tokenizer has no chat template; pass a plain "
                                     "prompt instead of chat messages")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_from_template
-        return env.from_string(self.chat_template)
+        return compile_chat_template(self.chat_template)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True, **kwargs: Any) -> str:
         """The chat rendered as one prompt string. It usually carries its own special tokens:
-        encode it with add_special_tokens=False."""
+        encode it with add_special_tokens=False. The template sees what transformers'
+        apply_chat_template shows it: the special tokens the tokenizer has (one it lacks is
+        undefined), `tools` and `documents` as None unless `kwargs` set them, then `kwargs`."""
+        template = self._compiled_template
+        variables = {**self.special_tokens, "tools": None, "documents": None, **kwargs,
+                     "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+            return template.render(variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed to render: {exc}") from exc
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The named special tokens this tokenizer has, by name (bos_token, unk_token...)."""
+        named = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        return {**{k: v for k, v in named.items() if v is not None}, **self.other_special_tokens}
 
     @classmethod
     def from_hf_dir(cls, model_dir: str,
@@ -94,12 +98,29 @@ class Tokenizer:
         return cls(backend, bos_token=_token_text(config.get("bos_token")),
                    eos_token=_token_text(config.get("eos_token")),
                    chat_template=_chat_template(model_dir, config),
-                   extra_eos_token_ids=extra_eos_token_ids)
+                   extra_eos_token_ids=extra_eos_token_ids,
+                   other_special_tokens=_other_special_tokens(config))
 
 
 def _token_text(value: Any) -> str | None:
     # tokenizer_config.json stores special tokens as a string or as {"content": ...}.
     return value.get("content") if isinstance(value, dict) else value
+
+
+def _other_special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    """The config's named special tokens but bos and eos, read as transformers reads them: each
+    `*_token` key holding a token (unk_token, pad_token, image_token...), and those of the
+    `extra_special_tokens` table when it is one (a list there names no token)."""
+    extra = config.get("extra_special_tokens")
+    named = {**config, **(extra if isinstance(extra, dict) else {})}
+    return {key: _token_text(value) for key, value in named.items()
+            if key.endswith("_token") and _is_token(value)
+            and key not in ("bos_token", "eos_token")}
+
+
+def _is_token(value: Any) -> bool:
+    # Flags such as add_bos_token also end in "_token".
+    return isinstance(value, str) or (isinstance(value, dict) and "content" in value)
 
 
 def _chat_template(model_dir: str, config: dict[str, Any]) -> str | None:

@@ -1,5 +1,5 @@
 """`kvtier serve --chat-template`: chats render with the given template, and a router that
-follows the server hashes chat prompts with it too."""
+follows the server hashes chat prompts with it too; a template's own error is a 400."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ from kvtier.router.service import RouterService
 
 from .server_process import ServerProcess, free_port
 
-TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+            "{{ raise_exception('this model takes no system messages') }}{% endif %}"
+            "[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]")
 
 
 def test_chats_render_with_the_given_template_here_and_in_the_router(tiny_model, tmp_path):
@@ -43,5 +45,11 @@ def test_chats_render_with_the_given_template_here_and_in_the_router(tiny_model,
                 await service.stop()
 
         assert asyncio.run(router_token_ids()) == expected
+        system = {"messages": [{"role": "system", "content": "Be brief"}], "max_tokens": 2}
+        refused = httpx.post(f"{server.url}/v1/chat/completions", json=system, timeout=60.0)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert (error["message"], error["param"]) == (
+            "chat template failed to render: this model takes no system messages", "messages")
     finally:
         server.stop()

@@ -20,13 +20,13 @@ def _tiny_backend():
     return tokenizer_from_gguf(fields, "fields").backend
 
 
-def _write_hf_tokenizer(directory, config: dict) -> None:
+def write_hf_tokenizer(directory, config: dict) -> None:
     _tiny_backend().save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def test_hf_directory_tokenizer_with_config_template(tmp_path):
-    _write_hf_tokenizer(tmp_path, {"bos_token": {"content": "<s>"}, "eos_token": "</s>",
+    write_hf_tokenizer(tmp_path, {"bos_token": {"content": "<s>"}, "eos_token": "</s>",
                                    "chat_template": TEMPLATE})
     tokenizer = Tokenizer.from_hf_dir(str(tmp_path), extra_eos_token_ids=(7, 1))
     assert (tokenizer.bos_token_id, tokenizer.eos_token_ids) == (0, (1, 7))
@@ -38,14 +38,14 @@ def test_hf_directory_tokenizer_with_config_template(tmp_path):
 
 
 def test_chat_template_file_wins_over_config(tmp_path):
-    _write_hf_tokenizer(tmp_path, {"chat_template": "config"})
+    write_hf_tokenizer(tmp_path, {"chat_template": "config"})
     (tmp_path / "chat_template.jinja").write_text("file {{ messages[0]['content'] }}")
     tokenizer = Tokenizer.from_hf_dir(str(tmp_path))
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "file x"
 
 
 def test_missing_chat_template_is_a_clear_error(tmp_path):
-    _write_hf_tokenizer(tmp_path, {})
+    write_hf_tokenizer(tmp_path, {})
     tokenizer = Tokenizer.from_hf_dir(str(tmp_path))
     with pytest.raises(ChatTemplateError, match="has no chat template"):
         tokenizer.apply_chat_template([{"role": "user", "content": "x"}])
@@ -53,7 +53,7 @@ def test_missing_chat_template_is_a_clear_error(tmp_path):
 
 def test_template_raise_exception_is_a_chat_template_error(tmp_path):
     template = "{{ raise_exception('roles must alternate') }}"
-    _write_hf_tokenizer(tmp_path, {"chat_template": template})
+    write_hf_tokenizer(tmp_path, {"chat_template": template})
     tokenizer = Tokenizer.from_hf_dir(str(tmp_path))
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         tokenizer.apply_chat_template([])
