@@ -12,6 +12,9 @@ from typing import Any, Literal
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "lfm2")
 # rope_scaling["rope_type"] values the decoder implements (None = plain RoPE).
 ROPE_TYPES = ("llama3",)
+# The numbers each rope_type's frequency scaling reads.
+ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                                "original_max_position_embeddings")}
 
 
 def _require(ok: bool, message: str) -> None:
@@ -96,6 +99,17 @@ class ModelConfig:
         _require(self.rope_scaling is None or self.rope_scaling.get("rope_type") in ROPE_TYPES,
                  f"rope_scaling type must be one of {ROPE_TYPES} or None, "
                  f"got {self.rope_scaling!r}")
+        if self.rope_scaling is not None:
+            self._check_rope_scaling(self.rope_scaling)
+
+    @staticmethod
+    def _check_rope_scaling(scaling: dict[str, Any]) -> None:
+        rope_type = scaling["rope_type"]
+        for key in ROPE_SCALING_KEYS[rope_type]:
+            value = scaling.get(key)
+            _require(isinstance(value, int | float) and not isinstance(value, bool) and value > 0,
+                     f"rope_scaling ({rope_type}) needs a positive number {key!r}, "
+                     f"got {value!r}")
 
     @property
     def layer_names(self) -> tuple[str, ...]:

@@ -46,8 +46,27 @@ PRE_TOKENIZERS: dict[str, Callable[[], pre_tokenizers.PreTokenizer]] = {
 }
 
 
-def _backend(fields: dict[str, Any], path: str) -> BackendTokenizer:
-    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+def _tokens(fields: dict[str, Any], path: str) -> list[str]:
+    tokens = fields.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ModelLoadError(path, "tokenizer.ggml.model is set but tokenizer.ggml.tokens is "
+                                   "missing or empty")
+    return tokens
+
+
+def _special_token(fields: dict[str, Any], key: str, tokens: list[str],
+                   path: str) -> tuple[str | None, int | None]:
+    """(token, id) of the special token metadata key `key` names; (None, None) if absent."""
+    token_id = fields.get(key)
+    if token_id is None:
+        return None, None
+    if not isinstance(token_id, int) or not 0 <= token_id < len(tokens):
+        raise ModelLoadError(path, f"{key} {token_id!r} is out of range for the "
+                                   f"{len(tokens)} tokens of tokenizer.ggml.tokens")
+    return tokens[token_id], token_id
+
+
+def _backend(fields: dict[str, Any], tokens: list[str], path: str) -> BackendTokenizer:
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
     pre = fields.get("tokenizer.ggml.pre", "default")
     if pre not in PRE_TOKENIZERS:
@@ -75,14 +94,13 @@ def tokenizer_from_gguf(fields: dict[str, Any], path: str,
     if kind != "gpt2":
         raise ModelLoadError(path, f"tokenizer.ggml.model {kind!r} is not supported; kvtier "
                                    "reads byte-level BPE ('gpt2') tokenizers")
-    backend = _backend(fields, path)
-    tokens = fields["tokenizer.ggml.tokens"]
-    bos_id = fields.get("tokenizer.ggml.bos_token_id")
-    eos_id = fields.get("tokenizer.ggml.eos_token_id")
-    bos = None if bos_id is None else tokens[bos_id]
+    tokens = _tokens(fields, path)
+    backend = _backend(fields, tokens, path)
+    bos, bos_id = _special_token(fields, "tokenizer.ggml.bos_token_id", tokens, path)
+    eos, _ = _special_token(fields, "tokenizer.ggml.eos_token_id", tokens, path)
     if bos is not None and fields.get("tokenizer.ggml.add_bos_token", False):
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
-    return Tokenizer(backend, bos_token=bos, eos_token=None if eos_id is None else tokens[eos_id],
+    return Tokenizer(backend, bos_token=bos, eos_token=eos,
                      chat_template=fields.get("tokenizer.chat_template"),
                      extra_eos_token_ids=extra_eos_token_ids)

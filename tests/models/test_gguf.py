@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from kvtier.models import IncrementalDetokenizer, ModelLoadError, load_model
+from kvtier.models.gguf_file import GGUFModelFile
+from kvtier.models.gguf_tokenizer import tokenizer_from_gguf
 
 from .gguf_writer import CHAT_TEMPLATE, EOT_TOKEN_ID, tokens, write_gguf
 from .helpers import PagedDriver, hf_logits, make_covering_hf_model
@@ -100,3 +102,27 @@ def test_missing_gguf_file_names_it(tmp_path):
     missing = os.path.join(tmp_path, "absent.gguf")
     with pytest.raises(ModelLoadError, match=r"absent\.gguf: file not found"):
         load_model(missing)
+
+
+def _tokenizer_fields(path: str, **changes) -> dict:
+    """The GGUF's metadata with `changes` applied (a None value removes the key)."""
+    fields = dict(GGUFModelFile(path).fields)
+    for key, value in changes.items():
+        key = f"tokenizer.ggml.{key}"
+        fields.pop(key) if value is None else fields.__setitem__(key, value)
+    return fields
+
+
+def test_tokenizer_without_tokens_names_the_key(gguf_pair):
+    _, path = gguf_pair
+    with pytest.raises(ModelLoadError, match=r"tiny\.gguf: tokenizer\.ggml\.model is set but "
+                                             r"tokenizer\.ggml\.tokens is missing"):
+        tokenizer_from_gguf(_tokenizer_fields(path, tokens=None), path)
+
+
+@pytest.mark.parametrize("key", ["bos_token_id", "eos_token_id"])
+def test_special_token_id_out_of_range_names_the_key(gguf_pair, key):
+    _, path = gguf_pair
+    with pytest.raises(ModelLoadError, match=rf"tiny\.gguf: tokenizer\.ggml\.{key} 99999 is out "
+                                             r"of range for the 262 tokens"):
+        tokenizer_from_gguf(_tokenizer_fields(path, **{key: 99999}), path)
