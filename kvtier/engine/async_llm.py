@@ -4,8 +4,9 @@ The engine is not thread safe, so only the engine thread touches it; it also bui
 the model's compute threads belong to that thread alone (kvtier/worker/cpu_threads.py).
 Clients hand it commands (add, abort) through a queue; it runs `step()` while any request is
 unfinished, so requests from all clients are batched together (continuous batching). Each
-request's outputs travel back to the client's event loop through that request's own asyncio
-queue (`call_soon_threadsafe`).
+request's outputs travel back to the client's event loop (`call_soon_threadsafe`) into that
+request's one slot: outputs are cumulative, so a client that reads slower than the engine
+steps gets the latest, never a backlog of every step's (as vLLM's output collector does).
 
 A failing `step()` fails the requests in flight (each gets the error) and the loop goes on; a
 failing abort is logged and the loop goes on. If the loop itself ever ends, every request in
@@ -60,17 +61,30 @@ class EngineStepError(RuntimeError):
 
 @dataclass
 class _Stream:
-    """Where one request's outputs go: an asyncio queue owned by the client's event loop."""
+    """Where one request's outputs go, on the client's event loop: the latest one not yet
+    read (each holds all the tokens so far), or the error that ended the request."""
 
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    latest: RequestOutput | BaseException | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
+        """From the engine thread."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            self.loop.call_soon_threadsafe(self._keep, item)
         except RuntimeError:
             # The client's loop is closed: nobody is left to read this.
             pass
+
+    def _keep(self, item: RequestOutput | BaseException) -> None:
+        self.latest = item
+        self.ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.latest = self.latest, None
+        return item
 
 
 @dataclass
@@ -153,7 +167,7 @@ class AsyncLLM:
                 # asyncio.timeout, not wait_for: on Python 3.11 wait_for drops a cancellation
                 # that lands as the item arrives, and a client's leaving would not abort.
                 async with asyncio.timeout(self.output_timeout_s):
-                    item = await stream.queue.get()
+                    item = await stream.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -237,7 +251,9 @@ class AsyncLLM:
             logger.exception("the engine loop failed; no more requests are served")
         finally:
             self._stop.set()
-            self._fail_all(EngineDeadError("the engine shut down before the request finished"))
+            dead = EngineDeadError("the engine shut down before the request finished")
+            self._fail_all(dead)
+            self._refuse_queued_adds(dead)
             self._shutdown_engine()
             self._publish_events()
 
@@ -312,6 +328,17 @@ class AsyncLLM:
             if output.finished:
                 del self._streams[output.request_id]
             stream.put(output)
+
+    def _refuse_queued_adds(self, error: BaseException) -> None:
+        """The loop ended: adds it never took get the error now, not at their deadline."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _AddCommand) and \
+                    command.accepted.set_running_or_notify_cancel():
+                command.accepted.set_exception(error)
 
     def _fail_all(self, error: BaseException) -> None:
         request_ids = list(self._streams)

@@ -63,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "larger ones get a 413 before they are read")
     group.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish at shutdown")
+                       help="seconds in-flight requests get to finish at shutdown; the engine "
+                            "then stops, writing write-back tiers' chunks out, so keep it "
+                            "below a supervisor's grace period (Kubernetes: 30 s) with room "
+                            "for that")
     group.add_argument("--switch-interval", type=float, default=DEFAULT_SWITCH_INTERVAL_S,
                        help="Python's thread switch interval in seconds for the server process "
                             f"(default {DEFAULT_SWITCH_INTERVAL_S}; Python's own is 0.005): how "
@@ -156,7 +159,14 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(args.switch_interval)
     use_one_cpu_thread()  # the HTTP loop's torch ops (if any) start no OpenMP team
     freeze_startup_objects()
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again once it has stopped
+        return 130
+    finally:
+        # Already done by the app's shutdown unless a second Ctrl-C forced uvicorn out before
+        # it: the engine's own shutdown is what writes write-back tiers' chunks out.
+        async_llm.shutdown(0.0)
     return 0
 
 

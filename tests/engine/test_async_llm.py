@@ -10,7 +10,7 @@ import time
 import pytest
 
 from kvtier import LLM, SamplingParams
-from kvtier.engine.async_llm import AsyncLLM, EngineStartupError
+from kvtier.engine.async_llm import AsyncLLM, EngineDeadError, EngineStartupError
 
 from ..tiny_models import make_hf_model
 
@@ -269,5 +269,70 @@ def test_a_command_interrupts_the_engine_only_while_it_steps(engine):
 
     try:
         assert asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S)) == (0, 1)
+    finally:
+        async_llm.shutdown(drain_timeout_s=0.0)
+
+
+def test_a_slow_reader_holds_the_latest_output_not_every_steps(engine):
+    """Outputs are cumulative: a client that stops reading while its request runs on finds
+    the latest one, not a backlog of one per step."""
+    async_llm = AsyncLLM(lambda: engine)
+
+    async def scenario():
+        stream = async_llm.generate(PROMPT, MEDIUM, "slow")
+        first = await stream.__anext__()
+        deadline = time.monotonic() + DEADLINE_S
+        while async_llm.num_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # the engine finishes it meanwhile
+        rest = [output async for output in stream]
+        return first, rest
+
+    try:
+        first, rest = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+        assert len(first.outputs[0].token_ids) < 60
+        assert len(rest) == 1 and rest[0].finished
+        assert len(rest[0].outputs[0].token_ids) == 60
+    finally:
+        async_llm.shutdown(drain_timeout_s=0.0)
+
+
+class _LoopDiesInStep(_Wrapped):
+    """The real engine, whose first step waits for `release`; then the loop's next look at
+    the engine raises outside any step (as a bug in the loop would), ending the loop."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def step(self):
+        self.entered.set()
+        assert self.release.wait(DEADLINE_S)
+        return self._engine.step()
+
+    def has_unfinished_requests(self) -> bool:
+        if self.release.is_set():
+            raise RuntimeError("the engine loop broke")
+        return self._engine.has_unfinished_requests()
+
+
+def test_an_add_queued_as_the_loop_dies_is_refused_at_once(engine):
+    dying = _LoopDiesInStep(engine)
+    async_llm = AsyncLLM(lambda: dying, submit_timeout_s=DEADLINE_S)
+
+    async def scenario():
+        running = asyncio.ensure_future(_last(async_llm, PROMPT, SHORT, "running"))
+        await asyncio.to_thread(dying.entered.wait, DEADLINE_S)
+        queued = asyncio.ensure_future(_last(async_llm, PROMPT, SHORT, "queued"))
+        await asyncio.sleep(0.05)  # its add is on the queue, behind the dying step
+        dying.release.set()
+        started = time.monotonic()
+        results = await asyncio.gather(running, queued, return_exceptions=True)
+        return results, time.monotonic() - started
+
+    try:
+        (running, queued), waited = asyncio.run(asyncio.wait_for(scenario(), DEADLINE_S))
+        assert isinstance(running, EngineDeadError) and isinstance(queued, EngineDeadError)
+        assert waited < DEADLINE_S / 2  # not the submit deadline
     finally:
         async_llm.shutdown(drain_timeout_s=0.0)

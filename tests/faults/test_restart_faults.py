@@ -5,6 +5,7 @@ is served from the tier, damaged data is a counted error and a recompute."""
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -130,3 +131,34 @@ def test_a_restart_with_another_model_frees_the_old_models_disk_file(model_dir, 
     [new_file] = tier_dir.glob("*.kvslots")
     assert new_file != old_file
     assert sorted(p.name for p in tier_dir.iterdir()) == [new_file.stem + ".json", new_file.name]
+
+
+def test_a_forced_quit_ends_cleanly_and_keeps_write_back_chunks(model_dir, tmp_path):
+    """A second Ctrl-C makes uvicorn skip the app's shutdown; the engine's own shutdown,
+    which writes write-back chunks out, still runs, and the server exits with 130, no
+    traceback. A stream kept open holds the first Ctrl-C's graceful wait, so the second one
+    lands during it."""
+    tier_dir = tmp_path / "tier"
+    offload = f"host=64MiB,disk={tier_dir}:64MiB,write=back"
+    first = ServerProcess(model_dir, "--kv-offload", offload)
+    stream = httpx.stream("POST", f"{first.url}/v1/completions", timeout=120, json={
+        "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+        "stream": True})
+    try:
+        with stream as response:
+            next(response.iter_lines())  # its prompt is computed and offloaded to host memory
+            first.process.send_signal(signal.SIGINT)
+            time.sleep(1.0)
+            first.process.send_signal(signal.SIGINT)
+            assert first.process.wait(STORE_DEADLINE_S) == 130
+    except httpx.HTTPError:
+        pass  # the stream ends with the server
+    finally:
+        first.stop()
+    assert "Traceback" not in first.log()
+    second = ServerProcess(model_dir, "--kv-offload", offload)
+    try:
+        _answers(second.url)
+        assert _metric(second.url, "kvtier:offload_tier_hits", tier="disk") > 0
+    finally:
+        second.stop()
