@@ -159,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
     sys.setswitchinterval(args.switch_interval)
     use_one_cpu_thread()  # the HTTP loop's torch ops (if any) start no OpenMP team
     freeze_startup_objects()
+    return _serve_until_stopped(server, async_llm)
+
+
+def _serve_until_stopped(server: Any, async_llm: Any) -> int:
+    """Run the HTTP server; the exit status."""
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again once it has stopped
