@@ -154,9 +154,13 @@ class HostCache:
         """`key` (ready) is held nowhere below the device yet."""
         self._dirty[key] = None
 
-    def pop_oldest_dirty(self) -> Hashable | None:
-        """The dirty chunk that arrived first, now counted clean (the caller writes it out)."""
-        return self._dirty.popitem(last=False)[0] if self._dirty else None
+    def oldest_dirty(self) -> Hashable | None:
+        """The dirty chunk that arrived first."""
+        return next(iter(self._dirty), None)
+
+    def mark_clean(self, key: Hashable) -> None:
+        """`key` is being written out (the caller hands it to the tiers)."""
+        del self._dirty[key]
 
     @property
     def num_dirty(self) -> int:

@@ -4,7 +4,7 @@ Host-centric: every chunk enters through the host area and, but for the loads st
 mapped file below, leaves through it. A chunk from the device is pushed to the secondary tiers
 (the cascade), each by its own policies (TierSpec): a write_through tier gets it as soon as its
 device->host store completes; a write_back tier only once the host tier runs short of clean
-slots (the oldest dirty chunks first) or at `write_back_all` (shutdown). A tier with
+slots (the oldest dirty chunks first) or at shutdown (write_back.py). A tier with
 `admit_after_hits` N takes a chunk only once it has been loaded from host memory N times (a
 write_through tier at that N-th load), and a tier with `max_pending_stores` stores in flight
 gets no new store: it is dropped and counted, so a slow tier never holds host slots.
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,13 +53,8 @@ from kvtier.offload.tiers.base import (
     TransferJob,
 )
 from kvtier.offload.tiers.registry import create_tiers
+from kvtier.offload.write_back import WriteBack
 
-# Under write_back, the host slots kept free or clean and idle (evictable at once, nothing lost),
-# counting chunks whose write-back is under way: this share of them, and at least twice the most
-# slots taken between two polls so far (stores and promotions; one step's arrive while the
-# previous step's write-backs may still pin their slots). A 1 GiB host tier of SmolLM2 bf16
-# chunks has ~2900 slots; a step of 2048 tokens stores up to 128 chunks.
-WRITE_BACK_RESERVE = 0.1
 # How often `flush` polls the tiers.
 _FLUSH_POLL_S = 0.002
 
@@ -126,8 +120,11 @@ class TieringManager:
         self._counts_hits = any(spec.admit_after_hits for spec in config.secondary_tiers)
         self._events: list[TierMoveEvent] = []
         self._write_back = any(self._tier_write_back)
-        self._reserve = max(1, math.ceil(WRITE_BACK_RESERVE * self.area.num_slots))
-        self._slots_taken_at_poll = 0
+        self.write_back = WriteBack(
+            self.host, self.area.num_slots,
+            lambda key: not any(map(self._at_limit, self._targets(key, write_back=True))),
+            lambda key: [self._store_on(index, key)
+                         for index in self._targets(key, write_back=True)])
 
     # ---- lookup and promotion -------------------------------------------------------------
 
@@ -265,36 +262,24 @@ class TieringManager:
         if not ok:
             return
         self._events.append(TierMoveEvent(key, DEVICE, HOST))
-        self._cascade(key, write_back=False)
+        for index in self._targets(key, write_back=False):
+            self._store_on(index, key)
         if self._write_back:
             self.host.mark_dirty(key)
 
-    def write_back_all(self) -> None:
-        """Start the cascade of every dirty chunk (shutdown: keep what this instance computed)."""
-        while self.host.num_dirty:
-            self._cascade(self.host.pop_oldest_dirty(), write_back=True)
-
-    def _keep_reserve(self) -> None:
-        """Write back the oldest dirty chunks until the reserve of evictable slots is met."""
-        taken = self.host.num_slots_taken - self._slots_taken_at_poll
-        self._slots_taken_at_poll = self.host.num_slots_taken
-        self._reserve = min(self.area.num_slots, max(self._reserve, 2 * taken))
-        writing = {job.key for job in self._jobs.values() if job.kind == "cascade"}
-        available = self.host.num_evictable_now() + len(writing)
-        while available < self._reserve and self.host.num_dirty:
-            self._cascade(self.host.pop_oldest_dirty(), write_back=True)
-            available += 1
-
-    def _cascade(self, key: ChunkKey, write_back: bool) -> None:
-        """Store `key` on the tiers of that write policy whose admission rule it meets."""
+    def _targets(self, key: ChunkKey, write_back: bool) -> list[int]:
+        """The tiers of that write policy whose admission rule `key` meets."""
         hits = self._hits.get(key, 0)
-        for index, spec in enumerate(self.config.secondary_tiers):
-            if self._tier_write_back[index] == write_back and hits >= spec.admit_after_hits:
-                self._store_on(index, key)
+        return [index for index, spec in enumerate(self.config.secondary_tiers)
+                if self._tier_write_back[index] == write_back and hits >= spec.admit_after_hits]
+
+    def _at_limit(self, index: int) -> bool:
+        """The tier has max_pending_stores stores in flight: it takes no new one now."""
+        limit = self.config.secondary_tiers[index].max_pending_stores
+        return limit is not None and self._pending_stores[index] >= limit
 
     def _store_on(self, index: int, key: ChunkKey) -> None:
-        limit = self.config.secondary_tiers[index].max_pending_stores
-        if limit is not None and self._pending_stores[index] >= limit:
+        if self._at_limit(index):
             self.metrics.dropped_store(self.tier_names[index], "backpressure")
             return
         self.host.prepare_load(key, count_use=False)  # the tier reads the slot: pin it
@@ -350,7 +335,8 @@ class TieringManager:
         self.collect()
         self._expire_late_jobs()
         if self._write_back:
-            self._keep_reserve()
+            self.write_back.keep_reserve(
+                len({job.key for job in self._jobs.values() if job.kind == "cascade"}))
             self.metrics.set_dirty(self.host.num_dirty, self.host.num_dropped_dirty)
         self.metrics.set_fill_ratio(self.host.fill_ratio)
         self.metrics.flush()
@@ -433,10 +419,10 @@ class TieringManager:
         own deadline (shutdown: what this instance computed reaches the tiers). False if
         `timeout_s` passed first."""
         deadline = self._clock() + timeout_s
-        self.write_back_all()
         while True:
+            self.write_back.write_all()  # as the write-back tiers' stores end, they take more
             self.poll()
-            if all(job.expired for job in self._jobs.values()):
+            if not self.host.num_dirty and all(job.expired for job in self._jobs.values()):
                 return True
             if self._clock() > deadline:
                 return False

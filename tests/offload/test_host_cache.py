@@ -113,8 +113,11 @@ def test_eviction_takes_clean_chunks_before_dirty_ones_and_counts_dropped_dirty(
     assert _store(cache, "e") == 0  # only dirty chunks left: the oldest is dropped
     assert cache.take_evicted() == ["a"] and cache.num_dropped_dirty == 1
     assert cache.num_dirty == 2
-    assert [cache.pop_oldest_dirty(), cache.pop_oldest_dirty(), cache.pop_oldest_dirty()] == \
-        ["c", "d", None]
+    assert cache.oldest_dirty() == "c"
+    cache.mark_clean("c")
+    assert cache.oldest_dirty() == "d"
+    cache.mark_clean("d")
+    assert cache.oldest_dirty() is None and cache.num_dirty == 0
 
 
 def test_a_copy_without_use_leaves_the_eviction_order_alone():

@@ -242,7 +242,7 @@ def test_write_back_writes_the_oldest_chunks_once_the_host_runs_short_of_clean_s
     assert poll_until(manager, 1) is Lookup.HIT  # promoted back from the tier
     assert read_host(manager, 1) == chunk_bytes(1)
     assert manager.metrics.snapshot()["kvtier:offload_writeback_dropped_total"] == 0
-    manager.write_back_all()
+    manager.write_back.write_all()
     manager.poll()
     assert written() == list(range(1, 23))
     assert manager.metrics.snapshot()["kvtier:offload_host_dirty_chunks"] == 0
@@ -323,7 +323,7 @@ def test_write_back_and_write_through_tiers_in_one_config(make_manager):
     assert stored_bytes(manager, "near") == 2 * CHUNK  # at once
     assert stored_bytes(manager, "far") == 0
     assert manager.host.num_dirty == 2  # still owed to "far"
-    manager.write_back_all()
+    manager.write_back.write_all()
     manager.poll()
     assert stored_bytes(manager, "near") == 2 * CHUNK  # not written twice
     assert stored_bytes(manager, "far") == 2 * CHUNK
@@ -373,13 +373,31 @@ def test_admit_after_hits_stores_a_chunk_on_its_nth_load(make_manager):
     assert stored_bytes(manager, "all") == 2 * CHUNK
 
 
+def test_write_back_waits_for_a_tier_at_max_pending_stores_instead_of_dropping(
+        make_manager, tmp_path):
+    """A chunk dropped for backpressure on its way to a write-back tier would be clean and on
+    no tier: it stays dirty until the tier takes it, and flush waits for all of them."""
+    fs = {"type": "fs", "root_dir": str(tmp_path), "write_policy": "write_back",
+          "max_pending_stores": 2}
+    manager = make_manager(offload_config(20, [fs]), metrics_registry=MetricsRegistry())
+    for n in range(1, 11):
+        store_from_device(manager, n)
+    manager.poll()
+    assert manager.flush(30.0)
+    assert manager.host.num_dirty == 0
+    assert manager.metrics.snapshot().get(
+        'kvtier:offload_dropped_stores_total{tier="fs",reason="backpressure"}', 0) == 0
+    restarted = make_manager(offload_config(20, [fs]))
+    assert [poll_until(restarted, n) for n in range(1, 11)] == [Lookup.HIT] * 10
+
+
 def test_admit_after_hits_on_a_write_back_tier_is_checked_at_write_back(make_manager):
     manager = make_manager(offload_config(4, [
         {"type": "memory", "write_policy": "write_back", "admit_after_hits": 1}]))
     for n in (1, 2, 3):
         store_from_device(manager, n)
     read_host(manager, 2)
-    manager.write_back_all()
+    manager.write_back.write_all()
     manager.poll()
     assert stored_bytes(manager, "memory") == CHUNK  # only 2 was hit
     assert manager.host.num_dirty == 0  # 1 and 3 are not owed to any tier
