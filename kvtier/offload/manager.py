@@ -29,7 +29,7 @@ import enum
 import itertools
 import time
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -261,7 +261,7 @@ class TieringManager:
         self.host.complete_store(key, ok)
         if not ok:
             return
-        self._events.append(TierMoveEvent(key, DEVICE, HOST))
+        self._record([TierMoveEvent(key, DEVICE, HOST)])
         for index in self._targets(key, write_back=False):
             self._store_on(index, key)
         if self._write_back:
@@ -298,7 +298,7 @@ class TieringManager:
         self.host.complete_loads(keys)
         if not ok:
             return
-        self._events.extend(TierMoveEvent(key, HOST, DEVICE) for key in keys)
+        self._record(TierMoveEvent(key, HOST, DEVICE) for key in keys)
         if not self._counts_hits:
             return
         for key in keys:
@@ -374,8 +374,8 @@ class TieringManager:
                 self.queries.mark_stored(job.tier, job.key)
         if ok:
             source, destination = (name, HOST) if job.kind == "promote" else (HOST, name)
-            self._events.append(TierMoveEvent(job.key, source, destination,
-                                              self.tiers[job.tier].locality))
+            self._record([TierMoveEvent(job.key, source, destination,
+                                        self.tiers[job.tier].locality)])
             ended = self._clock() if result.ended is None else result.ended
             seconds = ended - job.started if result.seconds is None else result.seconds
             self.metrics.transfer(f"{source}_to_{destination}", job.num_bytes, seconds, ended)
@@ -398,8 +398,15 @@ class TieringManager:
 
     # ---- events, stats, shutdown ----------------------------------------------------------
 
+    def _record(self, events: Iterable[TierMoveEvent]) -> None:
+        """Append `events` after the host evictions made before them, so that a chunk evicted
+        and stored again within one step is announced in that order."""
+        self._events.extend(TierMoveEvent(key, HOST, None) for key in self.host.take_evicted())
+        self._events.extend(events)
+
     def take_events(self) -> list[TierMoveEvent]:
-        evicted = [TierMoveEvent(key, HOST, None) for key in self.host.take_evicted()]
+        self._record(())
+        evicted = []
         for index, tier in enumerate(self.tiers):
             try:
                 dropped = tier.take_evicted()

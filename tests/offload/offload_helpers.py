@@ -117,3 +117,9 @@ def tier_factory(build):
     yield make
     for tier in tiers:
         tier.shutdown()
+
+
+def stored_bytes(manager: TieringManager, tier: str) -> int:
+    """Bytes the manager has written from host memory to `tier`."""
+    name = f'kvtier:offload_bytes_total{{direction="host_to_{tier}"}}'
+    return manager.metrics.snapshot().get(name, 0)

@@ -20,6 +20,7 @@ from .offload_helpers import (
     poll_until,
     read_host,
     store_from_device,
+    stored_bytes,
 )
 
 MEMORY = {"type": "memory"}
@@ -219,58 +220,6 @@ def test_found_below_while_every_host_slot_is_busy_is_asked_again(make_manager):
     assert read_host(manager, 1) == chunk_bytes(1)
 
 
-def test_write_back_writes_the_oldest_chunks_once_the_host_runs_short_of_clean_slots(
-        make_manager):
-    # 20 slots, one store per poll: the reserve is 2 slots, so at most 18 chunks stay unwritten.
-    manager = make_manager(offload_config(20, [MEMORY], write_policy="write_back"))
-
-    def written():
-        return [n for n in range(1, 23) if manager.tiers[0].lookup(key(n)).name == "FOUND"]
-
-    for n in range(1, 19):
-        store_from_device(manager, n)
-        manager.poll()
-    assert written() == []
-    assert manager.metrics.snapshot()["kvtier:offload_host_dirty_chunks"] == 18
-    for n in range(19, 23):
-        store_from_device(manager, n)
-        manager.poll()  # starts a write-back
-        manager.poll()  # collects it (a tier's job is reported at the next poll)
-    # The host is full (20 slots, 22 chunks): the oldest were written before their eviction.
-    assert written() == [1, 2, 3, 4]
-    assert manager.host.take_evicted() == [key(1), key(2)]
-    assert poll_until(manager, 1) is Lookup.HIT  # promoted back from the tier
-    assert read_host(manager, 1) == chunk_bytes(1)
-    assert manager.metrics.snapshot()["kvtier:offload_writeback_dropped_total"] == 0
-    manager.write_back.write_all()
-    manager.poll()
-    assert written() == list(range(1, 23))
-    assert manager.metrics.snapshot()["kvtier:offload_host_dirty_chunks"] == 0
-
-
-def test_write_back_reserve_grows_with_the_largest_burst_of_stores(make_manager):
-    manager = make_manager(offload_config(20, [MEMORY], write_policy="write_back"))
-    for n in range(1, 6):  # five stores in one step: keep ten slots clean or free
-        store_from_device(manager, n)
-    manager.poll()
-    for n in range(6, 13):
-        store_from_device(manager, n)
-        manager.poll()
-    assert [n for n in range(1, 13)
-            if manager.tiers[0].lookup(key(n)).name == "FOUND"] == [1, 2]
-
-
-def test_write_back_keeps_the_eviction_order(make_manager):
-    # Writing a chunk out is not a use: under ARC it stays in T1 (seen once).
-    manager = make_manager(offload_config(2, [MEMORY], write_policy="write_back",
-                                          eviction_policy="arc"))
-    store_from_device(manager, 1)
-    store_from_device(manager, 2)
-    manager.poll()  # the reserve (1 slot) forces chunk 1 out to the tier
-    assert manager.tiers[0].lookup(key(1)).name == "FOUND"
-    assert list(manager.host.policy.t1) == [key(1), key(2)] and not manager.host.policy.t2
-
-
 # Disk: with its loads straight from the mapped file off (a test of those is below).
 @pytest.mark.parametrize("tier", [{"type": "fs"},
                                   {"type": "disk", "max_bytes": "1MiB", "direct_loads": False}],
@@ -306,49 +255,6 @@ def test_a_disk_tier_overwriting_a_chunk_is_an_eviction_event(make_manager, tmp_
 
 # ---- per-tier policies ------------------------------------------------------------------------
 
-def stored_bytes(manager, tier):
-    name = f'kvtier:offload_bytes_total{{direction="host_to_{tier}"}}'
-    return manager.metrics.snapshot().get(name, 0)
-
-
-def test_write_back_and_write_through_tiers_in_one_config(make_manager):
-    # Connector-level write_back: "far" inherits it, "near" overrides it. 40 slots: the
-    # write-back reserve (4 evictable slots) stays met.
-    manager = make_manager(offload_config(40, [
-        {"type": "memory", "name": "near", "write_policy": "write_through"},
-        {"type": "memory", "name": "far"}], write_policy="write_back"))
-    for n in (1, 2):
-        store_from_device(manager, n)
-    manager.poll()
-    assert stored_bytes(manager, "near") == 2 * CHUNK  # at once
-    assert stored_bytes(manager, "far") == 0
-    assert manager.host.num_dirty == 2  # still owed to "far"
-    manager.write_back.write_all()
-    manager.poll()
-    assert stored_bytes(manager, "near") == 2 * CHUNK  # not written twice
-    assert stored_bytes(manager, "far") == 2 * CHUNK
-    assert manager.host.num_dirty == 0
-    assert [e.destination for e in manager.take_events() if e.source == "host"] == \
-        ["near", "near", "far", "far"]
-
-
-def test_write_back_tier_is_written_when_host_memory_needs_room(make_manager):
-    manager = make_manager(offload_config(4, [
-        {"type": "memory", "name": "near"},
-        {"type": "memory", "name": "far", "write_policy": "write_back"}]))
-    for n in (1, 2):
-        store_from_device(manager, n)
-        manager.poll()  # one slot taken per poll: the reserve is 2 free or clean slots
-    assert stored_bytes(manager, "far") == 0
-    store_from_device(manager, 3)
-    manager.poll()  # 1 free slot left: the oldest dirty chunk goes to "far"
-    manager.poll()
-    assert stored_bytes(manager, "near") == 3 * CHUNK
-    assert stored_bytes(manager, "far") == CHUNK
-    assert [e.key for e in manager.take_events() if e.destination == "far"] == [key(1)]
-    assert manager.host.num_dirty == 2
-
-
 def test_admit_after_hits_stores_a_chunk_on_its_nth_load(make_manager):
     manager = make_manager(offload_config(4, [
         {"type": "memory", "name": "all"},
@@ -371,36 +277,6 @@ def test_admit_after_hits_stores_a_chunk_on_its_nth_load(make_manager):
     manager.poll()
     assert stored_bytes(manager, "popular") == CHUNK  # 1 is there already, 2 has one hit
     assert stored_bytes(manager, "all") == 2 * CHUNK
-
-
-def test_write_back_waits_for_a_tier_at_max_pending_stores_instead_of_dropping(
-        make_manager, tmp_path):
-    """A chunk dropped for backpressure on its way to a write-back tier would be clean and on
-    no tier: it stays dirty until the tier takes it, and flush waits for all of them."""
-    fs = {"type": "fs", "root_dir": str(tmp_path), "write_policy": "write_back",
-          "max_pending_stores": 2}
-    manager = make_manager(offload_config(20, [fs]), metrics_registry=MetricsRegistry())
-    for n in range(1, 11):
-        store_from_device(manager, n)
-    manager.poll()
-    assert manager.flush(30.0)
-    assert manager.host.num_dirty == 0
-    assert manager.metrics.snapshot().get(
-        'kvtier:offload_dropped_stores_total{tier="fs",reason="backpressure"}', 0) == 0
-    restarted = make_manager(offload_config(20, [fs]))
-    assert [poll_until(restarted, n) for n in range(1, 11)] == [Lookup.HIT] * 10
-
-
-def test_admit_after_hits_on_a_write_back_tier_is_checked_at_write_back(make_manager):
-    manager = make_manager(offload_config(4, [
-        {"type": "memory", "write_policy": "write_back", "admit_after_hits": 1}]))
-    for n in (1, 2, 3):
-        store_from_device(manager, n)
-    read_host(manager, 2)
-    manager.write_back.write_all()
-    manager.poll()
-    assert stored_bytes(manager, "memory") == CHUNK  # only 2 was hit
-    assert manager.host.num_dirty == 0  # 1 and 3 are not owed to any tier
 
 
 def test_a_tier_with_max_pending_stores_in_flight_drops_new_stores(make_manager):
@@ -446,3 +322,15 @@ def test_flush_and_shutdown_with_a_hung_tier_end_by_the_job_deadline(make_manage
     finally:
         RELEASE_HANGING.set()  # wakes the writers of this test (set wakes every waiter now)
         RELEASE_HANGING.clear()
+
+
+def test_events_keep_the_order_of_evictions_and_stores_within_a_step(make_manager):
+    """A chunk evicted and stored again between two takes of the events: its removal comes
+    before its new store, so a consumer ends with the host holding it."""
+    manager = make_manager(offload_config(1))
+    for n in (1, 2, 1):  # one slot: each store evicts the chunk before it
+        store_from_device(manager, n)
+    moves = [(e.key, e.source, e.destination) for e in manager.take_events()]
+    assert moves == [(key(1), "device", "host"), (key(1), "host", None),
+                     (key(2), "device", "host"), (key(2), "host", None),
+                     (key(1), "device", "host")]
