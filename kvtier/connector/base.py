@@ -97,6 +97,17 @@ class ConnectorContext:
         """Prefixes every key written outside the process: the digest of `kv_identity`."""
         return self.kv_identity.namespace
 
+    def require_one_kv_cache_group(self, connector: str) -> None:
+        """ValueError at start-up for a model with several KV cache groups (a hybrid, or mixed
+        attention windows), for a connector that moves one group's blocks only: found at a
+        request's allocation instead, it would fail the step of every request batched with
+        it."""
+        groups = getattr(self.kv_cache_config, "kv_cache_groups", None)
+        if groups is not None and len(groups) != 1:
+            raise ValueError(f"{connector} supports models with one KV cache group (every layer "
+                             f"the same attention type); this model has {len(groups)}: use "
+                             "OffloadingConnector, or serve it without a KV connector")
+
 
 class KVConnectorScheduler(ABC):
     """Scheduler half. Lives in the scheduler; sees requests and block ids, never tensors."""

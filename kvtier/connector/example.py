@@ -139,6 +139,7 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
 
     def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
         super().__init__(config, context)
+        context.require_one_kv_cache_group("ExampleConnector")
         self.files = BlockFiles(_parse_options(config).shared_storage_path, context.namespace)
         self._requests: dict[str, Request] = {}
         self._block_ids: dict[str, list[int]] = {}
@@ -163,10 +164,6 @@ class ExampleConnectorScheduler(KVConnectorScheduler):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         block_ids = blocks.get_block_ids()
-        if len(block_ids) != 1:
-            raise NotImplementedError(
-                f"ExampleConnector supports models with one KV cache group (every layer the "
-                f"same attention type); this one has {len(block_ids)}")
         self._requests[request.request_id] = request
         self._block_ids[request.request_id] = list(block_ids[0])
         if num_external_tokens > 0:

@@ -8,12 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kvtier import LLM
 from kvtier.connector import KVConnectorRole, KVTransferConfig, create_connector
 from kvtier.connector.example import BlockFiles, BlockTransfer
 from kvtier.kv.hashing import make_block_hasher
 from kvtier.kv.request import Request
 from kvtier.offload.chunk_format import read_chunk_into, write_chunk
 
+from ..tiny_models import make_lfm2_model
 from .connector_testing import (
     CONTEXT,
     IDENTITY,
@@ -238,12 +240,12 @@ def test_role_limits_the_direction(tmp_path, role, saves, matched):
     worker.shutdown()
 
 
-def test_a_model_with_several_kv_cache_groups_is_refused(tmp_path):
-    class TwoGroups:
-        def get_block_ids(self):
-            return ([1, 2], [3, 4])
-
-    scheduler, worker = make_halves(tmp_path)
-    with pytest.raises(NotImplementedError, match="supports models with one KV cache group"):
-        scheduler.update_state_after_alloc(make_request("a", 8), TwoGroups(), 0)
-    worker.shutdown()
+@pytest.mark.parametrize("connector, extra", [
+    ("ExampleConnector", {"shared_storage_path": "STORE"}), ("P2PConnector", {})])
+def test_a_model_with_several_kv_cache_groups_is_refused_at_start(tmp_path, connector, extra):
+    """Found at a request's allocation instead, it failed every request of that step."""
+    make_lfm2_model("conv_attn", tmp_path / "lfm2")
+    extra = {k: str(tmp_path / v) if v == "STORE" else v for k, v in extra.items()}
+    with pytest.raises(ValueError, match=f"{connector} supports models with one KV cache group"):
+        LLM(str(tmp_path / "lfm2"), dtype="float32", kv_transfer_config={
+            "kv_connector": connector, "kv_role": "kv_both", "kv_connector_extra_config": extra})

@@ -37,6 +37,7 @@ class _Push:
 class P2PConnectorScheduler(KVConnectorScheduler):
     def __init__(self, config: KVTransferConfig, context: ConnectorContext) -> None:
         super().__init__(config, context)
+        context.require_one_kv_cache_group("P2PConnector")
         self._layer_push = parse_options(P2PConnectorOptions, config.kv_connector_extra_config,
                                          "P2PConnector extra config").push == "layer"
         self._pushes: dict[str, _Push] = {}
@@ -97,12 +98,9 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                                               params.num_tokens // self.context.block_size, 0,
                                               []))
             return
-        block_ids = blocks.get_block_ids()
-        if len(block_ids) != 1:
-            raise NotImplementedError("P2PConnector supports models with one KV cache group")
         self._taken.add(request.request_id)
         self._pending_loads[request.request_id] = (
-            request, self._load_params(request), list(block_ids[0]),
+            request, self._load_params(request), list(blocks.get_block_ids()[0]),
             num_external_tokens // self.context.block_size)
 
     def _start_push(self, request: Request, blocks: KVCacheBlocks) -> None:
@@ -111,8 +109,6 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         # A request resumed after preemption keeps its host copies: only its block ids change.
         if params is None or num_blocks == 0 or request.request_id in self._pushes:
             return
-        if len(blocks.get_block_ids()) != 1:
-            raise NotImplementedError("P2PConnector supports models with one KV cache group")
         self._pushes[request.request_id] = _Push(params, num_blocks)
 
     def build_connector_meta(self, scheduler_output: Any) -> P2PConnectorMetadata:
