@@ -43,6 +43,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     # Token id -> added to its logit before sampling (greedy too).
     logit_bias: dict[int, float] | None = None
+    # Only these token ids may be generated (greedy too); None: any.
+    allowed_token_ids: list[int] | None = None
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
@@ -65,6 +67,8 @@ class SamplingParams:
             self.stop = list(self.stop or ())
         if self.stop_token_ids is None or isinstance(self.stop_token_ids, tuple):
             self.stop_token_ids = list(self.stop_token_ids or ())
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
@@ -118,6 +122,11 @@ class SamplingParams:
             (all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                  for t in self.stop_token_ids), "stop_token_ids",
              "must hold token ids (ints >= 0)"),
+            (self.allowed_token_ids is None or isinstance(self.allowed_token_ids, list)
+             and self.allowed_token_ids and all(
+                 isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                 for t in self.allowed_token_ids), "allowed_token_ids",
+             "must be None or a non-empty list of token ids (ints >= 0)"),
         ]
         for ok, name, rule in checks:
             if not ok:

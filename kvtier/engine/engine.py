@@ -156,7 +156,8 @@ class Engine:
         id past it would fail the whole batched sampling step)."""
         vocab = self.model_config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", list(params.logit_bias or ()))):
+                          ("logit_bias", list(params.logit_bias or ())),
+                          ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = first_outside(ids, vocab)
             if bad is not None:
                 raise ValueError(f"SamplingParams.{name} holds token id {bad}, outside the "

@@ -1,10 +1,11 @@
 """Token sampling from one step's logits: greedy, temperature, top-k, top-p, min-p, seeds,
-min_tokens, logit bias, presence / frequency / repetition penalties and logprobs.
+allowed token ids, min_tokens, logit bias, presence / frequency / repetition penalties and
+logprobs.
 
-The logits go through, in vLLM's order: the min_tokens mask, the logit bias, the penalties
-(repetition, then frequency and presence); greedy rows take the argmax of the result, the others
-then apply temperature, top-k / top-p and min-p and draw. Logprobs are the model's own
-distribution, before any of it."""
+The logits go through, in vLLM's order: the allowed-token mask, the min_tokens mask, the logit
+bias, the penalties (repetition, then frequency and presence); greedy rows take the argmax of
+the result, the others then apply temperature, top-k / top-p and min-p and draw. Logprobs are
+the model's own distribution, before any of it."""
 
 from __future__ import annotations
 
@@ -99,7 +100,8 @@ class Sampler:
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         # vLLM reports the model's own distribution, before any sampling processing.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-        logits = _apply_penalties(_apply_logit_bias(_mask_early_stops(logits, rows), rows), rows)
+        logits = _mask_early_stops(_keep_allowed_tokens(logits, rows), rows)
+        logits = _apply_penalties(_apply_logit_bias(logits, rows), rows)
         is_greedy = [r.params.is_greedy for r in rows]
         if all(is_greedy):
             token_ids = logits.argmax(dim=-1)
@@ -173,6 +175,21 @@ def inverse_cdf_sample(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor
                                                             torch.zeros_like(point)))
     offset = torch.searchsorted(inner_cdf, inside, right=True)
     return (block * _CDF_BLOCK + offset).squeeze(1).clamp_(max=vocab - 1)
+
+
+def _keep_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Rows with allowed_token_ids keep only those tokens' logits."""
+    limited = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows)
+               if r.params.allowed_token_ids]
+    if not limited:
+        return logits
+    logits = logits.clone()
+    for i, allowed in limited:
+        ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+        kept = logits[i, ids]
+        logits[i] = float("-inf")
+        logits[i, ids] = kept
+    return logits
 
 
 def _mask_early_stops(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

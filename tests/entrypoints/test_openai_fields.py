@@ -51,11 +51,9 @@ def test_a_null_is_a_field_left_out(server):
 
 @pytest.mark.parametrize("send, field", [
     (completion, {"bad_words": ["a"]}),
-    (completion, {"allowed_token_ids": [5]}),
     (completion, {"guided_json": {"type": "object"}}),
     (completion, {"structured_outputs": {"regex": "a+"}}),
     (completion, {"use_beam_search": True}),
-    (completion, {"truncate_prompt_tokens": 2}),
     (completion, {"response_format": {"type": "json_object"}}),
     (chat, {"functions": [{"name": "f"}]}),
     (chat, {"tool_choice": "required"}),
@@ -148,3 +146,35 @@ def test_responses_carry_openais_null_fields_and_no_unasked_extras(server):
     assert first["delta"]["role"] == "assistant"
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all("usage" not in chunk for chunk in chunks)  # include_usage not asked
+
+
+def test_allowed_token_ids_limit_what_is_generated(server):
+    allowed = [40, 41, 42]
+    for send in (completion, chat):
+        body = send(server, allowed_token_ids=allowed, max_tokens=6, ignore_eos=True,
+                    temperature=1.0, seed=5, return_token_ids=True).json()
+        assert set(body["choices"][0]["token_ids"]) <= set(allowed)
+    for value, message in (([], "non-empty"), ([10_000], "outside the vocabulary")):
+        refused = completion(server, allowed_token_ids=value)
+        assert refused.status_code == 400 and message in refused.json()["error"]["message"]
+        assert refused.json()["error"]["param"] == "allowed_token_ids"
+
+
+def test_truncate_prompt_tokens_keeps_the_first_or_last_tokens(server):
+    long_prompt = list(range(5, 25))
+    for side, kept in ((None, long_prompt[:8]), ("right", long_prompt[:8]),
+                       ("left", long_prompt[-8:])):
+        body = completion(server, prompt=long_prompt, truncate_prompt_tokens=8,
+                          truncation_side=side, return_token_ids=True).json()
+        assert body["choices"][0]["prompt_token_ids"] == kept
+        assert body["usage"]["prompt_tokens"] == 8
+        alone = completion(server, prompt=kept).json()["choices"][0]["text"]
+        assert body["choices"][0]["text"] == alone
+    whole = completion(server, prompt=long_prompt, truncate_prompt_tokens=-1).json()
+    assert whole["usage"]["prompt_tokens"] == len(long_prompt)  # it fits: nothing cut
+    chat_body = chat(server, truncate_prompt_tokens=4, truncation_side="left",
+                     return_token_ids=True).json()
+    assert len(chat_body["prompt_token_ids"]) == 4
+    refused = completion(server, truncate_prompt_tokens=0)
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "truncate_prompt_tokens"

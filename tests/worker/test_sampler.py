@@ -218,3 +218,12 @@ def test_a_distribution_made_infinite_fails_its_row_alone():
     out = Sampler(CPU, 0).sample(logits, [row(overflowing), row(SamplingParams(seed=3))])
     assert out.token_ids[0] is None and "not finite" in out.errors[0]
     assert out.token_ids[1] is not None and 1 not in out.errors
+
+
+def test_allowed_token_ids_keep_only_those_tokens_greedy_and_sampled():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]]).repeat(3, 1)
+    out = Sampler(CPU, 0).sample(logits, [
+        row(SamplingParams(temperature=0.0, allowed_token_ids=[0, 2])),
+        row(SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[3])),
+        row(SamplingParams(temperature=0.0))])
+    assert out.token_ids == [0, 3, 1]

@@ -25,6 +25,7 @@ from kvtier.entrypoints.openai.prompts import (
     check_context,
     check_text,
     message_chars,
+    truncate,
 )
 from kvtier.entrypoints.openai.protocol import (
     ChatChoice,
@@ -57,6 +58,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     check_token_ids(body, ctx.vocab_size)
     params = chat_sampling_params(body, ctx.sampling_defaults)
     prompt = await ctx.prepare(message_chars(body.messages), chat_prompt, ctx, body)
+    prompt = truncate(ctx, prompt, body, params.max_tokens)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
     check_context(ctx, prompt, params.max_tokens, "messages", max_tokens_param)

@@ -26,6 +26,7 @@ from kvtier.entrypoints.openai.prompts import (
     check_text,
     completion_prompts,
     prompt_chars,
+    truncate,
 )
 from kvtier.entrypoints.openai.protocol import (
     CompletionChoice,
@@ -55,6 +56,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     check_token_ids(body, ctx.vocab_size)
     prompts = await ctx.prepare(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
     params = completion_sampling_params(body, len(prompts), ctx.sampling_defaults)
+    prompts = [truncate(ctx, prompt, body, params.max_tokens) for prompt in prompts]
     for i, prompt in enumerate(prompts):
         check_context(ctx, prompt, params.max_tokens,
                       "prompt" if len(prompts) == 1 else f"prompt[{i}]", "max_tokens")

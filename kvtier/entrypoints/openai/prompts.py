@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from kvtier.common.token_ids import all_ints, first_outside
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError
-from kvtier.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from kvtier.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, SamplingFields
 from kvtier.models.chat import render_chat
 from kvtier.models.errors import ChatTemplateError, UnsupportedContentError
 
@@ -137,6 +137,27 @@ def _check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> No
     if bad is not None:
         raise BadRequestError(f"{param} holds token id {bad}, outside the vocabulary "
                               f"[0, {vocab_size})", param=param, code="invalid_value")
+
+
+def truncate(ctx: ServerContext, prompt: Prompt, request: SamplingFields,
+             max_tokens: int | None) -> Prompt:
+    """vLLM's truncate_prompt_tokens N: the prompt's first N tokens, or its last with
+    truncation_side "left" (-1: as many as leave room for max_tokens, or one token)."""
+    keep = request.truncate_prompt_tokens
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = ctx.max_model_len - (max_tokens or 1)
+    if keep < 1:
+        raise BadRequestError(f"truncate_prompt_tokens must be >= 1 or -1 (and leave a token "
+                              f"for the prompt after max_tokens), got "
+                              f"{request.truncate_prompt_tokens}",
+                              param="truncate_prompt_tokens", code="invalid_value")
+    if keep >= len(prompt.token_ids):
+        return prompt
+    ids = prompt.token_ids
+    # The text no longer matches the ids: echo decodes them instead.
+    return Prompt(None, ids[-keep:] if request.truncation_side == "left" else ids[:keep])
 
 
 def check_context(ctx: ServerContext, prompt: Prompt, max_tokens: int | None,

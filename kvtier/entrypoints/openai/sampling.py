@@ -38,9 +38,8 @@ MAX_LOGIT_BIAS = 100.0
 # implement: refused when set to anything but their "off" value (other unknown fields are
 # ignored). Each name maps to the values that mean off besides null, false, [] and {}.
 _UNSUPPORTED = {name: () for name in (
-    "bad_words", "allowed_token_ids", "structured_outputs", "guided_json",
-    "guided_regex", "guided_choice", "guided_grammar", "use_beam_search",
-    "truncate_prompt_tokens", "logits_processors")}
+    "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "use_beam_search", "logits_processors")}
 _UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "functions": (), "function_call": ("none",),
                         "tool_choice": ("none",), "audio": (), "modalities": (["text"],),
                         "documents": (), "chat_template": ()}
@@ -98,7 +97,8 @@ def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
     """Token ids a request carries beside its prompt must be in the vocabulary: one past it
     would fail the sampling step of every request batched with it."""
     for param, ids in (("stop_token_ids", request.stop_token_ids or ()),
-                       ("logit_bias", logit_bias(request) or ())):
+                       ("logit_bias", logit_bias(request) or ()),
+                       ("allowed_token_ids", request.allowed_token_ids or ())):
         bad = first_outside(list(ids), vocab_size)
         if bad is not None:
             raise BadRequestError(f"{param} holds token id {bad}, outside the vocabulary "
@@ -181,7 +181,7 @@ def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param:
         stop_token_ids=list(request.stop_token_ids or []), ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs)
+        prompt_logprobs=prompt_logprobs, allowed_token_ids=request.allowed_token_ids)
     try:
         return SamplingParams(**options)
     except ValueError as exc:
