@@ -11,13 +11,15 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvtier.entrypoints.openai import chat, completions, system
+from kvtier.entrypoints.openai import chat, completions, system, tokenize
 from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import AuthenticationError, install_error_handlers
 
 # Only the model API needs the key; probes (/health, /metrics, /version) stay open, as in vLLM.
-_PROTECTED_PREFIX = "/v1"
+# The model API, and the tokenizer endpoints (they run the chat template and the tokenizer on
+# a client's text; vLLM leaves them open).
+_PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
 def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0,
@@ -35,7 +37,7 @@ def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0,
     app = FastAPI(title="kvtier", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (completions, chat, system):
+    for module in (completions, chat, system, tokenize):
         app.include_router(module.router)
 
     # Added last runs first: the key check, then metrics (which count 413s), then the limit.
@@ -47,15 +49,15 @@ def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0,
 
 
 class APIKeyMiddleware:
-    """401 for /v1 requests without `Authorization: Bearer <key>` (plain ASGI, so streaming
-    responses and disconnect detection pass through untouched)."""
+    """401 for model API and tokenizer requests without `Authorization: Bearer <key>` (plain
+    ASGI, so streaming responses and disconnect detection pass through untouched)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
         self.api_key = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIX) and \
+        if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES) and \
                 not self._has_key(Headers(scope=scope).get("authorization", "")):
             error = AuthenticationError("invalid or missing API key; send 'Authorization: "
                                         "Bearer <key>'", code="invalid_api_key")

@@ -16,7 +16,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, model_validator
 
 
-class _Request(BaseModel):
+class APIRequest(BaseModel):
+    """A request body: unknown fields kept aside, nulls left out (see above)."""
+
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="before")
@@ -27,12 +29,12 @@ class _Request(BaseModel):
         return data
 
 
-class StreamOptions(_Request):
+class StreamOptions(APIRequest):
     include_usage: StrictBool = False
     continuous_usage_stats: StrictBool = False
 
 
-class SamplingFields(_Request):
+class SamplingFields(APIRequest):
     """Fields both generation endpoints share (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
