@@ -45,6 +45,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these token ids may be generated (greedy too); None: any.
     allowed_token_ids: list[int] | None = None
+    # Words never generated, as vLLM bans them: each word's tokens (with and without a leading
+    # space) are never completed by the generated tokens.
+    bad_words: list[str] = field(default_factory=list)
     seed: int | None = None
     max_tokens: int | None = 16  # None: up to the model's context length
     min_tokens: int = 0
@@ -69,6 +72,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids or ())
         if isinstance(self.allowed_token_ids, tuple):
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is None or isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words or ())
         self._check_types()
         if self.top_k == -1:
             self.top_k = 0
@@ -85,7 +90,9 @@ class SamplingParams:
         checks += [("stop", "a string or a list of strings", isinstance(self.stop, list)
                     and all(isinstance(s, str) for s in self.stop)),
                    ("stop_token_ids", "a list of token ids", isinstance(self.stop_token_ids,
-                                                                         list))]
+                                                                         list)),
+                   ("bad_words", "a list of strings", isinstance(self.bad_words, list)
+                    and all(isinstance(w, str) for w in self.bad_words))]
         for name, kind, ok in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} must be {kind}, got "

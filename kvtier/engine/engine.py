@@ -192,6 +192,7 @@ class Engine:
         eos = self._eos_token_ids
         # The scheduler knows one EOS id per request; a model's other EOS ids stop it too.
         extra_eos = [] if params.ignore_eos else list(eos[1:])
+        bad_words = self._bad_words_token_ids(params.bad_words)
         children = []
         for index in range(params.n):
             child_params = dataclasses.replace(
@@ -203,8 +204,24 @@ class Engine:
                                     eos_token_id=eos[0] if eos else None,
                                     block_hasher=self._block_hasher,
                                     skip_reading_prefix_cache=params.prompt_logprobs is not None,
-                                    **options))
+                                    bad_words_token_ids=bad_words, **options))
         return children
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """Each word's tokens as vLLM takes them: the word alone, and with a leading space
+        where that is another first token of as many tokens (a word inside the text)."""
+        if bad_words and self.tokenizer is None:
+            raise ValueError("SamplingParams.bad_words needs a tokenizer; this model has none")
+        result: list[tuple[int, ...]] = []
+        for word in bad_words:
+            alone = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if not alone:
+                raise ValueError(f"SamplingParams.bad_words entry {word!r} makes no token")
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            result.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                result.append(spaced)
+        return tuple(result)
 
     def _make_parent(self, request_id: str, prompt: str | None, token_ids: list[int],
                      params: SamplingParams, children: list[Request],

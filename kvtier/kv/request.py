@@ -80,6 +80,7 @@ class Request:
         lora_name: str | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         skip_reading_prefix_cache: bool = False,
+        bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
         kv_transfer_params: dict[str, Any] | None = None,
         eos_token_id: int | None = None,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
@@ -93,6 +94,8 @@ class Request:
         self.lora_name = lora_name
         self.mm_features: list[MultiModalFeature] = mm_features or []
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
+        # The token ids of SamplingParams.bad_words (the engine's tokenizer made them).
+        self.bad_words_token_ids = bad_words_token_ids
         self.kv_transfer_params = kv_transfer_params
         self.eos_token_id = eos_token_id
 

@@ -74,4 +74,5 @@ def _new_request_data(request: Request,
         num_prompt_tokens=request.num_prompt_tokens,
         sampling_params=request.sampling_params,
         block_ids=block_ids_of(request.request_id),
-        num_computed_tokens=request.num_computed_tokens)
+        num_computed_tokens=request.num_computed_tokens,
+        bad_words_token_ids=request.bad_words_token_ids)

@@ -30,6 +30,8 @@ class NewRequestData:
     block_ids: tuple[list[int], ...]
     # Tokens whose KV is already in the paged cache (local prefix hit or external load).
     num_computed_tokens: int
+    # Token id sequences the sampler must never complete (SamplingParams.bad_words).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)

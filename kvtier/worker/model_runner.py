@@ -151,7 +151,8 @@ class ModelRunner:
                                                dtype=torch.long, device=self.device)
         return SamplingRow(params, self.states.generators.get(state.req_id),
                            eos + tuple(params.stop_token_ids), state.token_ids,
-                           state.num_prompt_tokens, state.prompt_tensor)
+                           state.num_prompt_tokens, state.prompt_tensor,
+                           state.bad_words_token_ids)
 
     def shutdown(self) -> KVConnectorOutput | None:
         """Stop the connector's worker half; returns its last report, on the transfers that

@@ -27,6 +27,7 @@ class RequestState:
     # With prompt_logprobs asked for: those of prompt tokens 1.. computed so far, until they
     # go out with the request's first sampled token (then None).
     prompt_logprobs: list[dict[int, Logprob]] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_output_tokens(self) -> int:
@@ -53,7 +54,8 @@ class RequestStates:
             self.states[new.req_id] = RequestState(
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 [list(ids) for ids in new.block_ids], new.num_computed_tokens,
-                prompt_logprobs=None if new.sampling_params.prompt_logprobs is None else [])
+                prompt_logprobs=None if new.sampling_params.prompt_logprobs is None else [],
+                bad_words_token_ids=new.bad_words_token_ids)
             seed = new.sampling_params.seed
             if seed is not None and new.req_id not in self.generators:
                 generator = torch.Generator(device=self.device)

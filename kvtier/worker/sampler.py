@@ -1,11 +1,11 @@
 """Token sampling from one step's logits: greedy, temperature, top-k, top-p, min-p, seeds,
-allowed token ids, min_tokens, logit bias, presence / frequency / repetition penalties and
-logprobs.
+allowed token ids, bad words, min_tokens, logit bias, presence / frequency / repetition
+penalties and logprobs.
 
-The logits go through, in vLLM's order: the allowed-token mask, the min_tokens mask, the logit
-bias, the penalties (repetition, then frequency and presence); greedy rows take the argmax of
-the result, the others then apply temperature, top-k / top-p and min-p and draw. Logprobs are
-the model's own distribution, before any of it."""
+The logits go through, in vLLM's order: the allowed-token mask, the bad-word bans, the
+min_tokens mask, the logit bias, the penalties (repetition, then frequency and presence);
+greedy rows take the argmax of the result, the others then apply temperature, top-k / top-p and
+min-p and draw. Logprobs are the model's own distribution, before any of it."""
 
 from __future__ import annotations
 
@@ -43,6 +43,8 @@ class SamplingRow:
     # The prompt's ids as a tensor, kept by the request between steps; None: made from
     # `token_ids` when needed.
     prompt_tensor: torch.Tensor | None = None
+    # Token id sequences never to be completed (SamplingParams.bad_words, tokenized).
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
 
     @property
     def generated_token_ids(self) -> Sequence[int]:
@@ -100,7 +102,8 @@ class Sampler:
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
         # vLLM reports the model's own distribution, before any sampling processing.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-        logits = _mask_early_stops(_keep_allowed_tokens(logits, rows), rows)
+        logits = _ban_bad_words(_keep_allowed_tokens(logits, rows), rows)
+        logits = _mask_early_stops(logits, rows)
         logits = _apply_penalties(_apply_logit_bias(logits, rows), rows)
         is_greedy = [r.params.is_greedy for r in rows]
         if all(is_greedy):
@@ -189,6 +192,25 @@ def _keep_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch
         kept = logits[i, ids]
         logits[i] = float("-inf")
         logits[i, ids] = kept
+    return logits
+
+
+def _ban_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """A bad word's last token is banned where the generated tokens end with the rest of it
+    (a one-token word: always)."""
+    banned = []
+    for i, row in enumerate(rows):
+        generated = row.generated_token_ids
+        for word in row.bad_words_token_ids:
+            prefix = len(word) - 1
+            if prefix <= len(generated) and \
+                    (prefix == 0 or tuple(generated[len(generated) - prefix:]) == word[:-1]):
+                banned.append((i, word[-1]))
+    if not banned:
+        return logits
+    logits = logits.clone()
+    for i, token in banned:
+        logits[i, token] = float("-inf")
     return logits
 
 

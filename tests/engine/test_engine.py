@@ -309,3 +309,17 @@ def test_per_token_and_per_request_series_count_every_completion(llm):
     assert [key for key in metrics if key.startswith("vllm:cache_config_info")] == [
         'vllm:cache_config_info{block_size="4",num_gpu_blocks="64",'
         'enable_prefix_caching="True",cache_dtype="float32"}']
+
+
+def test_bad_words_are_never_generated(llm):
+    """Greedy output with a word of it banned: the word never appears, and the output up to
+    where it first stood is unchanged."""
+    tokenizer = llm.get_tokenizer()
+    plain = llm.generate({"prompt_token_ids": PROMPT}, GREEDY)[0].outputs[0].token_ids
+    banned = plain[2]
+    word = tokenizer.decode([banned])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, bad_words=[word])
+    out = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0].token_ids
+    assert banned not in out and out[:2] == plain[:2]
+    with pytest.raises(ValueError, match="makes no token"):
+        llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(bad_words=[" "]))

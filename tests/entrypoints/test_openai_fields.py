@@ -50,7 +50,6 @@ def test_a_null_is_a_field_left_out(server):
 
 
 @pytest.mark.parametrize("send, field", [
-    (completion, {"bad_words": ["a"]}),
     (completion, {"guided_json": {"type": "object"}}),
     (completion, {"structured_outputs": {"regex": "a+"}}),
     (completion, {"use_beam_search": True}),
@@ -178,3 +177,16 @@ def test_truncate_prompt_tokens_keeps_the_first_or_last_tokens(server):
     refused = completion(server, truncate_prompt_tokens=0)
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_bad_words_are_never_generated(server):
+    plain = completion(server, max_tokens=16, ignore_eos=True,
+                       return_token_ids=True).json()["choices"][0]
+    # A word of printable text the model generated (byte tokenizer: a character a token).
+    position, word = next((i, c) for i, c in enumerate(plain["text"])
+                          if i and c.isascii() and c.isprintable() and c.strip())
+    body = completion(server, max_tokens=16, ignore_eos=True, return_token_ids=True,
+                      bad_words=[word]).json()["choices"][0]
+    assert word not in body["text"] and body["text"][:position] == plain["text"][:position]
+    refused = completion(server, bad_words=[" "])  # no token: vLLM refuses it too
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words"

@@ -227,3 +227,16 @@ def test_allowed_token_ids_keep_only_those_tokens_greedy_and_sampled():
         row(SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[3])),
         row(SamplingParams(temperature=0.0))])
     assert out.token_ids == [0, 3, 1]
+
+
+def test_bad_words_ban_the_token_that_would_complete_them():
+    logits = torch.tensor([[0.0, 1.0, 5.0, 2.0]]).repeat(3, 1)  # greedy: 2, then 3
+    words = ((2, 3), (1,))  # "2 3" and "1" are banned
+    rows = [row(SamplingParams(temperature=0.0), output=[7, 2]),  # "2" just generated
+            row(SamplingParams(temperature=0.0), output=[7, 0]),
+            row(SamplingParams(temperature=0.0), output=[])]
+    for r in rows:
+        r.bad_words_token_ids = words
+    assert Sampler(CPU, 0).sample(logits, rows).token_ids == [2, 2, 2]
+    logits[:, 2] = -1.0  # now 3 leads, unless it completes "2 3"
+    assert Sampler(CPU, 0).sample(logits, rows).token_ids == [0, 3, 3]

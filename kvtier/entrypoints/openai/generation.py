@@ -9,6 +9,7 @@ requests still wait for their first output (`open_or_none`).
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -51,7 +52,10 @@ def to_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, EngineStepError):
         return InternalServerError(str(exc), code="engine_step_failed")
     if isinstance(exc, ValueError):
-        return BadRequestError(str(exc), code="invalid_value")
+        # The engine's checks name the SamplingParams field, as the request names it.
+        field = re.search(r"SamplingParams\.(\w+)", str(exc))
+        return BadRequestError(str(exc), param=field.group(1) if field else None,
+                               code="invalid_value")
     return InternalServerError(f"internal server error: {exc!r}")
 
 

@@ -65,8 +65,9 @@ class SamplingFields(APIRequest):
     # vLLM's: the logprobs of each prompt token and the top k at its position, as
     # `prompt_logprobs` in the response (the whole prompt is computed for them).
     prompt_logprobs: int | None = None
-    # vLLM's: only these token ids may be generated.
+    # vLLM's: only these token ids may be generated; these words never are.
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # vLLM's: keep this many prompt tokens (-1: as many as leave room for the output), the
     # last ones with truncation_side "left", else the first.
     truncate_prompt_tokens: int | None = None

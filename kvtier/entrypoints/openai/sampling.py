@@ -38,7 +38,7 @@ MAX_LOGIT_BIAS = 100.0
 # implement: refused when set to anything but their "off" value (other unknown fields are
 # ignored). Each name maps to the values that mean off besides null, false, [] and {}.
 _UNSUPPORTED = {name: () for name in (
-    "bad_words", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice",
     "guided_grammar", "use_beam_search", "logits_processors")}
 _UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "functions": (), "function_call": ("none",),
                         "tool_choice": ("none",), "audio": (), "modalities": (["text"],),
@@ -181,7 +181,8 @@ def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param:
         stop_token_ids=list(request.stop_token_ids or []), ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, allowed_token_ids=request.allowed_token_ids)
+        prompt_logprobs=prompt_logprobs, allowed_token_ids=request.allowed_token_ids,
+        bad_words=list(request.bad_words or []))
     try:
         return SamplingParams(**options)
     except ValueError as exc:
