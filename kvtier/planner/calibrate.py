@@ -31,7 +31,7 @@ from kvtier.offload.config import OffloadConfig, parse_kv_offload
 from kvtier.planner.calibrate_served import ServedBatch, ServedClient, fit_served
 from kvtier.planner.cost_model import CostModel, prefill_pairs
 from kvtier.planner.fit import nonnegative_fit
-from kvtier.planner.model_kv import model_kv
+from kvtier.planner.model_kv import model_kv, read_model_config
 
 # (sequences, prompt tokens of each, output tokens of each), queued at once. Prompts longer
 # than half the model's context are cut to fit it.
@@ -95,11 +95,14 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
     batch by batch, the three meet the same load from the machine's other jobs."""
     from kvtier.engine.llm import LLM
 
+    # Before the engines load: a server that is not there fails in a second, not a minute.
+    server = None if served_url is None else ServedClient(
+        served_url, read_model_config(model).vocab_size)
     engines = [LLM(model, dtype=dtype, device=device, block_size=block_size,
                    enable_prefix_caching=offload is not None, kv_offload=offload).engine
                for offload in dict.fromkeys([None, kv_offload])]
     try:
-        measurements, runs = _measure_steps(engines, served_url, repeats)
+        measurements, runs = _measure_steps(engines, server, repeats)
     finally:
         for engine in engines:
             engine.shutdown()
@@ -166,7 +169,7 @@ def calibration_batches(max_model_len: int) -> list[tuple[int, int, int]]:
     return batches
 
 
-def _measure_steps(engines: list, served_url: str | None,
+def _measure_steps(engines: list, server: ServedClient | None,
                    repeats: int) -> tuple[list[Measurement], dict[tuple, BatchRuns]]:
     """Every batch `repeats` times in each engine (the first alone, the second with tiers) and
     served, one after the other. Of the first engine's steps that did the same work, the
@@ -176,7 +179,6 @@ def _measure_steps(engines: list, served_url: str | None,
     rng = np.random.default_rng(0)
     vocab = engines[0].model_config.vocab_size
     batches = calibration_batches(engines[0].max_model_len)
-    server = None if served_url is None else ServedClient(served_url, vocab)
     for engine in engines:  # first-call costs are no step's
         _run_batch(engine, rng, vocab, (1, 32, 2), SamplingParams)
     fastest: dict[tuple[int, int, int, int], float] = {}

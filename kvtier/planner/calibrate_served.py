@@ -21,6 +21,8 @@ import numpy as np
 from kvtier.planner.fit import nonnegative_fit
 
 _REQUEST_TIMEOUT_S = 600.0
+# A server that does not answer its model list within this is not the one to calibrate with.
+_CONNECT_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -42,11 +44,17 @@ class ServedClient:
     """Serves calibration batches on the `kvtier serve` at `url` and times them."""
 
     def __init__(self, url: str, vocab_size: int) -> None:
-        self.url = url
+        """ValueError naming --served-url when no server answers there."""
+        self.url = url.rstrip("/")
         self.vocab_size = vocab_size
-        response = httpx.get(f"{url}/v1/models", timeout=_REQUEST_TIMEOUT_S)
-        response.raise_for_status()
-        self.model = response.json()["data"][0]["id"]
+        try:
+            response = httpx.get(f"{self.url}/v1/models", timeout=_CONNECT_TIMEOUT_S)
+            response.raise_for_status()
+            self.model = response.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, LookupError) as error:
+            raise ValueError(f"--served-url {url}: no `kvtier serve` answered its model list "
+                             f"({type(error).__name__}: {error}); start one there, or leave "
+                             "--served-url out") from None
         self.serve(np.random.default_rng(1), (1, 16, 2))  # first-call costs
 
     def serve(self, rng: np.random.Generator, batch: tuple[int, int, int]) -> float:

@@ -7,14 +7,18 @@ the engine's own KV cache code; `kvtier plan calibrate` measures this machine fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from kvtier.common.output_paths import check_output_path
 from kvtier.common.plotting import require_matplotlib
 from kvtier.common.sizes import parse_size
+from kvtier.common.urls import check_http_url
 from kvtier.entrypoints.bench.trace import TRACE_BLOCK_TOKENS, TraceScaling
 from kvtier.offload.config import OffloadConfig, parse_kv_offload
 from kvtier.planner.cost_model import (
@@ -26,7 +30,7 @@ from kvtier.planner.cost_model import (
 from kvtier.planner.model_kv import model_kv
 from kvtier.planner.plan import PlanConfig, run_plan
 from kvtier.planner.simulator import SchedulerLimits
-from kvtier.planner.sweep import parse_sweep, run_sweep, with_tier_size, write_sweep_plot
+from kvtier.planner.sweep import Sweep, parse_sweep, run_sweep, with_tier_size, write_sweep_plot
 
 LIMITS = SchedulerLimits()
 
@@ -113,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     config = _plan_config(args)
     sweep = None if args.sweep is None else parse_sweep(args.sweep)
     if sweep is not None:
-        with_tier_size(config.offload, sweep.tier, sweep.sizes[0])  # its tier exists
+        _check_sweep(config, sweep)
     if args.output_plot is not None:
         if sweep is None:
             raise ValueError("--output-plot draws the sweep; add --sweep TIER=LOW..HIGH")
@@ -134,6 +138,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def _check_sweep(config: PlanConfig, sweep: Sweep) -> None:
+    """Its tier exists, and its smallest and largest sizes can be simulated (checked now, not
+    after the plans before them)."""
+    for size in (sweep.sizes[0], sweep.sizes[-1]):
+        offload = with_tier_size(config.offload, sweep.tier, size)
+        try:
+            dataclasses.replace(config, offload=offload)
+        except ValueError as error:
+            raise ValueError(f"--sweep {sweep.tier} at {size} bytes: {error}") from None
 
 
 def _plan_config(args: argparse.Namespace) -> PlanConfig:
@@ -189,9 +204,31 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     # Imported here: it loads the engine (torch), which planning never needs.
     from kvtier.planner.calibrate import calibrate
 
+    # Checked before the minutes of measuring whose result they would lose.
+    check_output_path(args.output, "--output")
+    _check_disk_dir(args.disk_dir)
+    if args.served_url is not None:
+        check_http_url(args.served_url, "--served-url")
     result = calibrate(args.model, args.dtype, args.device, args.disk_dir,
                        block_size=args.block_size, kv_offload=args.kv_offload,
                        served_url=args.served_url)
     write_cost_model(result.cost, args.output, result.measurements, result.served_measurements)
     print(json.dumps(result.cost.to_json(), indent=2))
     return 0
+
+
+def _check_disk_dir(path: str | None) -> None:
+    """--disk-dir is a directory this user can write a file in (made if missing): tried with a
+    file, since permission bits say nothing of a read-only mount or of root."""
+    if path is None:
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--disk-dir {path} is not a directory; give the directory whose "
+                         "disk the disk tier would use")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path, prefix="kvtier-calibrate-"):
+            pass
+    except OSError as error:
+        raise ValueError(f"--disk-dir {path}: cannot write a file there ({error.strerror}); "
+                         "give a directory where this user may write") from None

@@ -11,6 +11,10 @@ from kvtier.kv import KVCacheConfig, KVCacheGroupSpec
 from kvtier.models.config import ModelConfig
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# The simulation runs the engine's block pool, which builds an object per device block (about
+# 110 bytes and a microsecond each): past this many a huge --device-kv would allocate until the
+# machine runs out of memory. 4M blocks (64M tokens at 16 a block) build in a few seconds.
+MAX_SIMULATED_BLOCKS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -35,15 +39,25 @@ class ModelKV:
     def bytes_per_token(self) -> float:
         return self.bytes_per_block / self.block_size
 
-    def kv_cache_config(self, device_bytes: int) -> KVCacheConfig:
-        """The device pool `device_bytes` holds, the null block included, as the engine counts
-        it (every layer holds one page per block)."""
+    def num_device_blocks(self, device_bytes: int) -> int:
+        """Blocks of the device pool `device_bytes` holds, the null block included, as the
+        engine counts them (every layer holds one page per block). ValueError naming
+        --device-kv unless 2 <= blocks <= MAX_SIMULATED_BLOCKS."""
         num_blocks = device_bytes // self.bytes_per_block
+        holds = (f"--device-kv {device_bytes} bytes holds {num_blocks} KV blocks of "
+                 f"{self.bytes_per_block} bytes")
         if num_blocks < 2:
-            raise ValueError(f"--device-kv {device_bytes} bytes holds {num_blocks} KV blocks of "
-                             f"{self.bytes_per_block} bytes; give at least "
-                             f"{2 * self.bytes_per_block} bytes")
-        return KVCacheConfig(num_blocks, list(self.groups))
+            raise ValueError(f"{holds}; give at least {2 * self.bytes_per_block} bytes")
+        if num_blocks > MAX_SIMULATED_BLOCKS:
+            limit = MAX_SIMULATED_BLOCKS * self.bytes_per_block
+            raise ValueError(f"{holds}; the planner simulates at most {MAX_SIMULATED_BLOCKS} "
+                             f"device blocks, so give at most {limit} bytes "
+                             f"({limit / 2**30:.1f} GiB)")
+        return num_blocks
+
+    def kv_cache_config(self, device_bytes: int) -> KVCacheConfig:
+        """The device pool `device_bytes` holds (see num_device_blocks)."""
+        return KVCacheConfig(self.num_device_blocks(device_bytes), list(self.groups))
 
 
 def read_model_config(model: str | None) -> ModelConfig:

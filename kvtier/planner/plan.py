@@ -16,6 +16,7 @@ from kvtier.planner.blocks import BlockKeys
 from kvtier.planner.cost_model import CostModel
 from kvtier.planner.model_kv import ModelKV
 from kvtier.planner.simulator import SchedulerLimits, SimRequest, Simulation
+from kvtier.planner.tiers import check_tier_sizes
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,14 @@ class PlanConfig:
     scaling: TraceScaling = TraceScaling()
     limits: SchedulerLimits = SchedulerLimits()
     per_request: bool = False
+
+    def __post_init__(self) -> None:
+        # Here, not when the simulation builds its pools: after the trace is read, and only once
+        # the size that cannot be simulated is one of a sweep's later points.
+        self.model.num_device_blocks(self.device_bytes)
+        if self.offload is not None:
+            check_tier_sizes(self.offload,
+                             self.model.bytes_per_block * self.offload.blocks_per_chunk)
 
 
 def plan_requests(requests: list[ScaledRequest], keys: BlockKeys) -> list[SimRequest]:

@@ -29,6 +29,9 @@ from kvtier.offload.policies import make_policy
 from kvtier.offload.tiers.disk import FILE_HEADER_BYTES, slot_stride
 
 HOST = "host"
+# HostCache lists every free slot (about 40 bytes each): past this many a huge tier size would
+# allocate gigabytes before the first request. 16M slots take about 0.6 GiB and a second.
+MAX_SIMULATED_SLOTS = 1 << 24
 
 
 class SlotCount:
@@ -73,21 +76,16 @@ class SimulatedOffload:
         self.num_stored = [0] * (1 + len(self.tiers))
 
     def _secondary(self, spec: TierSpec) -> SimTier:
-        max_bytes = getattr(spec.options, "max_bytes", None)
+        budget = _budget_bytes(spec)
         write_back = (spec.write_policy or self.config.write_policy) == "write_back"
-        if max_bytes is None:
+        if budget is None:
             return SimTier(spec.name, spec.type, None, None, write_back, spec.admit_after_hits)
-        # The disk tier's file starts with a page of header, then its slots.
-        budget = max_bytes - FILE_HEADER_BYTES if spec.type == "disk" else max_bytes
-        tier = _tier(spec.name, spec.type, budget, self._slot_bytes(spec.type), "lru",
-                     self.chunk_bytes)
+        tier = _tier(spec.name, spec.type, budget, _slot_bytes(spec.type, self.chunk_bytes),
+                     "lru", self.chunk_bytes)
         tier.write_back, tier.admit_after_hits = write_back, spec.admit_after_hits
         # Under a chunk secret every load checks the chunk's MAC: the engine maps nothing.
         tier.maps = getattr(spec.options, "direct_loads", False) and not self.config.secret_file
         return tier
-
-    def _slot_bytes(self, kind: str) -> int:
-        return slot_stride(self.chunk_bytes) if kind == "disk" else self.chunk_bytes
 
     @property
     def all_tiers(self) -> list[SimTier]:
@@ -201,13 +199,48 @@ class SimulatedOffload:
         self.num_stored[1 + index] += 1
 
 
+def check_tier_sizes(config: OffloadConfig, chunk_bytes: int) -> None:
+    """ValueError naming --kv-offload when a tier of `config` holds no chunk of
+    `chunk_bytes`, or more than the planner simulates: before any work, where SimulatedOffload
+    would fail only once the trace is read."""
+    _num_slots(HOST, config.cpu_bytes_to_use, chunk_bytes)
+    for spec in config.secondary_tiers:
+        budget = _budget_bytes(spec)
+        if budget is not None:
+            _num_slots(spec.name, budget, _slot_bytes(spec.type, chunk_bytes))
+
+
+def _budget_bytes(spec: TierSpec) -> int | None:
+    """The bytes a secondary tier's slots may take; None: no byte budget."""
+    max_bytes = getattr(spec.options, "max_bytes", None)
+    # The disk tier's file starts with a page of header, then its slots.
+    if max_bytes is not None and spec.type == "disk":
+        return max_bytes - FILE_HEADER_BYTES
+    return max_bytes
+
+
+def _slot_bytes(kind: str, chunk_bytes: int) -> int:
+    return slot_stride(chunk_bytes) if kind == "disk" else chunk_bytes
+
+
+def _num_slots(name: str, budget_bytes: int, slot_bytes: int) -> int:
+    num_slots = budget_bytes // slot_bytes
+    if num_slots < 1:
+        raise ValueError(f"--kv-offload: the {name} tier's {budget_bytes} bytes hold no chunk "
+                         f"of {slot_bytes} bytes; give it at least {slot_bytes}")
+    if num_slots > MAX_SIMULATED_SLOTS:
+        limit = MAX_SIMULATED_SLOTS * slot_bytes
+        raise ValueError(f"--kv-offload: the {name} tier's {budget_bytes} bytes hold "
+                         f"{num_slots} chunks of {slot_bytes} bytes; the planner simulates at "
+                         f"most {MAX_SIMULATED_SLOTS}, so give it at most {limit} bytes "
+                         f"({limit / 2**30:.1f} GiB)")
+    return num_slots
+
+
 def _tier(name: str, kind: str, budget_bytes: int, slot_bytes: int, policy: str,
           chunk_bytes: int) -> SimTier:
     """A tier of `budget_bytes` in slots of `slot_bytes`; its capacity counts the KV bytes its
     slots hold (`chunk_bytes` each), comparable with the working set."""
-    num_slots = budget_bytes // slot_bytes
-    if num_slots < 1:
-        raise ValueError(f"the {name} tier's {budget_bytes} bytes hold no chunk of "
-                         f"{slot_bytes} bytes; give it at least {slot_bytes}")
+    num_slots = _num_slots(name, budget_bytes, slot_bytes)
     cache = HostCache(SlotCount(num_slots, slot_bytes), make_policy(policy, num_slots))
     return SimTier(name, kind, cache, num_slots * chunk_bytes)

@@ -10,7 +10,12 @@ import argparse
 import logging
 
 from kvtier.common.sizes import parse_size
-from kvtier.router.config import POLICIES, RouterConfig
+from kvtier.router.config import (
+    POLICIES,
+    PREFILL_TIMEOUT_S,
+    RouterConfig,
+    check_positive_seconds,
+)
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -25,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="P/D mode: an instance that loads a prompt's KV from a prefill "
                              "instance and answers the request (P2PConnector kv_consumer; "
                              "repeat for each; needs --prefill)")
-    parser.add_argument("--prefill-timeout", type=float, default=60.0,
+    parser.add_argument("--prefill-timeout", type=float, default=PREFILL_TIMEOUT_S,
                         help="P/D mode: seconds a prefill instance gets to compute a prompt; "
                              "past it the decode instance computes it itself (default 60)")
     parser.add_argument("--local-prefill-tokens", type=int, default=0,
@@ -72,8 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.shutdown_timeout <= 0:
-        raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
+    check_positive_seconds(args.shutdown_timeout, "--shutdown-timeout")
     return RouterConfig(
         instances=tuple(args.instance), prefill=tuple(args.prefill), decode=tuple(args.decode),
         prefill_timeout_s=args.prefill_timeout,

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
-from urllib.parse import urlsplit
+
+from kvtier.common.urls import check_http_url
+
+PREFILL_TIMEOUT_S = 60.0
+# The options in seconds, by their flag (those with none named as the field).
+_SECONDS_FLAGS = {"health_interval_s": "--health-interval", "event_timeout_s": "event_timeout_s",
+                  "connect_timeout_s": "connect_timeout_s", "read_timeout_s": "--read-timeout",
+                  "prefill_timeout_s": "--prefill-timeout"}
 
 Policy = Literal["kv-aware", "round-robin", "least-loaded"]
 POLICIES: tuple[Policy, ...] = ("kv-aware", "round-robin", "least-loaded")
@@ -52,7 +60,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     # Longest wait for a prefill instance's answer; past it the decode instance computes the
     # prompt itself.
-    prefill_timeout_s: float = 60.0
+    prefill_timeout_s: float = PREFILL_TIMEOUT_S
     # P/D mode: a prompt of which the decode instance lacks at most this many tokens (by the
     # index) is computed there, with no prefill instance: a short prompt or a later turn costs
     # that instance less than waiting behind long prompts for a prefill. 0: every prompt goes
@@ -82,21 +90,25 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, "
                                  f"got {getattr(self, name)}")
-        self._check_local_prefill()
+        self._check_pd_options()
         if self.load_weight_tokens < 0:
             raise ValueError(f"--load-weight-tokens must be >= 0, got {self.load_weight_tokens}")
-        for name in ("health_interval_s", "event_timeout_s", "connect_timeout_s",
-                     "read_timeout_s", "prefill_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        for name, flag in _SECONDS_FLAGS.items():
+            check_positive_seconds(getattr(self, name), flag)
 
-    def _check_local_prefill(self) -> None:
+    def _check_pd_options(self) -> None:
         if self.local_prefill_tokens < 0:
             raise ValueError("--local-prefill-tokens must be >= 0, got "
                              f"{self.local_prefill_tokens}")
-        if self.local_prefill_tokens and not self.is_disaggregated:
-            raise ValueError("--local-prefill-tokens is for P/D mode (--prefill and --decode "
-                             "URLs); drop it in instance mode")
+        if not self.is_disaggregated:
+            # Instance mode has no prefill instance to wait for or to skip: a flag that would
+            # be ignored is refused instead.
+            for value, default, flag in (
+                    (self.local_prefill_tokens, 0, "--local-prefill-tokens"),
+                    (self.prefill_timeout_s, PREFILL_TIMEOUT_S, "--prefill-timeout")):
+                if value != default:
+                    raise ValueError(f"{flag} is for P/D mode (--prefill and --decode URLs); "
+                                     "drop it in instance mode")
         if self.local_prefill_tokens and self.policy != "kv-aware":
             raise ValueError("--local-prefill-tokens needs --policy kv-aware: the router counts "
                              "a prompt's uncached tokens with its KV index")
@@ -111,10 +123,14 @@ class RouterConfig:
         for flag, urls in (("--instance", self.instances), ("--prefill", self.prefill),
                            ("--decode", self.decode)):
             for url in urls:
-                parts = urlsplit(url)
-                if parts.scheme not in ("http", "https") or not parts.hostname:
-                    raise ValueError(f"{flag} {url!r} is not an http(s) URL; use e.g. "
-                                     "http://127.0.0.1:8000")
+                check_http_url(url, flag)
         if len(set(self.all_urls)) != len(self.all_urls):
             raise ValueError("instance URLs must be distinct (an instance is either a prefill "
                              "or a decode one)")
+
+
+def check_positive_seconds(seconds: float, flag: str) -> None:
+    """ValueError naming `flag` unless `seconds` is finite and > 0: a NaN passes any `<=` test
+    (a NaN health interval checked the instances ~9 times a second)."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{flag} must be a finite number of seconds > 0, got {seconds}")

@@ -4,6 +4,9 @@ sweeps and their plot, and the errors a user gets."""
 from __future__ import annotations
 
 import json
+import re
+import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ import pytest
 from kvtier.entrypoints import cli
 from kvtier.entrypoints.bench.trace import TraceScaling
 from kvtier.planner.cost_model import CostModel, write_cost_model
-from kvtier.planner.model_kv import model_kv
+from kvtier.planner.model_kv import MAX_SIMULATED_BLOCKS, model_kv
 from kvtier.planner.plan import PlanConfig, run_plan
 
 from ..tiny_models import make_hf_model
@@ -125,3 +128,62 @@ def test_the_working_set_counts_the_served_requests_only(model_dir, tmp_path, ca
     assert everything["num_rejected"] == 0 < fewer["num_rejected"]
     # A rejected request's blocks reach no tier.
     assert fewer["working_set"]["distinct_blocks"] < everything["working_set"]["distinct_blocks"]
+
+
+def test_a_device_pool_is_capped_at_what_the_simulator_holds(model_dir):
+    model = model_kv(model_dir)
+    assert model.num_device_blocks(MAX_SIMULATED_BLOCKS * model.bytes_per_block) == \
+        MAX_SIMULATED_BLOCKS
+    with pytest.raises(ValueError, match="--device-kv .* the planner simulates at most"):
+        model.num_device_blocks((MAX_SIMULATED_BLOCKS + 1) * model.bytes_per_block)
+
+
+@pytest.mark.parametrize("extra, message", [
+    # Each once built a pool of that many blocks or slots: allocating until killed.
+    (["--device-kv", "9999999TiB"], "--device-kv .* the planner simulates at most 4194304 "
+                                    "device blocks, so give at most"),
+    (["--kv-offload", "host=9999999TiB"], "--kv-offload: the host tier's .* the planner "
+                                          "simulates at most 16777216"),
+    (["--kv-offload", "host=1GiB,disk=9999999TiB"], "--kv-offload: the disk tier's"),
+    (["--kv-offload", "host=1GiB", "--sweep", "host=1GiB..9999999TiB"],
+     "--sweep host at .* the planner simulates at most"),
+    (["--kv-offload", "host=1GiB", "--sweep", "host=1..1GiB"], "--sweep host at 1 bytes: .* "
+                                                                "hold no chunk"),
+])
+def test_sizes_past_the_simulator_fail_before_the_trace_is_read(model_dir, tmp_path, capsys,
+                                                                 extra, message):
+    argv = ["plan", "--trace", str(tmp_path / "not-read.jsonl"), "--model", model_dir,
+            "--hits-only", "--device-kv", "1GiB", *extra]
+    assert cli.main(argv) == cli.USAGE_ERROR
+    assert re.search(message, capsys.readouterr().err)
+
+
+def _no_server_url() -> str:
+    with socket.socket() as probe:  # a port nothing listens on, once closed
+        probe.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{probe.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--output", "TMP"], "--output TMP is a directory"),
+    (["--disk-dir", "FILE"], "--disk-dir FILE is not a directory"),
+    (["--served-url", "ftp://x"], r"--served-url 'ftp://x' is not an http\(s\) URL"),
+    (["--served-url", "http://127.0.0.1:99999"], "--served-url .*Port out of range"),
+    (["--served-url", "NO_SERVER"], "--served-url http://127.0.0.1:.*: no `kvtier serve` "
+                                    "answered"),
+])
+def test_calibrate_checks_its_flags_before_measuring(model_dir, tmp_path, capsys, extra,
+                                                     message):
+    (tmp_path / "file").write_text("")
+    names = {"TMP": str(tmp_path), "FILE": str(tmp_path / "file"),
+             "NO_SERVER": _no_server_url()}
+    argv = ["plan", "calibrate", "--model", model_dir, "--output", str(tmp_path / "cost.json"),
+            *[names.get(a, a) for a in extra]]
+    started = time.monotonic()
+    assert cli.main(argv) == cli.USAGE_ERROR
+    err = capsys.readouterr().err
+    for name, value in names.items():
+        message = message.replace(name, re.escape(value))
+    assert re.search(message, err), err
+    assert len(err.strip().splitlines()) == 1
+    assert time.monotonic() - started < 5  # not after a calibration's measuring

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtier.common.urls import check_http_url
 from kvtier.config import EngineConfig
 
 ApiKind = Literal["chat", "completions"]
@@ -41,8 +43,9 @@ class MultiTurnConfig:
             (self.context_tokens >= 0, "context_tokens", "must be >= 0"),
             (self.user_tokens >= 1, "user_tokens", "must be >= 1"),
             (self.output_tokens >= 1, "output_tokens", "must be >= 1"),
-            (self.think_time_s >= 0.0, "think_time_s", "must be >= 0"),
-            (self.start_interval_s >= 0.0, "start_interval_s", "must be >= 0"),
+            (0.0 <= self.think_time_s < math.inf, "think_time_s", "must be finite and >= 0"),
+            (0.0 <= self.start_interval_s < math.inf, "start_interval_s",
+             "must be finite and >= 0"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -64,16 +67,9 @@ class ServerTarget:
     run_timeout_s: float = 3600.0
 
     def __post_init__(self) -> None:
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError("ServerTarget.url must start with http:// or https://, "
-                             f"got {self.url!r}")
-        if self.api not in ("chat", "completions"):
-            raise ValueError(f"ServerTarget.api must be 'chat' or 'completions', got {self.api!r}")
-        if self.request_timeout_s <= 0.0:
-            raise ValueError("ServerTarget.request_timeout_s must be > 0, "
-                             f"got {self.request_timeout_s}")
-        if self.run_timeout_s <= 0.0:
-            raise ValueError(f"ServerTarget.run_timeout_s must be > 0, got {self.run_timeout_s}")
+        check_http_url(self.url, "ServerTarget.url (--url)")
+        _check_api_and_timeouts("ServerTarget", self.api, self.request_timeout_s,
+                                self.run_timeout_s)
 
     @property
     def base_url(self) -> str:
@@ -98,13 +94,21 @@ class EngineTarget:
         if not isinstance(self.engine, EngineConfig):
             raise ValueError("EngineTarget.engine must be an EngineConfig (build one with "
                              f"EngineConfig.create(...)), got {type(self.engine).__name__}")
-        if self.api not in ("chat", "completions"):
-            raise ValueError(f"EngineTarget.api must be 'chat' or 'completions', got {self.api!r}")
-        if self.request_timeout_s <= 0.0:
-            raise ValueError("EngineTarget.request_timeout_s must be > 0, "
-                             f"got {self.request_timeout_s}")
-        if self.run_timeout_s <= 0.0:
-            raise ValueError(f"EngineTarget.run_timeout_s must be > 0, got {self.run_timeout_s}")
+        _check_api_and_timeouts("EngineTarget", self.api, self.request_timeout_s,
+                                self.run_timeout_s)
+
+
+def _check_api_and_timeouts(target: str, api: str, request_timeout_s: float,
+                            run_timeout_s: float) -> None:
+    """ValueError naming the field and its flag. A NaN timeout passes any `<=` test and then
+    bounds nothing; an infinite one bounds nothing either."""
+    if api not in ("chat", "completions"):
+        raise ValueError(f"{target}.api must be 'chat' or 'completions' (--api), got {api!r}")
+    for field, flag, seconds in (("request_timeout_s", "--request-timeout", request_timeout_s),
+                                 ("run_timeout_s", "--run-timeout", run_timeout_s)):
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"{target}.{field} must be a finite number of seconds > 0 "
+                             f"({flag}), got {seconds}")
 
 
 BenchTarget = ServerTarget | EngineTarget
