@@ -10,8 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-# Imports no torch: a bad transfer config fails before anything heavy loads.
+# Imports no torch at module level: a bad transfer config fails before anything heavy loads
+# (the device check imports it, only when a device is named).
+from kvtier.common.memory import available_memory_bytes, format_bytes
 from kvtier.connector.config import KVTransferConfig
+from kvtier.sampling_params import SEED_RANGE
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16",
@@ -25,6 +28,42 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 512 * 1024 * 1024
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def check_seed(seed: object, where: str) -> None:
+    """The engine's sampler seeds a torch generator with it, which takes [-2**63, 2**64)."""
+    _require(isinstance(seed, int) and not isinstance(seed, bool)
+             and SEED_RANGE[0] <= seed < SEED_RANGE[1],
+             f"{where} must be an integer in [-2**63, 2**64 - 1], got {seed!r}")
+
+
+def check_device(name: str, where: str) -> None:
+    """A device torch parses and this build of it can use: found here, before the model loads,
+    not by the first tensor moved there."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"{where} {name!r} is not a device PyTorch knows ({exc}); give cpu, "
+                         "cuda or cuda:N") from None
+    if device.type == "cuda":
+        _require(torch.version.cuda is not None or torch.version.hip is not None,
+                 f"{where} {name}: this PyTorch build has no CUDA (torch {torch.__version__}); "
+                 f"give {where} cpu, or install a CUDA build of PyTorch")
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        _require(count > 0, f"{where} {name}: no CUDA device is visible "
+                            f"(torch.cuda.is_available() is False); give {where} cpu")
+        _require(device.index is None or device.index < count,
+                 f"{where} {name}: only {count} CUDA device(s) are visible (cuda:0 .. "
+                 f"cuda:{count - 1})")
+        return
+    # Other accelerators (mps, xpu) say through their torch module; meta and the like run
+    # no model.
+    is_available = getattr(getattr(torch, device.type, None), "is_available", None)
+    _require(device.type == "cpu" or (callable(is_available) and is_available()),
+             f"{where} {name}: this PyTorch build cannot run a model on {device.type} "
+             f"(no torch.{device.type}.is_available()); give {where} cpu or cuda")
 
 
 @dataclass(frozen=True)
@@ -47,6 +86,9 @@ class ModelLoadConfig:
                  f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         _require(self.max_model_len is None or self.max_model_len >= 1,
                  f"max_model_len must be >= 1 (or None for the model's), got {self.max_model_len}")
+        check_seed(self.seed, "seed")
+        if self.device is not None:
+            check_device(self.device, "device")
 
 
 @dataclass(frozen=True)
@@ -137,11 +179,14 @@ class EngineConfig:
 def parse_transfer_config(value: Any, where: str) -> KVTransferConfig | None:
     """A KVTransferConfig from itself, a dict, or a JSON string (the CLI form); `where` names
     the option in errors."""
-    if value is None or isinstance(value, KVTransferConfig):
+    if value is None:
         return value
     if isinstance(value, str):
-        return KVTransferConfig.from_json(value, where)
-    return KVTransferConfig.from_dict(value)
+        value = KVTransferConfig.from_json(value, where)
+    elif not isinstance(value, KVTransferConfig):
+        value = KVTransferConfig.from_dict(value)
+    _check_host_budget(value, f"{where} kv_connector_extra_config.cpu_bytes_to_use")
+    return value
 
 
 def kv_offload_transfer_config(flag: str, where: str) -> KVTransferConfig:
@@ -149,5 +194,19 @@ def kv_offload_transfer_config(flag: str, where: str) -> KVTransferConfig:
     stands for, its options parsed; `where` names the option in errors ("--kv-offload")."""
     # The offload package imports numpy: only when offloading is asked for.
     from kvtier.offload.config import CONNECTOR_NAME, parse_kv_offload
-    return KVTransferConfig(kv_connector=CONNECTOR_NAME,
-                            kv_connector_extra_config=parse_kv_offload(flag, where))
+    config = KVTransferConfig(kv_connector=CONNECTOR_NAME,
+                              kv_connector_extra_config=parse_kv_offload(flag, where))
+    _check_host_budget(config, f"{where} host")
+    return config
+
+
+def _check_host_budget(config: KVTransferConfig, where: str) -> None:
+    """An engine's host tier is allocated (and populated) at start-up: a budget past the memory
+    available would fail there with a bare "Cannot allocate memory", after the model loads.
+    Checked here, not in OffloadConfig: the planner sizes tiers for other machines."""
+    budget = getattr(config.options, "cpu_bytes_to_use", None)
+    available = available_memory_bytes()
+    if isinstance(budget, int) and available is not None and budget > available:
+        raise ValueError(f"{where}: {budget} bytes ({format_bytes(budget)}) is more than this "
+                         f"machine's available memory ({format_bytes(available)}); give at most "
+                         f"{available} bytes")

@@ -14,7 +14,7 @@ _REALS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalt
           "repetition_penalty")
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # torch's generators take seeds in [-2**63, 2**64); completion i of n uses seed + i.
-_SEED_RANGE = (-(2 ** 63), 2 ** 64)
+SEED_RANGE = (-(2 ** 63), 2 ** 64)
 _GREEDY_BELOW = 1e-5
 
 
@@ -83,8 +83,11 @@ class SamplingParams:
         checks = [(name, "an int", _is_int(getattr(self, name))) for name in _INTS]
         checks += [(name, "an int or None", getattr(self, name) is None
                     or _is_int(getattr(self, name))) for name in _OPTIONAL_INTS]
-        checks += [(name, "a number", isinstance(getattr(self, name), Real)
-                    and not isinstance(getattr(self, name), bool)) for name in _REALS]
+        # Finite: an infinite temperature samples uniform noise, and NaN passes every range
+        # check below (each comparison is false).
+        checks += [(name, "a finite number", isinstance(getattr(self, name), Real)
+                    and not isinstance(getattr(self, name), bool)
+                    and math.isfinite(getattr(self, name))) for name in _REALS]
         checks += [(name, "true or false", isinstance(getattr(self, name), bool))
                    for name in _BOOLS]
         checks += [("stop", "a string or a list of strings", isinstance(self.stop, list)
@@ -123,8 +126,8 @@ class SamplingParams:
             (self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
              "must be >= 0 (or -1 for the whole vocabulary)"),
             (all(s for s in self.stop), "stop", "must not contain empty strings"),
-            (self.seed is None or _SEED_RANGE[0] <= self.seed
-             and self.seed + self.n - 1 < _SEED_RANGE[1], "seed",
+            (self.seed is None or SEED_RANGE[0] <= self.seed
+             and self.seed + self.n - 1 < SEED_RANGE[1], "seed",
              "must be in [-2**63, 2**64 - n] (completion i of n draws with seed + i)"),
             (all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                  for t in self.stop_token_ids), "stop_token_ids",

@@ -8,6 +8,8 @@ from kvtier.common.sizes import parse_size
 from kvtier.config import (
     DTYPES,
     EngineConfig,
+    check_device,
+    check_seed,
     kv_offload_transfer_config,
     parse_transfer_config,
 )
@@ -75,6 +77,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     positional = getattr(args, "model_positional", None)
     if positional is not None and args.model is not None and positional != args.model:
         raise ValueError(f"model given twice: {positional!r} and --model {args.model!r}")
+    # The config checks these too, naming its keys; here the errors name the flags.
+    check_seed(args.seed, "--seed")
+    if args.device is not None:
+        check_device(args.device, "--device")
     memory = None
     if args.kv_cache_memory_bytes is not None:
         memory = parse_size(args.kv_cache_memory_bytes, "--kv-cache-memory-bytes")

@@ -52,8 +52,22 @@ _POLL_INTERVAL_S = 0.05
 _CLOSE_LINGER_MS = 500
 
 
+# The config's fields by type (KVEventsConfig checks each).
+_BOOL_FIELDS = ("enable_kv_cache_events", "include_token_ids")
+_STR_FIELDS = ("publisher", "endpoint", "replay_endpoint", "topic")
+_OPTIONAL_FIELDS = ("publisher", "replay_endpoint")
+_COUNT_FIELDS = ("buffer_steps", "hwm", "max_queue_size")
+# ZMQ takes the high-water mark as a C int; the other counts share its bound.
+_MAX_COUNT = 2**31 - 1
+
+
 class KVEventsConfigError(ValueError):
     """A --kv-events-config value that cannot be used; the message names the field."""
+
+
+def _require_field(ok: bool, name: str, rule: str, value: Any) -> None:
+    if not ok:
+        raise KVEventsConfigError(f"kv_events_config.{name} {rule}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class KVEventsConfig:
     include_token_ids: bool = True
 
     def __post_init__(self) -> None:
+        self._check_types()
         publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
         object.__setattr__(self, "publisher", publisher)
         checks = [
@@ -84,16 +99,29 @@ class KVEventsConfig:
              "must start with tcp://, ipc:// or inproc://"),
             (self.replay_endpoint is None or self.replay_endpoint.startswith(_ENDPOINT_SCHEMES),
              "replay_endpoint", "must be null or start with tcp://, ipc:// or inproc://"),
-            (self.buffer_steps >= 1, "buffer_steps", "must be >= 1"),
-            (self.hwm >= 1, "hwm", "must be >= 1"),
-            (self.max_queue_size >= 1, "max_queue_size", "must be >= 1"),
-            (isinstance(self.include_token_ids, bool), "include_token_ids",
-             "must be true or false"),
         ]
         for ok, name, rule in checks:
             if not ok:
                 raise KVEventsConfigError(
                     f"kv_events_config.{name} {rule}, got {getattr(self, name)!r}")
+
+    def _check_types(self) -> None:
+        """Every field's type, and the counts' range: a wrong one would otherwise surface only
+        in the publisher thread (a string topic, an int high-water mark), which then dies and
+        leaves subscribers waiting for events that never come."""
+        for name in _BOOL_FIELDS:
+            _require_field(isinstance(getattr(self, name), bool), name, "must be true or false",
+                           getattr(self, name))
+        for name in _STR_FIELDS:
+            value = getattr(self, name)
+            _require_field(isinstance(value, str) or (value is None and name in _OPTIONAL_FIELDS),
+                           name, "must be a string" + (" or null" if name in _OPTIONAL_FIELDS
+                                                       else ""), value)
+        for name in _COUNT_FIELDS:
+            value = getattr(self, name)
+            _require_field(isinstance(value, int) and not isinstance(value, bool)
+                           and 1 <= value <= _MAX_COUNT, name,
+                           f"must be an integer in [1, {_MAX_COUNT}]", value)
 
     @property
     def is_publishing(self) -> bool:

@@ -20,7 +20,12 @@ from kvtier.connector.config import KVTransferConfig
 from kvtier.kv import KVCacheConfig, KVIdentity, MambaSpec, SlidingWindowSpec
 from kvtier.models.config import ModelConfig
 from kvtier.models.weight_identity import model_files, weights_digest
-from kvtier.worker.kv_cache import block_bytes, build_kv_cache_groups, plan_num_blocks
+from kvtier.worker.kv_cache import (
+    block_bytes,
+    build_kv_cache_groups,
+    device_memory_bytes,
+    plan_num_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +81,7 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
         block_bytes=block_bytes(groups), block_size=cache.block_size,
         memory_bytes=_memory_budget(config),
         num_blocks=cache.num_device_blocks, max_num_seqs=config.scheduler.max_num_seqs,
-        max_model_len=max_model_len)
+        max_model_len=max_model_len, available_bytes=device_memory_bytes(device))
     max_model_len = _fit_max_model_len(max_model_len, asked is not None, num_blocks,
                                        len(groups), cache.block_size)
     kinds = tuple(_spec_kind(group.kv_cache_spec) for group in groups)

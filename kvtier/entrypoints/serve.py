@@ -10,7 +10,9 @@ import argparse
 import dataclasses
 import gc
 import logging
+import math
 import os
+import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -73,19 +75,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "long the engine thread can wait for the GIL after a torch op")
 
 
-def _checked_config(args: argparse.Namespace) -> tuple[EngineConfig, int]:
-    """The engine config and the request body limit in bytes, every server option checked;
-    imports no torch, so a bad value fails before the heavy imports."""
+def _checked_config(args: argparse.Namespace
+                    ) -> tuple[EngineConfig, int, KVEventsConfig | None]:
+    """The engine config, the request body limit in bytes and the KV events config, every
+    server option checked; imports no torch (unless --device names one), so a bad value fails
+    before the heavy imports."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if args.shutdown_timeout <= 0:
-        raise ValueError(f"--shutdown-timeout must be > 0, got {args.shutdown_timeout}")
+    # `not x > 0` rather than `x <= 0`: NaN compares false both ways.
+    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout > 0):
+        raise ValueError(f"--shutdown-timeout must be a finite number of seconds > 0, "
+                         f"got {args.shutdown_timeout}")
     if not 0 < args.switch_interval <= 1:
         raise ValueError(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
     max_body = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")
     if max_body <= 0:
         raise ValueError(f"--max-request-body-bytes must be > 0, got {max_body}")
-    return engine_config_from_args(args), max_body
+    config = engine_config_from_args(args)
+    events_config = None
+    if args.kv_events_config is not None:
+        from kvtier.engine.kv_events import KVEventsConfig
+
+        events_config = KVEventsConfig.from_json(args.kv_events_config)
+        if events_config.enable_kv_cache_events:
+            config = dataclasses.replace(config, cache=dataclasses.replace(
+                config.cache, enable_kv_cache_events=True))
+    check_listen_address(args.host, args.port)
+    return config, max_body, events_config
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Bind HOST:PORT once and let go: an address that does not resolve, is not this machine's,
+    or is taken fails now, not after the model has loaded. Reuse-address as uvicorn binds, so
+    a port in TIME_WAIT from a server just stopped passes as it will there."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ValueError(f"--host {host!r} does not resolve to an address ({exc}); give an "
+                         "IP address such as 127.0.0.1 or 0.0.0.0, or a name this machine "
+                         "resolves") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            # Lower case as uvicorn words it: what watches a log for "address already in use"
+            # sees it from either.
+            reason = (exc.strerror or str(exc)).lower()
+            raise ValueError(f"cannot listen on --host {host} --port {port}: {reason}; give "
+                             "an address of this machine and a free port") from None
 
 
 def _kv_events_info(events: KVEventsConfig | None, config: EngineConfig,
@@ -104,24 +144,18 @@ def _kv_events_info(events: KVEventsConfig | None, config: EngineConfig,
 
 
 def run(args: argparse.Namespace) -> int:
-    config, max_body = _checked_config(args)
+    config, max_body, events_config = _checked_config(args)
     chat_template = None if args.chat_template is None else read_chat_template(args.chat_template)
     import uvicorn
 
     from kvtier.common.cpu_threads import use_one_cpu_thread
     from kvtier.engine.async_llm import AsyncLLM
     from kvtier.engine.engine import Engine
-    from kvtier.engine.kv_events import KVEventsConfig, make_event_publisher
+    from kvtier.engine.kv_events import make_event_publisher
     from kvtier.entrypoints.openai.app import build_app
     from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
     from kvtier.models.generation_config import load_sampling_defaults
 
-    events_config = None
-    if args.kv_events_config is not None:
-        events_config = KVEventsConfig.from_json(args.kv_events_config)
-        if events_config.enable_kv_cache_events:
-            config = dataclasses.replace(config, cache=dataclasses.replace(
-                config.cache, enable_kv_cache_events=True))
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     sampling_defaults = load_sampling_defaults(args.generation_config, config.model.model)
     if sampling_defaults:

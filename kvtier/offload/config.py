@@ -90,8 +90,12 @@ class OffloadConfig:
         require(self.spec_name in (SPEC_NAME, _CPU_SPEC_NAME), f"{_WHERE}.spec_name",
                 f"must be {SPEC_NAME!r} (or vLLM's {_CPU_SPEC_NAME!r}: the same, host memory "
                 "first)", self.spec_name)
-        require(self.cpu_bytes_to_use > 0, f"{_WHERE}.cpu_bytes_to_use",
-                "must be > 0 (the host tier's byte budget, e.g. \"4GiB\")", self.cpu_bytes_to_use)
+        # Below 2**63: buffer sizes are signed 64-bit (a larger one overflows in numpy or mmap).
+        # The engine also bounds it by the machine's memory (kvtier.config); the planner sizes
+        # host tiers of other machines.
+        require(0 < self.cpu_bytes_to_use < 2**63, f"{_WHERE}.cpu_bytes_to_use",
+                "must be > 0 and below 2**63 (the host tier's byte budget, e.g. \"4GiB\")",
+                self.cpu_bytes_to_use)
         require(is_positive_int(self.blocks_per_chunk), f"{_WHERE}.blocks_per_chunk",
                 "must be an integer >= 1", self.blocks_per_chunk)
         require(self.eviction_policy in get_args(EvictionPolicyName),

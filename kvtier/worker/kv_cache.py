@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.common.huge_pages import advise_huge_pages
+from kvtier.common.memory import available_memory_bytes, format_bytes
 from kvtier.kv import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -52,10 +53,23 @@ def block_bytes(groups: list[KVCacheGroupSpec]) -> int:
     return sum(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
 
 
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Bytes a KV cache could still take on `device` (CUDA: its free memory; CPU: the machine's
+    available memory); None where that is not known."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        return available_memory_bytes()
+    return None
+
+
 def plan_num_blocks(*, block_bytes: int, block_size: int, memory_bytes: int | None,
-                    num_blocks: int | None, max_num_seqs: int, max_model_len: int) -> int:
-    """Blocks in the shared pool (null block included); `block_bytes`: one block, all layers."""
+                    num_blocks: int | None, max_num_seqs: int, max_model_len: int,
+                    available_bytes: int | None = None) -> int:
+    """Blocks in the shared pool (null block included); `block_bytes`: one block, all layers;
+    `available_bytes`: what the device can hold (device_memory_bytes), None: unchecked."""
     if num_blocks is not None:
+        _require_fits(num_blocks, block_bytes, available_bytes, "--num-device-blocks")
         return num_blocks
     fitting = memory_bytes // block_bytes
     # More blocks than every sequence at full length can use would only cost start-up time.
@@ -64,7 +78,22 @@ def plan_num_blocks(*, block_bytes: int, block_size: int, memory_bytes: int | No
     if planned < 2:
         raise ValueError(f"kv_cache_memory_bytes={memory_bytes} holds {fitting} KV blocks of "
                          f"{block_bytes} bytes; give at least {2 * block_bytes} bytes")
+    _require_fits(planned, block_bytes, available_bytes, "--kv-cache-memory-bytes")
     return planned
+
+
+def _require_fits(num_blocks: int, block_bytes: int, available_bytes: int | None,
+                  flag: str) -> None:
+    """Refuse a pool the device cannot hold: allocating it would fail only after exhausting
+    memory (on the CPU, often the OOM killer ending the process with no message)."""
+    needed = num_blocks * block_bytes
+    if available_bytes is None or needed <= available_bytes:
+        return
+    most = (f"{flag} {available_bytes // block_bytes}" if flag == "--num-device-blocks"
+            else f"{flag} {available_bytes}")
+    raise ValueError(f"{flag}: {num_blocks} KV blocks of {block_bytes} bytes need {needed} "
+                     f"bytes ({format_bytes(needed)}), more than the device has available "
+                     f"({format_bytes(available_bytes)}); give at most {most}")
 
 
 def allocate_kv_caches(config: KVCacheConfig, *, layer_names: Sequence[str], dtype: torch.dtype,

@@ -72,3 +72,54 @@ def test_transfer_config_json_is_parsed_and_cannot_combine_with_offload():
 def test_offload_options_are_checked_by_create(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.create(**options)
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"device": "nosuch"}, "^device 'nosuch' is not a device PyTorch knows \\(.*\\); give cpu, "
+                           "cuda or cuda:N$"),
+    ({"device": "cuda:x"}, "^device 'cuda:x' is not a device PyTorch knows"),
+    ({"device": "meta"}, "^device meta: this PyTorch build cannot run a model on meta"),
+    ({"seed": 2**64}, "^seed must be an integer in \\[-2\\*\\*63, 2\\*\\*64 - 1\\], got "
+                      "18446744073709551616$"),
+    ({"seed": -(2**63) - 1}, "^seed must be an integer"),
+    ({"seed": 1.5}, "^seed must be an integer"),
+])
+def test_device_and_seed_are_checked_before_the_model_loads(options, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig.create(**options)
+    assert EngineConfig.create(device="cpu", seed=2**64 - 1).model.seed == 2**64 - 1
+
+
+def test_cuda_on_a_build_without_it_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None)
+    with pytest.raises(ValueError, match=r"^device cuda: this PyTorch build has no CUDA \(torch "
+                                         r".*\); give device cpu, or install a CUDA build"):
+        EngineConfig.create(device="cuda")
+
+
+def test_cuda_with_no_visible_device_is_refused(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "12.4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^device cuda:1: no CUDA device is visible"):
+        EngineConfig.create(device="cuda:1")
+
+
+@pytest.mark.parametrize("options, where", [
+    ({"kv_offload": "host=4GiB"}, "kv_offload host"),
+    ({"kv_transfer_config": {"kv_connector": "OffloadingConnector",
+                             "kv_connector_extra_config": {"cpu_bytes_to_use": "4GiB"}}},
+     "kv_transfer_config kv_connector_extra_config.cpu_bytes_to_use"),
+])
+def test_a_host_budget_past_available_memory_is_refused(options, where, monkeypatch):
+    monkeypatch.setattr("kvtier.config.available_memory_bytes", lambda: 2**30)
+    with pytest.raises(ValueError) as info:
+        EngineConfig.create(**options)
+    assert str(info.value) == (f"{where}: 4294967296 bytes (4.0 GiB) is more than this "
+                               "machine's available memory (1.0 GiB); give at most 1073741824 "
+                               "bytes")
+    assert EngineConfig.create(kv_offload="host=1GiB").kv_transfer_config is not None

@@ -67,3 +67,45 @@ def test_bad_offload_option_fails_in_one_line_before_any_heavy_import(args, mess
     assert errors == [f"kvtier serve: error: {message}"]
     assert "kvtier" in imported  # the import listing works: the check below can fail
     assert imported.isdisjoint(_HEAVY), imported & set(_HEAVY)
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
+def test_shutdown_timeout_must_be_finite_and_positive(value, capsys):
+    assert main(["serve", "/no/such/model", "--shutdown-timeout", value]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "kvtier serve: error: --shutdown-timeout must be a finite number of seconds > 0, "
+        f"got {float(value)}")
+
+
+def test_switch_interval_nan_is_refused(capsys):
+    assert main(["serve", "/no/such/model", "--switch-interval", "nan"]) == 2
+    assert "--switch-interval must be in (0, 1] seconds, got nan" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", "256.1.1.1"], "--host '256.1.1.1' does not resolve to an address ("),
+    (["--seed", str(2**70)], "--seed must be an integer in [-2**63, 2**64 - 1], got "
+                             f"{2**70}"),
+    (["--device", "nosuch"], "--device 'nosuch' is not a device PyTorch knows ("),
+    (["--kv-events-config", '{"hwm": 1.5}'],
+     "kv_events_config.hwm must be an integer in [1, 2147483647], got 1.5"),
+])
+def test_bad_server_values_fail_in_one_line_before_the_model_loads(args, message, capsys):
+    # No such model: had the check come after loading, the error would name the model.
+    assert main(["serve", "/no/such/model", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"kvtier serve: error: {message}"), err
+    assert "\n" not in err
+
+
+def test_a_taken_port_fails_before_the_model_loads(capsys):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "/no/such/model", "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"kvtier serve: error: cannot listen on --host 127.0.0.1 --port {port}: address already "
+        "in use; give an address of this machine and a free port")

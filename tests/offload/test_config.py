@@ -192,3 +192,18 @@ def test_per_tier_policy_example_of_the_docs_parses():
         ("write_back", None, 0)
     assert (shared.write_policy, shared.admit_after_hits, shared.max_pending_stores) == \
         ("write_through", 2, 16)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"cpu_bytes_to_use": 1e30}, "^kv_connector_extra_config.cpu_bytes_to_use must be > 0 and "
+                                 "below 2\\*\\*63"),
+    ({"cpu_bytes_to_use": 1, "secondary_tiers": [
+        {"type": "disk", "root_dir": "/x", "max_bytes": "1GiB", "num_read_threads": 100000}]},
+     "^disk.num_read_threads must be an integer in \\[1, 64\\], got 100000$"),
+    ({"cpu_bytes_to_use": 1, "secondary_tiers": [
+        {"type": "fs", "root_dir": "/x", "num_write_threads": 65}]},
+     "^fs.num_write_threads must be an integer in \\[1, 64\\], got 65$"),
+])
+def test_sizes_and_thread_counts_have_upper_bounds(extra, message):
+    with pytest.raises(ValueError, match=message):
+        OffloadConfig.from_extra_config(extra)

@@ -64,3 +64,38 @@ def test_caches_are_zeroed_per_layer_in_layer_order():
                                 dtype=torch.float32, device=torch.device("cpu"))
     assert [tuple(c.shape) for c in caches] == [(2, 5, 4, 2, 8)] * 2
     assert all(int(c.count_nonzero()) == 0 for c in caches)
+
+
+def test_a_pool_the_device_cannot_hold_is_refused_naming_the_flag():
+    page = 2 * 4 * 2 * 8 * 2  # K+V of one block of one layer = 256 bytes
+    common = dict(block_bytes=2 * page, block_size=4, max_model_len=64, max_num_seqs=8)
+    with pytest.raises(ValueError) as info:
+        plan_num_blocks(memory_bytes=None, num_blocks=10**11, available_bytes=512 * 100,
+                        **common)
+    assert str(info.value) == (
+        "--num-device-blocks: 100000000000 KV blocks of 512 bytes need 51200000000000 bytes "
+        "(46.6 TiB), more than the device has available (50.0 KiB); give at most "
+        "--num-device-blocks 100")
+    # The budget is capped at what 8 sequences use (8 x 16 + 1 blocks): 66048 bytes.
+    with pytest.raises(ValueError, match="^--kv-cache-memory-bytes: 129 KV blocks of 512 bytes "
+                                         r"need 66048 bytes \(64.5 KiB\), more than the device "
+                                         r"has available \(50.0 KiB\); give at most "
+                                         "--kv-cache-memory-bytes 51200$"):
+        plan_num_blocks(memory_bytes=2**40, num_blocks=None, available_bytes=512 * 100, **common)
+    assert plan_num_blocks(memory_bytes=2**40, num_blocks=None, available_bytes=66048,
+                           **common) == 129
+    assert plan_num_blocks(memory_bytes=None, num_blocks=100, available_bytes=51200,
+                           **common) == 100
+
+
+def test_engine_start_checks_the_block_count_against_available_memory(tmp_path, monkeypatch):
+    from kvtier import LLM
+
+    from ..tiny_models import make_hf_model
+
+    make_hf_model("llama", tmp_path)
+    # As if the machine had 1 KiB left: 32 blocks of this model take more.
+    monkeypatch.setattr("kvtier.worker.kv_cache.available_memory_bytes", lambda: 1024)
+    with pytest.raises(ValueError, match="^--num-device-blocks: 32 KV blocks of .* more than "
+                                         r"the device has available \(1.0 KiB\)"):
+        LLM(str(tmp_path), dtype="float32", block_size=4, num_device_blocks=32, device="cpu")

@@ -27,13 +27,17 @@ from kvtier.offload.tiers.base import JobResult, SecondaryTier, TierContext, Tra
 LOADS_PER_PIECE = 16
 # Seconds shutdown waits for the pools' threads even when every job's deadline has passed.
 _SHUTDOWN_GRACE_S = 0.5
+# Most threads per pool: far past what a disk or a network link serves in parallel, and well
+# under where the system refuses to start more ("can't start new thread").
+MAX_THREADS = 64
 
 
 def check_thread_options(options: Any, where: str) -> None:
     """Validate the `num_read_threads`, `num_write_threads` and `write_nice` fields."""
     for name in ("num_read_threads", "num_write_threads"):
-        require(is_positive_int(getattr(options, name)), f"{where}.{name}",
-                "must be an integer >= 1", getattr(options, name))
+        value = getattr(options, name)
+        require(is_positive_int(value) and value <= MAX_THREADS, f"{where}.{name}",
+                f"must be an integer in [1, {MAX_THREADS}]", value)
     nice = options.write_nice
     require(isinstance(nice, int) and not isinstance(nice, bool) and 0 <= nice <= 19,
             f"{where}.write_nice", "must be an integer in 0..19", nice)
