@@ -200,6 +200,8 @@ def _ban_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tenso
     (a one-token word: always)."""
     banned = []
     for i, row in enumerate(rows):
+        if not row.bad_words_token_ids:
+            continue  # (generated_token_ids copies the row's output: only where needed)
         generated = row.generated_token_ids
         for word in row.bad_words_token_ids:
             prefix = len(word) - 1
