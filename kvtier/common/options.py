@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -34,3 +35,10 @@ def require(ok: bool, where: str, rule: str, value: Any) -> None:
 
 def is_positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_positive_seconds(seconds: float, flag: str) -> None:
+    """ValueError naming `flag` unless `seconds` is finite and > 0: a NaN passes any `<=` test
+    (a NaN health interval checked the router's instances ~9 times a second)."""
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"{flag} must be a finite number of seconds > 0, got {seconds}")

@@ -10,12 +10,12 @@ import argparse
 import dataclasses
 import gc
 import logging
-import math
 import os
 import socket
 import sys
 from typing import TYPE_CHECKING, Any
 
+from kvtier.common.options import check_positive_seconds
 from kvtier.common.sizes import parse_size
 from kvtier.config import EngineConfig
 from kvtier.engine.args import add_engine_args, engine_config_from_args
@@ -82,10 +82,7 @@ def _checked_config(args: argparse.Namespace
     before the heavy imports."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    # `not x > 0` rather than `x <= 0`: NaN compares false both ways.
-    if not (math.isfinite(args.shutdown_timeout) and args.shutdown_timeout > 0):
-        raise ValueError(f"--shutdown-timeout must be a finite number of seconds > 0, "
-                         f"got {args.shutdown_timeout}")
+    check_positive_seconds(args.shutdown_timeout, "--shutdown-timeout")
     if not 0 < args.switch_interval <= 1:
         raise ValueError(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
     max_body = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")

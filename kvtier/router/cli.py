@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 
+from kvtier.common.options import check_positive_seconds
 from kvtier.common.sizes import parse_size
 from kvtier.router.config import (
     POLICIES,
     PREFILL_TIMEOUT_S,
     RouterConfig,
-    check_positive_seconds,
 )
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
+from kvtier.common.options import check_positive_seconds
 from kvtier.common.urls import check_http_url
 
 PREFILL_TIMEOUT_S = 60.0
@@ -129,8 +129,3 @@ class RouterConfig:
                              "or a decode one)")
 
 
-def check_positive_seconds(seconds: float, flag: str) -> None:
-    """ValueError naming `flag` unless `seconds` is finite and > 0: a NaN passes any `<=` test
-    (a NaN health interval checked the instances ~9 times a second)."""
-    if not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"{flag} must be a finite number of seconds > 0, got {seconds}")

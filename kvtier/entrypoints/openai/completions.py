@@ -57,6 +57,8 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     prompts = await ctx.prepare(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
     params = completion_sampling_params(body, len(prompts), ctx.sampling_defaults)
     prompts = [truncate(ctx, prompt, body, params.max_tokens) for prompt in prompts]
+    if body.echo:  # each choice (and chunk) shows the prompt's text: decode token ids once
+        prompts = [_with_text(ctx, prompt) for prompt in prompts]
     for i, prompt in enumerate(prompts):
         check_context(ctx, prompt, params.max_tokens,
                       "prompt" if len(prompts) == 1 else f"prompt[{i}]", "max_tokens")
@@ -100,14 +102,14 @@ def _choice(ctx: ServerContext, body: CompletionRequest, prompt: Prompt, index: 
             finish_reason, stop_reason = "length", None
     shown_ids, shown_logprobs = token_ids, logprobs
     if body.echo and first:
-        text = _prompt_text(ctx, prompt) + text
+        text = prompt.text + text
         shown_ids = prompt.token_ids + token_ids
         if logprobs is not None:
             # As vLLM has it: the echoed prompt's tokens get their logprobs too.
             shown_logprobs = [*(final.prompt_logprobs or [None] * len(prompt.token_ids)),
                               *logprobs]
     elif body.echo and body.logprobs is not None:
-        text_offset += len(_prompt_text(ctx, prompt))
+        text_offset += len(prompt.text)
     api_logprobs = None
     if body.logprobs is not None and shown_logprobs is not None:
         api_logprobs = completion_logprobs(ctx.tokenizer, shown_ids, shown_logprobs,
@@ -121,10 +123,12 @@ def _choice(ctx: ServerContext, body: CompletionRequest, prompt: Prompt, index: 
         token_ids=token_ids if body.return_token_ids else None)
 
 
-def _prompt_text(ctx: ServerContext, prompt: Prompt) -> str:
+def _with_text(ctx: ServerContext, prompt: Prompt) -> Prompt:
+    """`prompt` with its text: token ids decoded when it came as ids."""
     if prompt.text is not None:
-        return prompt.text
-    return ctx.tokenizer.decode(prompt.token_ids) if ctx.tokenizer is not None else ""
+        return prompt
+    text = ctx.tokenizer.decode(prompt.token_ids) if ctx.tokenizer is not None else ""
+    return Prompt(text, prompt.token_ids)
 
 
 def _response(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt],

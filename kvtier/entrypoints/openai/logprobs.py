@@ -17,15 +17,22 @@ from kvtier.logprobs import Logprob
 _UNKNOWN_LOGPROB = -9999.0
 
 
-def token_text(tokenizer: Any, token_id: int) -> str:
+def _decode(tokenizer: Any, token_id: int) -> str:
     if tokenizer is None:
         return f"token_id:{token_id}"
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
-def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, float]]:
-    ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
-    return [(token_id, logprob.logprob) for token_id, logprob in ranked]
+def _text(tokenizer: Any, token_id: int, entry: dict[int, Logprob] | None) -> str:
+    """The token's text: as the engine named it in its logprobs, else decoded here."""
+    named = entry.get(token_id) if entry else None
+    if named is not None and named.decoded_token is not None:
+        return named.decoded_token
+    return _decode(tokenizer, token_id)
+
+
+def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
+    return sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
 
 
 def completion_logprobs(tokenizer: Any, token_ids: list[int],
@@ -35,7 +42,7 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int],
     result = CompletionLogProbs()
     offset = text_offset
     for token_id, entry in zip(token_ids, logprobs):
-        text = token_text(tokenizer, token_id)
+        text = _text(tokenizer, token_id, entry)
         result.tokens.append(text)
         result.text_offset.append(offset)
         offset += len(text)
@@ -48,8 +55,8 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int],
         # completions API has them.
         top = _top(entry, num_top)
         if token_id in entry and all(t != token_id for t, _ in top):
-            top.append((token_id, entry[token_id].logprob))
-        result.top_logprobs.append({token_text(tokenizer, t): lp for t, lp in top})
+            top.append((token_id, entry[token_id]))
+        result.top_logprobs.append({_text(tokenizer, t, entry): lp.logprob for t, lp in top})
     return result
 
 
@@ -57,13 +64,15 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int,
                   num_top: int) -> ChatLogProbs:
     content = []
     for token_id, entry in zip(token_ids, logprobs):
-        text = token_text(tokenizer, token_id)
+        text = _text(tokenizer, token_id, entry)
         # A sampled token outside the returned top-k has no logprob to report; OpenAI writes
         # -9999 for such tokens (JSON has no -inf).
         logprob = entry[token_id].logprob if token_id in entry else _UNKNOWN_LOGPROB
-        top = [TopLogProb(token=token_text(tokenizer, t), logprob=lp,
-                          bytes=list(token_text(tokenizer, t).encode()))
-               for t, lp in _top(entry, num_top)]
+        top = []
+        for top_id, top_logprob in _top(entry, num_top):
+            top_text = _text(tokenizer, top_id, entry)
+            top.append(TopLogProb(token=top_text, logprob=top_logprob.logprob,
+                                  bytes=list(top_text.encode())))
         content.append(ChatTokenLogProb(token=text, logprob=logprob, bytes=list(text.encode()),
                                         top_logprobs=top))
     return ChatLogProbs(content=content)

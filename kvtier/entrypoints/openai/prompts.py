@@ -85,7 +85,7 @@ def _one_prompt(ctx: ServerContext, item: str | list[int], param: str) -> Prompt
         token_ids = _tokenize(ctx, item, param, add_special_tokens=True)
         prompt = Prompt(item, token_ids)
     else:
-        _check_token_ids(ctx, item, param)
+        check_in_vocabulary(ctx, item, param)
         prompt = Prompt(None, list(item))
     if not prompt.token_ids:
         raise BadRequestError(f"{param} must not be empty", param=param, code="invalid_value")
@@ -131,7 +131,7 @@ def _tokenize(ctx: ServerContext, text: str, param: str, add_special_tokens: boo
     return ctx.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def _check_token_ids(ctx: ServerContext, token_ids: list[int], param: str) -> None:
+def check_in_vocabulary(ctx: ServerContext, token_ids: list[int], param: str) -> None:
     vocab_size = ctx.vocab_size
     bad = first_outside(token_ids, vocab_size)
     if bad is not None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from kvtier.common.token_ids import first_outside
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import (
+    APIRequest,
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
@@ -48,7 +49,7 @@ _UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "functions": (), "function_call": ("none
 def completion_sampling_params(request: CompletionRequest, num_prompts: int,
                                defaults: Mapping[str, float] | None = None) -> SamplingParams:
     _check_common(request, num_prompts)
-    _refuse_unsupported(request, _UNSUPPORTED)
+    refuse_unsupported(request, _UNSUPPORTED)
     if request.best_of is not None and request.best_of != request.n:
         raise BadRequestError("best_of other than n is not supported", param="best_of",
                               code="unsupported_parameter")
@@ -76,7 +77,7 @@ def completion_sampling_params(request: CompletionRequest, num_prompts: int,
 def chat_sampling_params(request: ChatCompletionRequest,
                          defaults: Mapping[str, float] | None = None) -> SamplingParams:
     _check_common(request, 1)
-    _refuse_unsupported(request, _UNSUPPORTED_IN_CHAT)
+    refuse_unsupported(request, _UNSUPPORTED_IN_CHAT)
     if request.tools:
         raise BadRequestError("tools are not supported", param="tools",
                               code="unsupported_parameter")
@@ -124,11 +125,13 @@ def logit_bias(request: SamplingFields) -> dict[int, float] | None:
     return bias
 
 
-def _refuse_unsupported(request: SamplingFields, fields: Mapping[str, tuple]) -> None:
+def refuse_unsupported(request: APIRequest, fields: Mapping[str, tuple]) -> None:
+    """400 for an extra field of `fields` set to anything but its "off" values (or null,
+    false, [] and {})."""
     for name, value in (request.model_extra or {}).items():
         if name not in fields:
             continue
-        # `is False`: 0 == False, and prompt_logprobs=0 asks for something.
+        # `is False`: 0 == False, and a 0 may ask for something.
         if not (value is False or value == [] or value == {} or value in fields[name]):
             raise BadRequestError(f"{name} is not supported; leave it unset", param=name,
                                   code="unsupported_parameter")

@@ -10,15 +10,20 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field, StrictBool, StrictInt
 
-from kvtier.common.token_ids import first_outside
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError
-from kvtier.entrypoints.openai.prompts import chat_prompt, check_text, message_chars
+from kvtier.entrypoints.openai.prompts import (
+    chat_prompt,
+    check_in_vocabulary,
+    check_text,
+    message_chars,
+)
 from kvtier.entrypoints.openai.protocol import APIRequest, ChatCompletionRequest, ChatMessage
+from kvtier.entrypoints.openai.sampling import refuse_unsupported
 
 # Fields of vLLM's chat form that the chat endpoint refuses too: ignoring one would answer
 # tokens other than what vLLM computes.
-_UNSUPPORTED_CHAT_FIELDS = ("chat_template", "tools")
+_UNSUPPORTED_CHAT_FIELDS = {"chat_template": (), "tools": ()}
 
 
 class TokenizeRequest(APIRequest):
@@ -87,10 +92,7 @@ async def detokenize(body: DetokenizeRequest, raw: Request) -> JSONResponse:
     if ctx.tokenizer is None:
         raise BadRequestError("this model has no tokenizer, so it cannot detokenize",
                               param="tokens", code="invalid_value")
-    bad = first_outside(body.tokens, ctx.vocab_size)
-    if bad is not None:
-        raise BadRequestError(f"tokens holds token id {bad}, outside the vocabulary "
-                              f"[0, {ctx.vocab_size})", param="tokens", code="invalid_value")
+    check_in_vocabulary(ctx, body.tokens, "tokens")
     # A token stands for at least one character: long id lists go to a tokenizer thread too.
     # Special tokens stay in the text, as vLLM's detokenize keeps them.
     text = await ctx.prepare(len(body.tokens), ctx.tokenizer.decode, body.tokens, False)
@@ -106,10 +108,7 @@ def _check_form(body: TokenizeRequest) -> None:
                               code="invalid_value")
     if body.messages is None:
         return
-    for name in _UNSUPPORTED_CHAT_FIELDS:
-        if (body.model_extra or {}).get(name):
-            raise BadRequestError(f"{name} is not supported; leave it unset", param=name,
-                                  code="unsupported_parameter")
+    refuse_unsupported(body, _UNSUPPORTED_CHAT_FIELDS)
 
 
 def _token_ids(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
