@@ -22,6 +22,63 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# StructuredOutputsParams' constraints, of which a request gives exactly one.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the generated text must match one constraint.
+
+    json: a JSON schema (a dict or its JSON text); regex: a regular expression; choice: one of
+    these strings exactly; grammar: a context-free grammar (Lark or GBNF); json_object: any JSON
+    object. The JSON options: no whitespace between tokens (`disable_any_whitespace`), or only
+    what `whitespace_pattern` matches; objects without additionalProperties get none
+    (`disable_additional_properties`). Compiled by kvtier/structured_output/.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, tuple):
+            self.choice = list(self.choice)
+        given = [kind for kind in STRUCTURED_OUTPUT_KINDS if getattr(self, kind) is not None]
+        if len(given) != 1:
+            raise ValueError("SamplingParams.structured_outputs must give exactly one of "
+                             f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got "
+                             f"{', '.join(given) or 'none'}")
+        checks = [("json", "a JSON schema (an object or its JSON text)",
+                   isinstance(self.json, (str, dict))),
+                  ("regex", "a string", isinstance(self.regex, str)),
+                  ("choice", "a non-empty list of strings", isinstance(self.choice, list)
+                   and bool(self.choice) and all(isinstance(c, str) for c in self.choice)),
+                  ("grammar", "a non-empty string", isinstance(self.grammar, str)
+                   and bool(self.grammar.strip())),
+                  ("json_object", "true", self.json_object is True)]
+        for kind, rule, ok in checks:
+            if kind in given and not ok:
+                raise ValueError(f"SamplingParams.structured_outputs.{kind} must be {rule}, "
+                                 f"got {getattr(self, kind)!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"SamplingParams.structured_outputs.{name} must be true or "
+                                 f"false, got {getattr(self, name)!r}")
+        if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
+            raise ValueError("SamplingParams.structured_outputs.whitespace_pattern must be a "
+                             f"regular expression string, got {self.whitespace_pattern!r}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) is not None)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
@@ -61,8 +118,12 @@ class SamplingParams:
     # computed: no cached prefix is read). -1: the whole vocabulary.
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # The output must match this constraint (a dict is taken as its fields).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = _structured_outputs(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         # None: no stops, as vLLM takes it; a tuple is taken as a list.
@@ -95,7 +156,10 @@ class SamplingParams:
                    ("stop_token_ids", "a list of token ids", isinstance(self.stop_token_ids,
                                                                          list)),
                    ("bad_words", "a list of strings", isinstance(self.bad_words, list)
-                    and all(isinstance(w, str) for w in self.bad_words))]
+                    and all(isinstance(w, str) for w in self.bad_words)),
+                   ("structured_outputs", "StructuredOutputsParams or None",
+                    self.structured_outputs is None
+                    or isinstance(self.structured_outputs, StructuredOutputsParams))]
         for name, kind, ok in checks:
             if not ok:
                 raise ValueError(f"SamplingParams.{name} must be {kind}, got "
@@ -151,3 +215,12 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+
+def _structured_outputs(fields: dict) -> StructuredOutputsParams:
+    known = StructuredOutputsParams.__dataclass_fields__
+    unknown = sorted(str(k) for k in fields if k not in known)
+    if unknown:
+        raise ValueError(f"SamplingParams.structured_outputs has unknown fields {unknown}; "
+                         f"the fields are {', '.join(known)}")
+    return StructuredOutputsParams(**fields)

@@ -150,8 +150,12 @@ class AsyncLLM:
 
         options go to Engine.add_request (priority, cache_salt, kv_transfer_params, ...); its
         ValueError / EngineQueueFullError is raised here before anything is yielded. Leaving
-        early (client gone, task cancelled) aborts the request and frees its blocks.
+        early (client gone, task cancelled) aborts the request and frees its blocks. A
+        structured outputs grammar is compiled here, on a worker thread, so the engine thread
+        goes on stepping meanwhile.
         """
+        if params.structured_outputs is not None and "grammar" not in options:
+            options = {**options, "grammar": await self._compile_grammar(params)}
         stream = _Stream(asyncio.get_running_loop())
         try:
             await self._submit_add(_AddCommand(request_id, prompt, params, options, stream,
@@ -176,6 +180,12 @@ class AsyncLLM:
         finally:
             if not finished:
                 self._send(_AbortCommand([request_id], stream))
+
+    async def _compile_grammar(self, params: SamplingParams) -> Any:
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        async with asyncio.timeout(self.submit_timeout_s):
+            return await asyncio.to_thread(self.engine.compile_grammar, params)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); safe from any thread."""

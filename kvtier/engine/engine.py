@@ -32,6 +32,7 @@ from kvtier.sampling_params import SamplingParams
 from kvtier.sched.config import SchedulerConfig
 from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.sched.scheduler import Scheduler
+from kvtier.structured_output import GrammarCompiler, StructuredOutputGrammar
 from kvtier.worker.model_runner import ModelRunner
 
 # How long a step with nothing to compute waits at most before returning (see Engine.step): the
@@ -58,6 +59,8 @@ class Engine:
             enable_prefix_caching=config.cache.enable_prefix_caching,
             cache_dtype=str(self.runtime.dtype).removeprefix("torch."))
         self._eos_token_ids = self._find_eos_token_ids()
+        self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
+                                         self._eos_token_ids)
         self._build_core(loaded.model)
         self._outputs = OutputProcessor(self.tokenizer)
         self._stopped = False
@@ -122,9 +125,11 @@ class Engine:
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None,
                     kv_transfer_params: dict[str, Any] | None = None,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None,
+                    grammar: StructuredOutputGrammar | None = None) -> None:
         """Queue a request. ValueError for a bad prompt or a duplicate id; EngineQueueFullError
-        when the waiting queue is full."""
+        when the waiting queue is full. `grammar`: params.structured_outputs compiled already
+        (compile_grammar, off the engine thread); compiled here if not given."""
         if self._outputs.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -133,9 +138,12 @@ class Engine:
                              "order")
         self._check_params(params)
         prompt_text, token_ids = self._tokenize(prompt)
+        if grammar is None:
+            grammar = self.compile_grammar(params)
         arrival = time.time() if arrival_time is None else arrival_time
-        children = self._make_children(request_id, params, token_ids, priority=priority,
-                                       cache_salt=cache_salt, arrival_time=arrival,
+        children = self._make_children(request_id, params, token_ids, grammar,
+                                       priority=priority, cache_salt=cache_salt,
+                                       arrival_time=arrival,
                                        kv_transfer_params=kv_transfer_params)
         added: list[str] = []
         try:
@@ -150,6 +158,14 @@ class Engine:
             raise
         self._outputs.add(self._make_parent(request_id, prompt_text, token_ids, params,
                                             children, arrival))
+
+    def compile_grammar(self, params: SamplingParams) -> StructuredOutputGrammar | None:
+        """params.structured_outputs compiled for this model (None without one); GrammarError
+        (a ValueError) if it is invalid. Thread safe: callers compile off the engine thread,
+        since a large schema takes a while."""
+        if params.structured_outputs is None:
+            return None
+        return self._grammars.compile(params.structured_outputs)
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: its token ids against this vocabulary (an
@@ -187,7 +203,7 @@ class Engine:
         return text, token_ids
 
     def _make_children(self, request_id: str, params: SamplingParams, token_ids: list[int],
-                       **options: Any) -> list[Request]:
+                       grammar: StructuredOutputGrammar | None, **options: Any) -> list[Request]:
         """n > 1: n scheduler requests on one prompt (prefix caching shares its blocks)."""
         eos = self._eos_token_ids
         # The scheduler knows one EOS id per request; a model's other EOS ids stop it too.
@@ -204,7 +220,9 @@ class Engine:
                                     eos_token_id=eos[0] if eos else None,
                                     block_hasher=self._block_hasher,
                                     skip_reading_prefix_cache=params.prompt_logprobs is not None,
-                                    bad_words_token_ids=bad_words, **options))
+                                    bad_words_token_ids=bad_words,
+                                    grammar=grammar if index == 0 or grammar is None
+                                    else grammar.copy(), **options))
         return children
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> tuple[tuple[int, ...], ...]:

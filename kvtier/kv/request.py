@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvtier.kv.hashing import BlockHash
     from kvtier.sampling_params import SamplingParams
+    from kvtier.structured_output import StructuredOutputGrammar
 
 
 class RequestStatus(enum.IntEnum):
@@ -81,6 +82,7 @@ class Request:
         mm_features: list[MultiModalFeature] | None = None,
         skip_reading_prefix_cache: bool = False,
         bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
+        grammar: StructuredOutputGrammar | None = None,
         kv_transfer_params: dict[str, Any] | None = None,
         eos_token_id: int | None = None,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
@@ -96,6 +98,9 @@ class Request:
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         # The token ids of SamplingParams.bad_words (the engine's tokenizer made them).
         self.bad_words_token_ids = bad_words_token_ids
+        # SamplingParams.structured_outputs compiled; the runner advances it token by token,
+        # and it stays with the request through preemption.
+        self.grammar = grammar
         self.kv_transfer_params = kv_transfer_params
         self.eos_token_id = eos_token_id
 

@@ -75,4 +75,4 @@ def _new_request_data(request: Request,
         sampling_params=request.sampling_params,
         block_ids=block_ids_of(request.request_id),
         num_computed_tokens=request.num_computed_tokens,
-        bad_words_token_ids=request.bad_words_token_ids)
+        bad_words_token_ids=request.bad_words_token_ids, grammar=request.grammar)

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from kvtier.connector.base import KVConnectorMetadata, KVConnectorOutput
     from kvtier.logprobs import PromptLogprobs, SampleLogprobs
     from kvtier.sampling_params import SamplingParams
+    from kvtier.structured_output import StructuredOutputGrammar
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,8 @@ class NewRequestData:
     num_computed_tokens: int
     # Token id sequences the sampler must never complete (SamplingParams.bad_words).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # The request's structured output grammar (Request.grammar), already past its outputs.
+    grammar: StructuredOutputGrammar | None = None
 
 
 @dataclass(frozen=True)

@@ -114,6 +114,9 @@ class ModelRunner:
                 if token is None:
                     output.errors[state.req_id] = result.errors[row]
                     continue
+                if state.grammar is not None and not state.grammar.accept(token):
+                    output.errors[state.req_id] = state.grammar.why_refused(token)
+                    continue
                 state.token_ids.append(token)
                 output.sampled_token_ids[state.req_id] = [token]
                 if token_logprobs is not None:
@@ -152,7 +155,7 @@ class ModelRunner:
         return SamplingRow(params, self.states.generators.get(state.req_id),
                            eos + tuple(params.stop_token_ids), state.token_ids,
                            state.num_prompt_tokens, state.prompt_tensor,
-                           state.bad_words_token_ids)
+                           state.bad_words_token_ids, state.grammar)
 
     def shutdown(self) -> KVConnectorOutput | None:
         """Stop the connector's worker half; returns its last report, on the transfers that

@@ -9,6 +9,7 @@ import torch
 from kvtier.logprobs import Logprob
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import SchedulerOutput
+from kvtier.structured_output import StructuredOutputGrammar
 
 
 @dataclass
@@ -28,6 +29,7 @@ class RequestState:
     # go out with the request's first sampled token (then None).
     prompt_logprobs: list[dict[int, Logprob]] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    grammar: StructuredOutputGrammar | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -55,7 +57,7 @@ class RequestStates:
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 [list(ids) for ids in new.block_ids], new.num_computed_tokens,
                 prompt_logprobs=None if new.sampling_params.prompt_logprobs is None else [],
-                bad_words_token_ids=new.bad_words_token_ids)
+                bad_words_token_ids=new.bad_words_token_ids, grammar=new.grammar)
             seed = new.sampling_params.seed
             if seed is not None and new.req_id not in self.generators:
                 generator = torch.Generator(device=self.device)

@@ -1,11 +1,12 @@
 """Token sampling from one step's logits: greedy, temperature, top-k, top-p, min-p, seeds,
-allowed token ids, bad words, min_tokens, logit bias, presence / frequency / repetition
-penalties and logprobs.
+structured output grammars, allowed token ids, bad words, min_tokens, logit bias, presence /
+frequency / repetition penalties and logprobs.
 
-The logits go through, in vLLM's order: the allowed-token mask, the bad-word bans, the
-min_tokens mask, the logit bias, the penalties (repetition, then frequency and presence);
-greedy rows take the argmax of the result, the others then apply temperature, top-k / top-p and
-min-p and draw. Logprobs are the model's own distribution, before any of it."""
+The logits go through, in vLLM's order: the grammar's mask, the allowed-token mask, the
+bad-word bans, the min_tokens mask, the logit bias, the penalties (repetition, then frequency
+and presence); greedy rows take the argmax of the result, the others then apply temperature,
+top-k / top-p and min-p and draw. Logprobs are the model's own distribution after the
+grammar's mask, before the rest."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 
 from kvtier.logprobs import Logprob
 from kvtier.sampling_params import SamplingParams
+from kvtier.structured_output import StructuredOutputGrammar, apply_grammar_masks
 from kvtier.worker.logprobs import token_logprobs
 
 logger = logging.getLogger(__name__)
@@ -45,6 +47,8 @@ class SamplingRow:
     prompt_tensor: torch.Tensor | None = None
     # Token id sequences never to be completed (SamplingParams.bad_words, tokenized).
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # SamplingParams.structured_outputs' grammar: only the tokens it allows next may come.
+    grammar: StructuredOutputGrammar | None = None
 
     @property
     def generated_token_ids(self) -> Sequence[int]:
@@ -100,7 +104,9 @@ class Sampler:
 
     def _sample_batch(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         wants_logprobs = any(r.params.logprobs is not None for r in rows)
-        # vLLM reports the model's own distribution, before any sampling processing.
+        # As vLLM: the grammar's mask comes first, and the logprobs reported are after it.
+        logits = apply_grammar_masks(logits, [r.grammar for r in rows])
+        # Otherwise vLLM reports the model's own distribution, before any sampling processing.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
         logits = _ban_bad_words(_keep_allowed_tokens(logits, rows), rows)
         logits = _mask_early_stops(logits, rows)

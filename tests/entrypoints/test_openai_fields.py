@@ -51,9 +51,7 @@ def test_a_null_is_a_field_left_out(server):
 
 @pytest.mark.parametrize("send, field", [
     (completion, {"guided_json": {"type": "object"}}),
-    (completion, {"structured_outputs": {"regex": "a+"}}),
     (completion, {"use_beam_search": True}),
-    (completion, {"response_format": {"type": "json_object"}}),
     (chat, {"functions": [{"name": "f"}]}),
     (chat, {"tool_choice": "required"}),
     (chat, {"modalities": ["text", "audio"]}),

@@ -72,6 +72,10 @@ class SamplingFields(APIRequest):
     # last ones with truncation_side "left", else the first.
     truncate_prompt_tokens: int | None = None
     truncation_side: Literal["left", "right"] | None = None
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", ...}, or vLLM's
+    # structured_outputs (json, regex, choice, grammar, json_object and their options).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -81,7 +85,6 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
-    response_format: dict[str, Any] | None = None
 
 
 class TextPart(BaseModel):
@@ -103,7 +106,6 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: StrictBool = True
     # vLLM's: the last message is left open for the model to go on with (no generation
     # prompt after it), and extra variables for the chat template (e.g. enable_thinking).

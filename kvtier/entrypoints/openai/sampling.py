@@ -19,6 +19,7 @@ from kvtier.entrypoints.openai.protocol import (
     CompletionRequest,
     SamplingFields,
 )
+from kvtier.entrypoints.openai.structured import structured_outputs
 from kvtier.sampling_params import SamplingParams
 
 # Completions one request may ask for (prompts x n): each one is a request in the engine.
@@ -38,9 +39,7 @@ MAX_LOGIT_BIAS = 100.0
 # Fields of OpenAI's API or of vLLM's that would change the answer and that kvtier does not
 # implement: refused when set to anything but their "off" value (other unknown fields are
 # ignored). Each name maps to the values that mean off besides null, false, [] and {}.
-_UNSUPPORTED = {name: () for name in (
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "use_beam_search", "logits_processors")}
+_UNSUPPORTED = {name: () for name in ("use_beam_search", "logits_processors")}
 _UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "functions": (), "function_call": ("none",),
                         "tool_choice": ("none",), "audio": (), "modalities": (["text"],),
                         "documents": (), "chat_template": ()}
@@ -56,7 +55,6 @@ def completion_sampling_params(request: CompletionRequest, num_prompts: int,
     if request.suffix is not None:
         raise BadRequestError("suffix is not supported", param="suffix",
                               code="unsupported_parameter")
-    _check_response_format(request.response_format)
     _check_logprobs(request.logprobs, "logprobs")
     max_tokens = request.max_tokens
     if max_tokens == 0:
@@ -81,7 +79,6 @@ def chat_sampling_params(request: ChatCompletionRequest,
     if request.tools:
         raise BadRequestError("tools are not supported", param="tools",
                               code="unsupported_parameter")
-    _check_response_format(request.response_format)
     if request.top_logprobs is not None and not request.logprobs:
         raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs",
                               code="invalid_value")
@@ -137,12 +134,6 @@ def refuse_unsupported(request: APIRequest, fields: Mapping[str, tuple]) -> None
                                   code="unsupported_parameter")
 
 
-def _check_response_format(response_format: dict | None) -> None:
-    if response_format and response_format.get("type", "text") != "text":
-        raise BadRequestError("only response_format {\"type\": \"text\"} is supported",
-                              param="response_format", code="unsupported_parameter")
-
-
 def _check_common(request: SamplingFields, num_prompts: int) -> None:
     for name in _FLOAT_FIELDS:
         value = getattr(request, name)
@@ -185,7 +176,8 @@ def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param:
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, allowed_token_ids=request.allowed_token_ids,
-        bad_words=list(request.bad_words or []))
+        bad_words=list(request.bad_words or []),
+        structured_outputs=structured_outputs(request))
     try:
         return SamplingParams(**options)
     except ValueError as exc:

@@ -1,0 +1,111 @@
+"""Structured outputs through the server: OpenAI's response_format and vLLM's
+structured_outputs on both endpoints, streamed or not, and the 400s for constraints that are
+malformed or do not compile. A real server process (tiny random Llama, byte tokenizer)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from .server_process import ServerProcess
+
+MODEL = "tiny"
+CHOICES = ["alpha", "beta", "gamma delta"]
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "kind": {"enum": ["a", "bb"]}},
+          "required": ["ok", "kind"]}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model):
+    proc = ServerProcess(tiny_model[0], "--served-model-name", MODEL,
+                         "--num-device-blocks", "64", "--block-size", "16",
+                         "--max-model-len", "256")
+    yield proc
+    proc.stop()
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60.0)
+
+
+def completion(server, **fields) -> httpx.Response:
+    return post(server, "/v1/completions", {"model": MODEL, "prompt": "Pick: ",
+                                            "max_tokens": 30, "temperature": 0.0, **fields})
+
+
+def chat(server, **fields) -> httpx.Response:
+    return post(server, "/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Answer in JSON"}],
+        "max_tokens": 40, "temperature": 0.0, **fields})
+
+
+def test_completion_choice_and_regex(server):
+    choice = completion(server, structured_outputs={"choice": CHOICES}).json()["choices"][0]
+    assert choice["text"] in CHOICES and choice["finish_reason"] == "stop"
+    regex = completion(server, n=3, temperature=1.0, seed=3,
+                       structured_outputs={"regex": "[a-c]{2}[0-9]"}).json()["choices"]
+    for each in regex:
+        text = each["text"]
+        assert len(text) == 3 and text[0] in "abc" and text[1] in "abc" and text[2].isdigit()
+
+
+def test_chat_json_schema_through_the_openai_client(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Answer in JSON"}], max_tokens=60,
+        temperature=0.0, response_format={"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": SCHEMA}})
+    assert response.choices[0].finish_reason == "stop"
+    value = json.loads(response.choices[0].message.content)
+    assert isinstance(value["ok"], bool) and value["kind"] in ("a", "bb")
+
+
+def test_json_object_starts_an_object(server):
+    body = chat(server, response_format={"type": "json_object"}).json()["choices"][0]
+    content = body["message"]["content"]
+    assert content.startswith("{")
+    if body["finish_reason"] == "stop":
+        assert isinstance(json.loads(content), dict)
+
+
+def test_a_streamed_choice_arrives_whole(server):
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60.0, json={
+            "model": MODEL, "prompt": "Pick: ", "max_tokens": 30, "temperature": 0.0,
+            "stream": True, "structured_outputs": {"choice": CHOICES}}) as response:
+        lines = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    text = "".join(json.loads(line)["choices"][0]["text"] for line in lines[:-1])
+    assert lines[-1] == "[DONE]" and text in CHOICES
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"structured_outputs": {"json": {"type": "nonsense"}}}, "structured_outputs",
+     "invalid_value"),
+    ({"structured_outputs": {"regex": "[a-"}}, "structured_outputs", "invalid_value"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs", "invalid_value"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs",
+     "invalid_value"),
+    ({"structured_outputs": {"rgx": "a"}}, "structured_outputs", "invalid_value"),
+    ({"response_format": {"type": "json_schema"}}, "response_format", "invalid_value"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "invalid_value"),
+    ({"response_format": {"type": "structural_tag", "structures": []}}, "response_format",
+     "unsupported_parameter"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}},
+     "structured_outputs", "invalid_value"),
+    ({"guided_json": {"type": "object"}}, "guided_json", "unsupported_parameter"),
+])
+def test_a_bad_constraint_is_a_400_naming_the_field(server, fields, param, code):
+    for send in (completion, chat):
+        response = send(server, **fields)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"]) == (param, code), error
+
+
+def test_text_format_and_an_empty_field_change_nothing(server):
+    plain = completion(server, max_tokens=8).json()["choices"][0]["text"]
+    for fields in ({"response_format": {"type": "text"}}, {"structured_outputs": {}}):
+        assert completion(server, max_tokens=8, **fields).json()["choices"][0]["text"] == plain
