@@ -72,6 +72,8 @@ class ModelConfig:
     conv_kernel_size: int = 3
     # Biases on the short convolutions' projections and taps.
     conv_bias: bool = False
+    # gate/up/down projections carry a bias (Llama's mlp_bias).
+    mlp_bias: bool = False
 
     def __post_init__(self) -> None:
         _require(self.architecture in ARCHITECTURES,

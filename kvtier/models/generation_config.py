@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 
+from kvtier.models.errors import ModelLoadError
 from kvtier.sampling_params import SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
@@ -59,7 +60,7 @@ def load_sampling_defaults(source: str, model_path: str | None) -> dict[str, flo
 
 def load_eos_token_ids(model_path: str | None) -> tuple[int, ...]:
     """The `eos_token_id` ids of the model directory's generation_config.json (none without
-    one); ValueError names a file whose value is not an id or a list of ids."""
+    one); ModelLoadError names a file whose value is not an id or a list of ids."""
     if model_path is None or not os.path.isdir(model_path):
         return ()
     path = os.path.join(model_path, GENERATION_CONFIG)
@@ -73,6 +74,7 @@ def load_eos_token_ids(model_path: str | None) -> tuple[int, ...]:
     value = config.get("eos_token_id") if isinstance(config, dict) else None
     ids = [] if value is None else [value] if not isinstance(value, list) else value
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"{path}: eos_token_id must be a token id or a list of them, got "
-                         f"{value!r}")
+        raise ModelLoadError(path, f"eos_token_id must be a token id or a list of them "
+                                   f"(integers >= 0), got {value!r}; write the ids the "
+                                   "tokenizer gives the tokens, not their text")
     return tuple(ids)

@@ -101,7 +101,8 @@ class GGUFModelFile:
             sliding_window=None, layer_sliding_windows=(None,) * int(num_layers),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
-            o_proj_bias="blk.0.attn_output.bias" in names, qk_norm=False,
+            o_proj_bias="blk.0.attn_output.bias" in names,
+            mlp_bias="blk.0.ffn_up.bias" in names, qk_norm=False,
             bos_token_id=self.fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=self.end_token_ids(), name=name)
 

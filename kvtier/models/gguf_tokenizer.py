@@ -15,6 +15,12 @@ from kvtier.models.tokenizer import Tokenizer
 # llama.cpp token types (gguf.TokenType).
 _CONTROL = 3
 _USER_DEFINED = 4
+# The named special tokens besides bos and eos, as tokenizer_config.json names them, by the
+# metadata key of their id ("seperator" is GGUF's spelling).
+_OTHER_SPECIAL_IDS = {"unk_token": "tokenizer.ggml.unknown_token_id",
+                      "pad_token": "tokenizer.ggml.padding_token_id",
+                      "sep_token": "tokenizer.ggml.seperator_token_id",
+                      "mask_token": "tokenizer.ggml.mask_token_id"}
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -66,6 +72,18 @@ def _special_token(fields: dict[str, Any], key: str, tokens: list[str],
     return tokens[token_id], token_id
 
 
+def _other_special_tokens(fields: dict[str, Any], tokens: list[str]) -> dict[str, str]:
+    """unk_token, pad_token... for chat templates to print, as an HF directory's tokenizer
+    gives them. An id outside the vocabulary is left out, as llama.cpp leaves it out: only a
+    template that prints the token sees the difference, where a refusal would stop the load."""
+    named = {}
+    for name, key in _OTHER_SPECIAL_IDS.items():
+        token_id = fields.get(key)
+        if isinstance(token_id, int) and 0 <= token_id < len(tokens):
+            named[name] = tokens[token_id]
+    return named
+
+
 def _backend(fields: dict[str, Any], tokens: list[str], path: str) -> BackendTokenizer:
     merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
     pre = fields.get("tokenizer.ggml.pre", "default")
@@ -103,4 +121,5 @@ def tokenizer_from_gguf(fields: dict[str, Any], path: str,
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
     return Tokenizer(backend, bos_token=bos, eos_token=eos,
                      chat_template=fields.get("tokenizer.chat_template"),
-                     extra_eos_token_ids=extra_eos_token_ids)
+                     extra_eos_token_ids=extra_eos_token_ids,
+                     other_special_tokens=_other_special_tokens(fields, tokens))

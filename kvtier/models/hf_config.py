@@ -40,6 +40,9 @@ def parse_rope(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if scaling is None:
         return theta, None
     scaling = dict(scaling)
+    # A factor of 1 rotates every dimension, as without one (_refuse_partial_rotary refuses
+    # any other).
+    scaling.pop("partial_rotary_factor", None)
     # Older configs say "type" where newer ones say "rope_type".
     rope_type = scaling.pop("rope_type", scaling.pop("type", "default"))
     if rope_type == "default":
@@ -89,12 +92,55 @@ def _refuse_unsupported(hf: dict[str, Any], path: str) -> None:
     if activation not in _SILU_NAMES:
         raise ModelLoadError(path, f"hidden_act {activation!r} is not supported; the decoder's "
                                    "MLP applies silu")
+    _refuse_partial_rotary(hf, path)
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(value) if isinstance(value, list) else (int(value),)
+def _refuse_partial_rotary(hf: dict[str, Any], path: str) -> None:
+    # transformers 5 keeps the factor in rope_parameters; older configs beside the other keys.
+    factor = next((source["partial_rotary_factor"]
+                   for source in (hf.get("rope_parameters"), hf.get("rope_scaling"), hf)
+                   if isinstance(source, dict) and "partial_rotary_factor" in source), None)
+    if factor is None or (factor == 1 and not isinstance(factor, bool)):
+        return
+    # transformers' Llama-family classes are no reference either: their default RoPE ignores
+    # the factor and their llama3 RoPE fails on it.
+    raise ModelLoadError(path, f"partial_rotary_factor {factor!r} is not supported: kvtier "
+                               "applies RoPE to every dimension of each head; if the checkpoint "
+                               "was trained with full RoPE, delete the key, else kvtier cannot "
+                               "run it")
+
+
+def _flag(hf: dict[str, Any], key: str, path: str) -> bool:
+    """A boolean config key (absent or null: false); a string such as "false" is refused
+    rather than read as true."""
+    value = hf.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise ModelLoadError(path, f"{key} must be true or false, got {value!r}")
+    return bool(value)
+
+
+def _bias_flags(hf: dict[str, Any], spec: ArchitectureSpec, path: str) -> dict[str, bool]:
+    """ModelConfig's bias flags, from the keys the architecture reads as transformers does."""
+    attention_bias = _flag(hf, "attention_bias", path)
+    return {"attention_bias": spec.qkv_bias(attention_bias),
+            "o_proj_bias": spec.o_proj_bias(attention_bias),
+            "mlp_bias": spec.mlp_bias(_flag(hf, "mlp_bias", path))}
+
+
+def _token_id(value: Any, key: str, path: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ModelLoadError(path, f"{key}: {value!r} is not a token id (an integer >= 0); "
+                                   "write the id the tokenizer gives the token, not its text")
+    return value
+
+
+def _special_ids(hf: dict[str, Any], path: str) -> dict[str, Any]:
+    """bos_token_id and eos_token_ids (one id or a list in config.json)."""
+    bos = hf.get("bos_token_id")
+    eos = hf.get("eos_token_id")
+    eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    return {"bos_token_id": None if bos is None else _token_id(bos, "bos_token_id", path),
+            "eos_token_ids": tuple(_token_id(i, "eos_token_id", path) for i in eos)}
 
 
 def parse_hf_config(model_dir: str, name: str) -> ModelConfig:
@@ -126,9 +172,8 @@ def parse_hf_config(model_dir: str, name: str) -> ModelConfig:
             # Older LFM2 configs say `tie_embedding`.
             tie_word_embeddings=bool(hf.get("tie_word_embeddings",
                                             hf.get("tie_embedding", False))),
-            attention_bias=spec.qkv_bias(hf), o_proj_bias=spec.o_proj_bias(hf),
-            qk_norm=spec.qk_norm, bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=_eos_ids(hf.get("eos_token_id")), name=name,
+            qk_norm=spec.qk_norm, name=name, **_bias_flags(hf, spec, path),
+            **_special_ids(hf, path),
             conv_layer_indices=conv_layers, conv_kernel_size=int(hf.get("conv_L_cache", 3)),
             conv_bias=bool(hf.get("conv_bias", False)))
     except ModelLoadError:

@@ -82,9 +82,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size,
-                                      bias=False, dtype=dtype)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False,
-                                   dtype=dtype)
+                                      bias=config.mlp_bias, dtype=dtype)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size,
+                                   bias=config.mlp_bias, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -192,7 +192,8 @@ class LlamaForCausalLM(nn.Module):
             if piece not in owners:
                 if hf_name == "lm_head.weight" and self.lm_head is None:
                     continue  # Tied: some checkpoints still store a copy of the embeddings.
-                raise ModelLoadError(source, f"unexpected tensor {hf_name!r}")
+                raise ModelLoadError(source, f"unexpected tensor {hf_name!r}"
+                                             f"{_bias_hint([hf_name])}")
             if piece not in pending:
                 raise ModelLoadError(source, f"tensor {hf_name!r} appears more than once")
             name, index = owners[piece]
@@ -202,7 +203,8 @@ class LlamaForCausalLM(nn.Module):
                 target.copy_(tensor)
             pending.discard(piece)
         if pending:
-            raise ModelLoadError(source, f"missing tensors: {', '.join(sorted(pending))}")
+            raise ModelLoadError(source, f"missing tensors: {', '.join(sorted(pending))}"
+                                         f"{_bias_hint(pending)}")
 
 
 def _pieces(name: str) -> tuple[str, ...]:
@@ -211,6 +213,14 @@ def _pieces(name: str) -> tuple[str, ...]:
         if fused_part in name:
             return tuple(name.replace(fused_part, part) for part in parts)
     return (name,)
+
+
+def _bias_hint(names: Iterable[str]) -> str:
+    if not any(name.endswith(".bias") for name in names):
+        return ""
+    return ("; the model has the biases its architecture and config give it (config.json's "
+            "attention_bias and mlp_bias, as transformers reads them), and the checkpoint's "
+            "bias tensors must match")
 
 
 def _check_tensor(tensor: torch.Tensor, target: torch.Tensor, hf_name: str, source: str) -> None:

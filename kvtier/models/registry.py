@@ -56,38 +56,45 @@ class ArchitectureSpec:
     hf_classes: tuple[str, ...]
     # q/k/v biases regardless of `attention_bias` (Qwen2 always has them).
     always_qkv_bias: bool
-    # `attention_bias` also puts a bias on o_proj (Llama, Qwen3); Qwen2 never has one.
-    o_proj_follows_attention_bias: bool
+    # `attention_bias` puts a bias on q/k/v and o_proj (Llama, Qwen3). transformers' Qwen2,
+    # Mistral and LFM2 ignore the key, and so does kvtier for them.
+    reads_attention_bias: bool
     qk_norm: bool
     default_windows: WindowRule
     # `layer_types` may name "conv" layers (gated short convolutions with a recurrent state).
     short_conv: bool = False
     # Feed-forward width from the HF config.
     ffn_size: Callable[[dict[str, Any]], int] = _plain_ffn_size
+    # `mlp_bias` puts a bias on gate/up/down (Llama); the others' MLPs never have one.
+    reads_mlp_bias: bool = False
 
-    def qkv_bias(self, hf: dict[str, Any]) -> bool:
-        return self.always_qkv_bias or bool(hf.get("attention_bias", False))
+    def qkv_bias(self, attention_bias: bool) -> bool:
+        """q/k/v carry a bias, given the config's `attention_bias`."""
+        return self.always_qkv_bias or (self.reads_attention_bias and attention_bias)
 
-    def o_proj_bias(self, hf: dict[str, Any]) -> bool:
-        return self.o_proj_follows_attention_bias and bool(hf.get("attention_bias", False))
+    def o_proj_bias(self, attention_bias: bool) -> bool:
+        return self.reads_attention_bias and attention_bias
+
+    def mlp_bias(self, mlp_bias: bool) -> bool:
+        return self.reads_mlp_bias and mlp_bias
 
 
 ARCHITECTURES: dict[str, ArchitectureSpec] = {
     spec.name: spec for spec in (
         ArchitectureSpec("llama", ("LlamaForCausalLM",), always_qkv_bias=False,
-                         o_proj_follows_attention_bias=True, qk_norm=False,
-                         default_windows=_no_windows),
+                         reads_attention_bias=True, qk_norm=False,
+                         default_windows=_no_windows, reads_mlp_bias=True),
         ArchitectureSpec("qwen2", ("Qwen2ForCausalLM",), always_qkv_bias=True,
-                         o_proj_follows_attention_bias=False, qk_norm=False,
+                         reads_attention_bias=False, qk_norm=False,
                          default_windows=_window_above_max_window_layers),
         ArchitectureSpec("qwen3", ("Qwen3ForCausalLM",), always_qkv_bias=False,
-                         o_proj_follows_attention_bias=True, qk_norm=True,
+                         reads_attention_bias=True, qk_norm=True,
                          default_windows=_window_above_max_window_layers),
         ArchitectureSpec("mistral", ("MistralForCausalLM",), always_qkv_bias=False,
-                         o_proj_follows_attention_bias=True, qk_norm=False,
+                         reads_attention_bias=False, qk_norm=False,
                          default_windows=_window_on_every_layer),
         ArchitectureSpec("lfm2", ("Lfm2ForCausalLM",), always_qkv_bias=False,
-                         o_proj_follows_attention_bias=False, qk_norm=True,
+                         reads_attention_bias=False, qk_norm=True,
                          default_windows=_no_windows, short_conv=True,
                          ffn_size=_lfm2_ffn_size),
     )

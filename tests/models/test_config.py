@@ -160,3 +160,53 @@ def test_a_hub_id_is_told_that_kvtier_never_downloads(tmp_path, monkeypatch):
                                              r"models: .*huggingface-cli download "
                                              r"Qwen/Qwen2\.5-0\.5B-Instruct --local-dir DIR"):
         load_model("Qwen/Qwen2.5-0.5B-Instruct")
+
+
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("extra", [
+    {"partial_rotary_factor": 0.5},
+    {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                         "partial_rotary_factor": 0.25}},
+    {"rope_scaling": {**_LLAMA3_ROPE, "partial_rotary_factor": 0.5}},
+])
+def test_partial_rotary_factor_below_one_is_refused(tmp_path, extra):
+    """Before, it loaded and rotated every dimension of each head."""
+    raw = {**_QWEN2_OLD_STYLE, "architectures": ["LlamaForCausalLM"], **extra}
+    with pytest.raises(ModelLoadError, match=r"config\.json: partial_rotary_factor 0\.(5|25) is "
+                                             r"not supported: kvtier applies RoPE to every "
+                                             r"dimension of each head; if the checkpoint was "
+                                             r"trained with full RoPE, delete the key"):
+        parse_hf_config(_write_config(tmp_path, raw), "l")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"eos_token_id": "</s>"}, r"eos_token_id: '</s>' is not a token id"),
+    ({"eos_token_id": [7, "<|im_end|>"]}, r"eos_token_id: '<\|im_end\|>' is not a token id"),
+    ({"eos_token_id": [7, None]}, r"eos_token_id: None is not a token id"),
+    ({"eos_token_id": 7.5}, r"eos_token_id: 7\.5 is not a token id"),
+    ({"eos_token_id": True}, r"eos_token_id: True is not a token id"),
+    ({"bos_token_id": "<s>"}, r"bos_token_id: '<s>' is not a token id"),
+    ({"attention_bias": "false"}, r"attention_bias must be true or false, got 'false'"),
+    ({"mlp_bias": 1}, r"mlp_bias must be true or false, got 1"),
+])
+def test_special_ids_and_flags_of_the_wrong_type_are_refused(tmp_path, extra, message):
+    """Before, a list's strings and None became "eos ids" that never match a token, a float
+    was truncated, and the string "false" read as true."""
+    raw = {**_QWEN2_OLD_STYLE, "architectures": ["LlamaForCausalLM"], **extra}
+    with pytest.raises(ModelLoadError, match=r"config\.json: " + message):
+        parse_hf_config(_write_config(tmp_path, raw), "l")
+
+
+def test_harmless_and_unknown_keys_still_load(tmp_path):
+    raw = {**_QWEN2_OLD_STYLE, "architectures": ["LlamaForCausalLM"], "partial_rotary_factor": 1.0,
+           "rope_scaling": {**_LLAMA3_ROPE, "partial_rotary_factor": 1.0}, "attention_bias": None,
+           "mlp_bias": False, "attention_dropout": 0.0, "pretraining_tp": 1,
+           "some_future_key": {"x": 1}, "bos_token_id": 1, "eos_token_id": [7, 9]}
+    config = parse_hf_config(_write_config(tmp_path, raw), "l")
+    assert config.rope_scaling == {"rope_type": "llama3", **{
+        k: v for k, v in _LLAMA3_ROPE.items() if k != "rope_type"}}
+    assert (config.attention_bias, config.o_proj_bias, config.mlp_bias) == (False, False, False)
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (7, 9))

@@ -4,6 +4,9 @@ import pytest
 import torch
 
 from kvtier.models import load_model
+from kvtier.models.gguf_file import GGUFModelFile
+from kvtier.models.gguf_tokenizer import tokenizer_from_gguf
+from kvtier.models.loader import default_model_path
 
 from .helpers import PagedDriver
 
@@ -21,3 +24,13 @@ def test_smollm2_greedy_completes_paris():
         generated.append(int(logits[-1].argmax()))
         logits = driver.step({0: generated[-1:]})[0]
     assert "Paris" in tokenizer.decode(generated)
+
+
+def test_smollm2_tokenizer_names_its_unk_and_pad_tokens_like_hf():
+    """The GGUF's unknown/padding ids are SmolLM2-135M-Instruct's tokenizer_config.json
+    unk_token and pad_token; a template printing them renders as transformers renders it."""
+    path = default_model_path()
+    tokenizer = tokenizer_from_gguf(GGUFModelFile(path).fields, path)
+    assert tokenizer.special_tokens == {
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "unk_token": "<|endoftext|>",
+        "pad_token": "<|im_end|>"}

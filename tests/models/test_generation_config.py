@@ -10,7 +10,8 @@ import pytest
 from kvtier import LLM, SamplingParams
 from kvtier.entrypoints.openai.protocol import CompletionRequest
 from kvtier.entrypoints.openai.sampling import completion_sampling_params
-from kvtier.models.generation_config import load_sampling_defaults
+from kvtier.models import ModelLoadError
+from kvtier.models.generation_config import load_eos_token_ids, load_sampling_defaults
 
 from ..tiny_models import make_hf_model
 
@@ -96,3 +97,20 @@ def test_its_eos_token_ids_end_completions_too(tmp_path):
     write_config(tmp_path, eos_token_id=[2, "x"])
     with pytest.raises(ValueError, match="eos_token_id must be a token id or a list"):
         LLM(str(tmp_path), dtype="float32", block_size=4, num_device_blocks=32)
+
+
+@pytest.mark.parametrize("value", ["</s>", [2, "<|im_end|>"], 2.0, True, [2, None], -1])
+def test_eos_token_ids_of_the_wrong_type_are_refused_naming_the_file(tmp_path, value):
+    write_config(tmp_path, eos_token_id=value)
+    with pytest.raises(ModelLoadError) as info:
+        load_eos_token_ids(str(tmp_path))
+    assert info.value.path == str(tmp_path / "generation_config.json")
+    assert info.value.problem == (f"eos_token_id must be a token id or a list of them "
+                                  f"(integers >= 0), got {value!r}; write the ids the "
+                                  "tokenizer gives the tokens, not their text")
+
+
+def test_eos_token_ids_read_one_id_or_a_list(tmp_path):
+    assert load_eos_token_ids(write_config(tmp_path, eos_token_id=[2, 5])) == (2, 5)
+    assert load_eos_token_ids(write_config(tmp_path, eos_token_id=7)) == (7,)
+    assert load_eos_token_ids(str(tmp_path / "model.gguf")) == ()

@@ -126,3 +126,36 @@ def test_special_token_id_out_of_range_names_the_key(gguf_pair, key):
     with pytest.raises(ModelLoadError, match=rf"tiny\.gguf: tokenizer\.ggml\.{key} 99999 is out "
                                              r"of range for the 262 tokens"):
         tokenizer_from_gguf(_tokenizer_fields(path, **{key: 99999}), path)
+
+
+def test_gguf_with_mlp_biases_matches_hf(tmp_path):
+    """llama.cpp's llama graph adds ffn_{gate,up,down}.bias where the file has them; before,
+    kvtier refused them as unexpected tensors."""
+    hf_model = make_covering_hf_model("llama", tmp_path, vocab_size=len(tokens()),
+                                      mlp_bias=True)
+    path = str(tmp_path / "biased.gguf")
+    write_gguf(hf_model, path)
+    loaded = load_model(path, dtype=torch.float32)
+    assert (loaded.config.attention_bias, loaded.config.o_proj_bias,
+            loaded.config.mlp_bias) == (True, True, True)
+    prompt = [5, 70, 33, 200, 261, 9, 9, 100, 4, 150, 3]
+    torch.testing.assert_close(PagedDriver(loaded.model).step({0: prompt})[0],
+                               hf_logits(hf_model, prompt), atol=1e-4, rtol=0)
+
+
+SPECIALS_TEMPLATE = ("[{{ bos_token }}][{{ eos_token }}][{{ unk_token }}][{{ pad_token }}]"
+                     "[{{ sep_token is defined }}][{{ mask_token is defined }}]")
+
+
+def test_gguf_unk_and_pad_tokens_reach_chat_templates(gguf_pair):
+    """Before, unk_token and pad_token were undefined in templates (an HF directory's
+    tokenizer_config.json gives them)."""
+    _, path = gguf_pair
+    fields = _tokenizer_fields(path, unknown_token_id=1, padding_token_id=0,
+                               seperator_token_id=99999)
+    fields["tokenizer.chat_template"] = SPECIALS_TEMPLATE
+    tokenizer = tokenizer_from_gguf(fields, path)
+    # An out-of-range id is left out, as llama.cpp leaves it out.
+    assert tokenizer.special_tokens == {"bos_token": "<s>", "eos_token": "</s>",
+                                        "unk_token": "</s>", "pad_token": "<s>"}
+    assert tokenizer.apply_chat_template([]) == "[<s>][</s>][</s>][<s>][False][False]"
