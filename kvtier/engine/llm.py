@@ -120,16 +120,18 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts, content a string or OpenAI's
-        text parts) or a list of them; the options as in the server's chat requests."""
+        text parts) or a list of them; the options as in the server's chat requests (`tools`:
+        OpenAI's function tools, for the chat template)."""
         if self.engine.tokenizer is None:
             raise ValueError("chat needs a tokenizer with a chat template; this model has none")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [render_chat(self.engine.tokenizer, conversation,
                                add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message,
-                               chat_template_kwargs=chat_template_kwargs)
+                               chat_template_kwargs=chat_template_kwargs, tools=tools)
                    for conversation in conversations]
         # The template already wrote the special tokens (BOS) it wants.
         token_prompts = [{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(

@@ -19,6 +19,7 @@ from kvtier.common.options import check_positive_seconds
 from kvtier.common.sizes import parse_size
 from kvtier.config import EngineConfig
 from kvtier.engine.args import add_engine_args, engine_config_from_args
+from kvtier.entrypoints.openai.tools import TOOL_CALL_PARSERS
 from kvtier.models.chat import read_chat_template
 
 if TYPE_CHECKING:
@@ -55,6 +56,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template for /v1/chat/completions, or the path of a "
                             "file holding one (default: the model's)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let chat requests with tools use tool_choice "auto" (the '
+                            "default with tools): the model decides, and --tool-call-parser "
+                            "finds its calls in the text")
+    group.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                       help="how the model writes tool calls, for --enable-auto-tool-choice: "
+                            "hermes (<tool_call>{\"name\": ..., \"arguments\": ...}"
+                            "</tool_call>, as Qwen and Hermes models write them)")
     group.add_argument("--generation-config", default="auto",
                        help="sampling defaults (temperature, top_p, top_k, min_p, "
                             "repetition_penalty) for requests that leave them unset: 'auto' "
@@ -83,6 +92,10 @@ def _checked_config(args: argparse.Namespace
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     check_positive_seconds(args.shutdown_timeout, "--shutdown-timeout")
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: give "
+                         "both (e.g. --enable-auto-tool-choice --tool-call-parser hermes) or "
+                         "neither")
     if not 0 < args.switch_interval <= 1:
         raise ValueError(f"--switch-interval must be in (0, 1] seconds, got {args.switch_interval}")
     max_body = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")
@@ -179,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
                         ServerMetrics(engine.metrics),
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                        tool_call_parser=args.tool_call_parser,
                         kv_events_info=_kv_events_info(events_config, config, chat_template),
                         sampling_defaults=sampling_defaults)
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,

@@ -29,11 +29,13 @@ def read_chat_template(value: str) -> str:
 
 def render_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
                 add_generation_prompt: bool = True, continue_final_message: bool = False,
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+                chat_template_kwargs: Mapping[str, Any] | None = None,
+                tools: Sequence[Mapping[str, Any]] | None = None) -> str:
     """The messages through the chat template. A message's content may be a string or
     OpenAI's list of text parts (joined by newlines). `continue_final_message` leaves the
     last message open for the model to go on with; `chat_template_kwargs` are extra template
-    variables (e.g. enable_thinking). ChatTemplateError names the field at fault."""
+    variables (e.g. enable_thinking); `tools` (OpenAI's function tools) is the template's
+    `tools`. ChatTemplateError names the field at fault."""
     if continue_final_message and add_generation_prompt:
         raise ChatTemplateError("continue_final_message needs add_generation_prompt set to false "
                                 "(the last message is continued, not answered)",
@@ -43,6 +45,8 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *,
     if taken:
         raise ChatTemplateError(f"chat_template_kwargs may not set {', '.join(taken)}: the "
                                 "request's own fields do", param="chat_template_kwargs")
+    if tools is not None:
+        variables["tools"] = list(tools)
     plain = [{**message, "content": text_of(message.get("content"), f"messages[{i}].content")}
              for i, message in enumerate(messages)]
     text = tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,

@@ -240,6 +240,20 @@ def test_chat_takes_text_parts_and_the_servers_chat_options(llm):
                  GREEDY)
 
 
+def test_chat_hands_tools_to_the_template(llm):
+    tokenizer = llm.get_tokenizer()
+    original = tokenizer.chat_template
+    tokenizer.set_chat_template("{% for t in tools or [] %}{{ t.function.name }} {% endfor %}"
+                                "{{ messages[0].content }}")
+    try:
+        tools = [{"type": "function", "function": {"name": "w9"}}]
+        with_tools = llm.chat([{"role": "user", "content": "w7"}], GREEDY, tools=tools)[0]
+        without = llm.chat([{"role": "user", "content": "w7"}], GREEDY)[0]
+    finally:
+        tokenizer.set_chat_template(original)
+    assert (with_tools.prompt, without.prompt) == ("w9 w7", "w7")
+
+
 def test_prompt_dicts_take_a_cache_salt_and_refuse_other_keys(llm):
     salted = {"prompt_token_ids": PROMPT, "cache_salt": "tenant-a"}
     assert llm.generate(salted, GREEDY)[0].num_cached_tokens == 0

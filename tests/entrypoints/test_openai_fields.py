@@ -53,7 +53,7 @@ def test_a_null_is_a_field_left_out(server):
     (completion, {"guided_json": {"type": "object"}}),
     (completion, {"use_beam_search": True}),
     (chat, {"functions": [{"name": "f"}]}),
-    (chat, {"tool_choice": "required"}),
+    (chat, {"function_call": "auto"}),
     (chat, {"modalities": ["text", "audio"]}),
     (chat, {"chat_template": "{{ messages }}"}),
 ])
@@ -138,9 +138,10 @@ def test_responses_carry_openais_null_fields_and_no_unasked_extras(server):
             "ignore_eos": True, "stream": True}) as response:
         chunks = [json.loads(line[6:]) for line in response.iter_lines()
                   if line.startswith("data: {")]
+    # (A reader slower than the engine may get the tokens in fewer chunks than three.)
     first = chunks[0]["choices"][0]
-    assert first["finish_reason"] is None and first["logprobs"] is None
-    assert first["delta"]["role"] == "assistant"
+    assert first["logprobs"] is None and first["delta"]["role"] == "assistant"
+    assert all(chunk["choices"][0]["finish_reason"] is None for chunk in chunks[:-1])
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert all("usage" not in chunk for chunk in chunks)  # include_usage not asked
 

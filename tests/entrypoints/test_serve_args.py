@@ -109,3 +109,11 @@ def test_a_taken_port_fails_before_the_model_loads(capsys):
     assert capsys.readouterr().err.strip() == (
         f"kvtier serve: error: cannot listen on --host 127.0.0.1 --port {port}: address already "
         "in use; give an address of this machine and a free port")
+
+
+@pytest.mark.parametrize("args", [["--enable-auto-tool-choice"],
+                                  ["--tool-call-parser", "hermes"]])
+def test_auto_tool_choice_and_its_parser_go_together(args, capsys):
+    assert main(["serve", "/no/such/model", *args]) == 2
+    assert "--enable-auto-tool-choice and --tool-call-parser go together" in \
+        capsys.readouterr().err

@@ -156,7 +156,7 @@ def test_no_engine_request_is_made(server):
     ("/tokenize", {"messages": CHAT, "chat_template": "{{ 1 }}"}, "chat_template",
      "unsupported_parameter"),
     ("/tokenize", {"messages": CHAT, "tools": [{"type": "function"}]}, "tools",
-     "unsupported_parameter"),
+     "invalid_value"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, path, body, param, code):
     response = post(server, path, body)

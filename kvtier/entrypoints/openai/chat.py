@@ -46,6 +46,14 @@ from kvtier.entrypoints.openai.streaming import (
     sse_error,
     usage_info,
 )
+from kvtier.entrypoints.openai.tools import (
+    ToolChoice,
+    ToolStream,
+    finish_reason,
+    parse_answer,
+    tool_choice,
+    tool_constraint,
+)
 
 router = APIRouter()
 
@@ -56,7 +64,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     check_text(body)  # first: an error message quoting a bad string could not be sent
     ctx.check_model(body.model)
     check_token_ids(body, ctx.vocab_size)
-    params = chat_sampling_params(body, ctx.sampling_defaults)
+    tools = tool_choice(body, ctx.tool_call_parser)
+    params = chat_sampling_params(body, ctx.sampling_defaults, tool_constraint(body, tools))
     prompt = await ctx.prepare(message_chars(body.messages), chat_prompt, ctx, body)
     prompt = truncate(ctx, prompt, body, params.max_tokens)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
@@ -71,13 +80,14 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id),
+        return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id,
+                                         ToolStream(tools)),
                                  media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
     finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)
-    response = _response(ctx, body, prompt, finals[0], response_id)
+    response = _response(ctx, body, prompt, finals[0], response_id, tools)
     return JSONResponse(response.model_dump(), headers=headers)
 
 
@@ -86,16 +96,20 @@ def _num_top(body: ChatCompletionRequest) -> int:
 
 
 def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
-              final: RequestOutput, response_id: str) -> ChatCompletionResponse:
+              final: RequestOutput, response_id: str,
+              tools: ToolChoice) -> ChatCompletionResponse:
     choices = []
     for completion in final.outputs:
         logprobs = None
         if body.logprobs and completion.logprobs is not None:
             logprobs = chat_logprobs(ctx.tokenizer, completion.token_ids, completion.logprobs,
                                      _num_top(body))
+        answer = parse_answer(tools, completion.text)
         choices.append(ChatChoice(
-            index=completion.index, message=ChatResponseMessage(content=completion.text),
-            logprobs=logprobs, finish_reason=completion.finish_reason,
+            index=completion.index,
+            message=ChatResponseMessage(content=answer.content, tool_calls=answer.tool_calls),
+            logprobs=logprobs,
+            finish_reason=finish_reason(tools, answer, completion.finish_reason),
             stop_reason=completion.stop_reason,
             token_ids=completion.token_ids if body.return_token_ids else None))
     num_completion = sum(len(c.token_ids) for c in final.outputs)
@@ -108,7 +122,8 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
 
 
 async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
-                  outputs: Outputs, response_id: str) -> AsyncIterator[str]:
+                  outputs: Outputs, response_id: str,
+                  tools: ToolStream) -> AsyncIterator[str]:
     tracker = DeltaTracker()
     num_cached = 0
     prompt_logprobs_sent = False
@@ -127,7 +142,7 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
                 break
             num_cached = output.num_cached_tokens
             choices = [choice for completion in output.outputs
-                       if (choice := _stream_choice(ctx, body, tracker, completion))]
+                       if (choice := _stream_choice(ctx, body, tracker, completion, tools))]
             if choices:
                 continuous = options is not None and options.continuous_usage_stats
                 # The prompt's logprobs go with the first chunk.
@@ -147,14 +162,18 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
 
 
 def _stream_choice(ctx: ServerContext, body: ChatCompletionRequest, tracker: DeltaTracker,
-                   completion) -> ChatStreamChoice | None:
+                   completion, tools: ToolStream) -> ChatStreamChoice | None:
     delta = tracker.advance(completion.index, completion)
     if delta is None:
         return None
-    message = DeltaMessage(role="assistant" if delta.is_first else None, content=delta.text)
+    # The content sent is what the tool calls leave of the text (all of it without tools).
+    content, tool_calls, reason = tools.step(completion.index, completion.text,
+                                             delta.finish_reason)
+    message = DeltaMessage(role="assistant" if delta.is_first else None, content=content,
+                           tool_calls=tool_calls)
     logprobs = None
     if body.logprobs and delta.logprobs is not None:
         logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, _num_top(body))
     return ChatStreamChoice(index=completion.index, delta=message, logprobs=logprobs,
-                            finish_reason=delta.finish_reason, stop_reason=delta.stop_reason,
+                            finish_reason=reason, stop_reason=delta.stop_reason,
                             token_ids=delta.token_ids if body.return_token_ids else None)

@@ -53,6 +53,9 @@ class ServerContext:
     metrics: ServerMetrics
     # Report usage.prompt_tokens_details.cached_tokens (--enable-prompt-tokens-details).
     enable_prompt_tokens_details: bool = False
+    # How chat answers under tool_choice "auto" write tool calls (--tool-call-parser); None:
+    # "auto" is refused.
+    tool_call_parser: str | None = None
     # What a request that leaves a sampling field unset gets (--generation-config).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     # What GET /v1/kv_events_info answers: where KV events are published and how blocks are

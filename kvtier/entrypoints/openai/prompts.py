@@ -6,6 +6,7 @@ engine ids it can trust: an out-of-vocabulary id would otherwise fail a whole ba
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,8 @@ def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> Prompt:
         text = render_chat(ctx.tokenizer, messages,
                            add_generation_prompt=request.add_generation_prompt,
                            continue_final_message=request.continue_final_message,
-                           chat_template_kwargs=request.chat_template_kwargs)
+                           chat_template_kwargs=request.chat_template_kwargs,
+                           tools=request.tools)
     except ChatTemplateError as exc:
         code = "unsupported_parameter" if isinstance(exc, UnsupportedContentError) \
             else "invalid_value"
@@ -116,12 +118,30 @@ def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> Prompt:
 
 def _message_dict(message: Any) -> dict[str, Any]:
     """The message as the template takes it (render_chat joins text parts); extra fields only
-    when they are strings."""
+    when they are strings, and an assistant's tool_calls."""
     content = message.content
     if isinstance(content, list):
         content = [part.model_dump() for part in content]
     extra = {k: v for k, v in (message.model_extra or {}).items() if isinstance(v, str)}
+    tool_calls = (message.model_extra or {}).get("tool_calls")
+    if isinstance(tool_calls, list):
+        extra["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
     return {**extra, "role": message.role, "content": content}
+
+
+def _template_tool_call(call: Any) -> Any:
+    """A tool call as chat templates print it: its arguments (JSON text in OpenAI's messages)
+    as an object where they parse, as vLLM hands them to templates."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    if not isinstance(arguments, dict):
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _tokenize(ctx: ServerContext, text: str, param: str, add_special_tokens: bool) -> list[int]:

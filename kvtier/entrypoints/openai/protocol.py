@@ -106,6 +106,9 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     # vLLM's: the last message is left open for the model to go on with (no generation
     # prompt after it), and extra variables for the chat template (e.g. enable_thinking).
@@ -202,6 +205,8 @@ class ChatLogProbs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    # Each {"id", "type": "function", "function": {"name", "arguments"}}.
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -228,6 +233,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = _when_set()
     content: str | None = _when_set()
+    # Whole calls, each with its "index" among the choice's calls.
+    tool_calls: list[dict[str, Any]] | None = _when_set()
 
 
 class ChatStreamChoice(BaseModel):

@@ -20,7 +20,7 @@ from kvtier.entrypoints.openai.protocol import (
     SamplingFields,
 )
 from kvtier.entrypoints.openai.structured import structured_outputs
-from kvtier.sampling_params import SamplingParams
+from kvtier.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Completions one request may ask for (prompts x n): each one is a request in the engine.
 MAX_CHOICES = 128
@@ -41,7 +41,7 @@ MAX_LOGIT_BIAS = 100.0
 # ignored). Each name maps to the values that mean off besides null, false, [] and {}.
 _UNSUPPORTED = {name: () for name in ("use_beam_search", "logits_processors")}
 _UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "functions": (), "function_call": ("none",),
-                        "tool_choice": ("none",), "audio": (), "modalities": (["text"],),
+                        "audio": (), "modalities": (["text"],),
                         "documents": (), "chat_template": ()}
 
 
@@ -73,12 +73,12 @@ def completion_sampling_params(request: CompletionRequest, num_prompts: int,
 
 
 def chat_sampling_params(request: ChatCompletionRequest,
-                         defaults: Mapping[str, float] | None = None) -> SamplingParams:
+                         defaults: Mapping[str, float] | None = None,
+                         tool_constraint: StructuredOutputsParams | None = None
+                         ) -> SamplingParams:
+    """`tool_constraint`: the structured output a tool_choice asks for (tools.py)."""
     _check_common(request, 1)
     refuse_unsupported(request, _UNSUPPORTED_IN_CHAT)
-    if request.tools:
-        raise BadRequestError("tools are not supported", param="tools",
-                              code="unsupported_parameter")
     if request.top_logprobs is not None and not request.logprobs:
         raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs",
                               code="invalid_value")
@@ -88,7 +88,8 @@ def chat_sampling_params(request: ChatCompletionRequest,
     max_tokens = request.max_completion_tokens if param == "max_completion_tokens" \
         else request.max_tokens
     return _build(request, max_tokens=max_tokens, max_tokens_param=param, logprobs=logprobs,
-                  prompt_logprobs=request.prompt_logprobs, defaults=defaults)
+                  prompt_logprobs=request.prompt_logprobs, defaults=defaults,
+                  tool_constraint=tool_constraint)
 
 
 def check_token_ids(request: SamplingFields, vocab_size: int) -> None:
@@ -158,11 +159,18 @@ def _check_logprobs(value: int | None, param: str) -> None:
 
 def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param: str,
            logprobs: int | None, prompt_logprobs: int | None,
-           defaults: Mapping[str, float] | None) -> SamplingParams:
+           defaults: Mapping[str, float] | None,
+           tool_constraint: StructuredOutputsParams | None = None) -> SamplingParams:
     _check_logprobs(request.prompt_logprobs, "prompt_logprobs")
     if max_tokens is not None and max_tokens < 1:
         raise BadRequestError(f"{max_tokens_param} must be >= 1, got {max_tokens}",
                               param=max_tokens_param, code="invalid_value")
+    constraint = structured_outputs(request)
+    if constraint is not None and tool_constraint is not None:
+        raise BadRequestError("tool_choice \"required\" or a named function already holds the "
+                              "output to the calls' JSON; leave response_format and "
+                              "structured_outputs unset", param="tool_choice",
+                              code="invalid_value")
     defaults = defaults or {}
     sampling = {name: defaults.get(name, fallback) if getattr(request, name) is None
                 else getattr(request, name) for name, fallback in _FALLBACKS.items()}
@@ -177,7 +185,7 @@ def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param:
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
         prompt_logprobs=prompt_logprobs, allowed_token_ids=request.allowed_token_ids,
         bad_words=list(request.bad_words or []),
-        structured_outputs=structured_outputs(request))
+        structured_outputs=constraint or tool_constraint)
     try:
         return SamplingParams(**options)
     except ValueError as exc:

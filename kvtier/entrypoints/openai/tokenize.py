@@ -20,10 +20,11 @@ from kvtier.entrypoints.openai.prompts import (
 )
 from kvtier.entrypoints.openai.protocol import APIRequest, ChatCompletionRequest, ChatMessage
 from kvtier.entrypoints.openai.sampling import refuse_unsupported
+from kvtier.entrypoints.openai.tools import check_tools
 
 # Fields of vLLM's chat form that the chat endpoint refuses too: ignoring one would answer
 # tokens other than what vLLM computes.
-_UNSUPPORTED_CHAT_FIELDS = {"chat_template": (), "tools": ()}
+_UNSUPPORTED_CHAT_FIELDS = {"chat_template": ()}
 
 
 class TokenizeRequest(APIRequest):
@@ -41,6 +42,8 @@ class TokenizeRequest(APIRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # The chat's function tools, as the chat endpoint hands them to the template.
+    tools: list[dict[str, Any]] | None = None
 
 
 class TokenizeResponse(BaseModel):
@@ -109,6 +112,7 @@ def _check_form(body: TokenizeRequest) -> None:
     if body.messages is None:
         return
     refuse_unsupported(body, _UNSUPPORTED_CHAT_FIELDS)
+    check_tools(body.tools)
 
 
 def _token_ids(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
@@ -123,7 +127,7 @@ def _token_ids(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
     chat = ChatCompletionRequest.model_construct(
         messages=body.messages, add_generation_prompt=body.add_generation_prompt,
         continue_final_message=body.continue_final_message,
-        chat_template_kwargs=body.chat_template_kwargs)
+        chat_template_kwargs=body.chat_template_kwargs, tools=body.tools)
     prompt = chat_prompt(ctx, chat)
     if not body.add_special_tokens:
         return prompt.token_ids

@@ -1,0 +1,113 @@
+"""Tool choice, tool call parsing and the stream's hold-back, without a server."""
+
+import json
+
+import pytest
+
+from kvtier.entrypoints.openai.errors import BadRequestError
+from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
+from kvtier.entrypoints.openai.tools import (
+    ToolChoice,
+    ToolStream,
+    parse_answer,
+    streamable_prefix,
+    tool_choice,
+    tool_constraint,
+)
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+AUTO = ToolChoice("auto")
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+def test_tools_default_to_auto_and_auto_needs_a_parser():
+    assert tool_choice(request(tools=[WEATHER]), "hermes") == AUTO
+    with pytest.raises(BadRequestError, match="--enable-auto-tool-choice") as refused:
+        tool_choice(request(tools=[WEATHER]), None)
+    assert refused.value.param == "tool_choice"
+    assert tool_choice(request(), None) == ToolChoice("none")
+    assert tool_choice(request(tools=[WEATHER], tool_choice="none"), None).mode == "none"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice"),
+    ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+      "tool_choice": "required"}, "tools"),
+])
+def test_bad_tools_or_choices_are_refused_naming_the_field(fields, param):
+    with pytest.raises(BadRequestError) as refused:
+        tool_choice(request(**fields), "hermes")
+    assert refused.value.param == param
+
+
+def test_required_and_named_constrain_the_output_to_the_calls():
+    body = request(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False)
+    schema = tool_constraint(body, tool_choice(body, None)).json
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert [c["properties"]["name"]["enum"] for c in schema["items"]["anyOf"]] == \
+        [["get_weather"], ["get_time"]]
+    named = request(tools=[WEATHER, TIME],
+                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert tool_constraint(named, tool_choice(named, None)).json == \
+        WEATHER["function"]["parameters"]
+    assert tool_constraint(request(tools=[WEATHER]), AUTO) is None
+
+
+def test_required_and_named_answers_become_calls():
+    required = parse_answer(ToolChoice("required"),
+                            '[{"name": "get_time", "parameters": {}}, '
+                            '{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert [c["function"]["name"] for c in required.tool_calls] == ["get_time", "get_weather"]
+    assert json.loads(required.tool_calls[1]["function"]["arguments"]) == {"city": "Oslo"}
+    assert len({c["id"] for c in required.tool_calls}) == 2
+    named = parse_answer(ToolChoice("named", "get_weather"), '{"city": "Rome"}')
+    assert named.tool_calls[0]["function"] == {"name": "get_weather",
+                                               "arguments": '{"city": "Rome"}'}
+    cut = parse_answer(ToolChoice("required"), '[{"name": "get_ti')
+    assert (cut.content, cut.tool_calls) == ('[{"name": "get_ti', [])
+
+
+def test_hermes_calls_after_content():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
+    answer = parse_answer(AUTO, text)
+    assert answer.content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in answer.tool_calls] == [("get_weather", {"city": "Paris"}),
+                                            ("get_time", {})]
+    only_call = parse_answer(AUTO, '<tool_call>{"name": "get_time"}')  # unclosed at the end
+    assert only_call.content is None and only_call.tool_calls[0]["function"]["arguments"] == "{}"
+    for broken in ("<tool_call>{not json}</tool_call>", '<tool_call>{"arguments": {}}'):
+        assert parse_answer(AUTO, broken).tool_calls == []
+        assert parse_answer(AUTO, broken).content == broken
+    assert parse_answer(AUTO, "plain answer").content == "plain answer"
+
+
+def test_a_stream_holds_back_what_may_start_a_call():
+    assert streamable_prefix(AUTO, "Hello <tool") == "Hello "
+    assert streamable_prefix(AUTO, "Hello <b>") == "Hello <b>"
+    assert streamable_prefix(AUTO, "Hi <tool_call>{") == "Hi "
+    assert streamable_prefix(ToolChoice("required"), "[{") == ""
+    assert streamable_prefix(ToolChoice("none"), "Hi <tool") == "Hi <tool"
+
+
+def test_tool_stream_sends_content_then_the_calls_whole():
+    stream = ToolStream(AUTO)
+    pieces = ["Sure", "Sure <to", "Sure <tool_call>{\"name\": \"get_time\", "]
+    sent = "".join(stream.step(0, text, None)[0] for text in pieces)
+    final = 'Sure <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    content, calls, reason = stream.step(0, final, "stop")
+    assert (sent, content, reason) == ("Sure ", "", "tool_calls")
+    assert calls[0]["index"] == 0 and calls[0]["function"]["name"] == "get_time"
+    plain = ToolStream(AUTO)
+    assert plain.step(1, "a <t", None)[0] == "a "
+    assert plain.step(1, "a <td>", "length") == ("<td>", None, "length")
