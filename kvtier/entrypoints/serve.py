@@ -19,7 +19,6 @@ from kvtier.common.options import check_positive_seconds
 from kvtier.common.sizes import parse_size
 from kvtier.config import EngineConfig
 from kvtier.engine.args import add_engine_args, engine_config_from_args
-from kvtier.entrypoints.openai.tools import TOOL_CALL_PARSERS
 from kvtier.models.chat import read_chat_template
 
 if TYPE_CHECKING:
@@ -33,6 +32,9 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # offload thread runs Python waits up to 5 ms for the GIL; 0.5 ms cut the median decode step at
 # 128 conversations from 189-214 to 166-171 ms (on the 2-core VM of docs/benchmarks.md).
 DEFAULT_SWITCH_INTERVAL_S = 0.0005
+
+# The tool call formats --tool-call-parser may name (kvtier/entrypoints/openai/tools.py).
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

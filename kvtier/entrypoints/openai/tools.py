@@ -20,8 +20,6 @@ from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
 from kvtier.sampling_params import StructuredOutputsParams
 
-# The parsers `--tool-call-parser` may name.
-TOOL_CALL_PARSERS = ("hermes",)
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
 
