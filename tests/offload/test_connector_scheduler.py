@@ -13,7 +13,7 @@ from kvtier.connector.offloading.metadata import (
     ChunkTransfer,
     OffloadingConnectorReport,
 )
-from kvtier.events import BlockStored, external_block_hash
+from kvtier.events import BlockRemoved, BlockStored, external_block_hash
 from kvtier.kv import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -24,7 +24,9 @@ from kvtier.kv import (
     Request,
     make_block_hasher,
 )
+from kvtier.offload.events import DEVICE, HOST, TierMoveEvent
 from kvtier.offload.tiers.base import JobResult, LookupResult
+from kvtier.router.index import KVIndex
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import NewRequestData, SchedulerOutput
 
@@ -152,6 +154,57 @@ def test_no_events_are_made_when_the_engine_publishes_none(make_connector):
     assert connector.manager.host.entries  # the same moves happened
     assert connector.take_events() == []
     assert connector._event_names is None  # and no chunk was named for them
+
+
+def _prompt(req_id, token_ids):
+    return Request(req_id, token_ids, SamplingParams(max_tokens=4),
+                   block_hasher=make_block_hasher(BLOCK))
+
+
+def _store_prompt(connector, kv, request):
+    """Prefill `request` and report its chunks stored in host memory; its blocks' hashes."""
+    metadata, _ = _schedule_prefill(connector, kv, request)
+    _report_done(connector, "device_to_host", metadata.stores)
+    return [external_block_hash(h) for h in request.block_hashes]
+
+
+def test_a_block_two_chunks_hold_stays_announced_until_both_are_gone(make_connector):
+    # 2-block chunks, 2 host slots. r1 and r2 share their first block and differ in the
+    # second: two chunks that both hold block a0. Evicting r1's chunk leaves a0 in host memory.
+    connector = make_connector(blocks_per_chunk=2, cpu_bytes_to_use=4 * CHUNK_BYTES)
+    kv = KVCacheManager(KV_CONFIG, max_model_len=64)
+    a0, a1 = _store_prompt(connector, kv, _prompt("r1", list(range(3, 12))))
+    _, b1 = _store_prompt(connector, kv, _prompt("r2", [3, 4, 5, 6, 100, 101, 102, 103, 104]))
+    c0, c1 = _store_prompt(connector, kv, _prompt("r3", list(range(200, 209))))  # evicts r1's
+    events = connector.take_events()
+    assert events == [
+        BlockStored([a0, a1], None, [], BLOCK, None, "CPU", group_idx=0),
+        BlockStored([b1], None, [], BLOCK, None, "CPU", group_idx=0),  # a0 is announced
+        BlockRemoved([a1], "CPU", 0),  # a0 is still held, by r2's chunk
+        BlockStored([c0, c1], None, [], BLOCK, None, "CPU", group_idx=0)]
+    router = KVIndex(max_blocks=64)
+    for event in events:
+        apply = router.store if isinstance(event, BlockStored) else router.remove
+        apply(1, event.block_hashes, event.medium)
+    assert router.match([a0, b1], [1])[1].num_blocks == 2  # r2's prefix, in host memory
+
+
+def test_each_tier_announces_a_chunk_once_and_a_block_while_a_chunk_there_holds_it(
+        make_connector):
+    connector = make_connector(blocks_per_chunk=2, secondary_tiers=[
+        {"type": "memory", "name": "mem"}])
+    r1, r2 = _prompt("r1", list(range(3, 12))), _prompt("r2", [3, 4, 5, 6, 9, 9, 9, 9, 9])
+    [k1], [k2] = connector.chunk_keys(r1, 0, 0, 1), connector.chunk_keys(r2, 0, 0, 1)
+    a0, a1, b1 = (external_block_hash(h) for h in (*r1.block_hashes, r2.block_hashes[1]))
+    events = connector._event_names.wire_events([
+        TierMoveEvent(k1, DEVICE, HOST), TierMoveEvent(k1, HOST, "mem"),
+        TierMoveEvent(k1, HOST, "mem"),  # the same chunk stored on the tier again
+        TierMoveEvent(k2, DEVICE, HOST), TierMoveEvent(k1, HOST, None),
+        TierMoveEvent(k2, HOST, None), TierMoveEvent(k1, "mem", None)])
+    assert [(type(e).__name__, e.medium, e.block_hashes) for e in events] == [
+        ("BlockStored", "CPU", [a0, a1]), ("BlockStored", "STORAGE", [a0, a1]),
+        ("BlockStored", "CPU", [b1]), ("BlockRemoved", "CPU", [a1]),
+        ("BlockRemoved", "CPU", [a0, b1]), ("BlockRemoved", "STORAGE", [a0, a1])]
 
 
 def test_a_host_hit_plans_no_stores_for_what_it_loads(make_connector):
