@@ -7,7 +7,8 @@ device->host store completes; a write_back tier only once the host tier runs sho
 slots (the oldest dirty chunks first) or at shutdown (write_back.py). A tier with
 `admit_after_hits` N takes a chunk only once it has been loaded from host memory N times (a
 write_through tier at that N-th load), and a tier with `max_pending_stores` stores in flight
-gets no new store: it is dropped and counted, so a slow tier never holds host slots.
+gets no new store: it is dropped and counted, so a slow tier never holds host slots. A chunk the
+device stores again (recomputed) skips the tiers known to hold it (TierQueries).
 A lookup that misses the host asks the secondary tiers in order; the first that has the chunk
 promotes it into the host asynchronously and the answer is RETRY, so the scheduler asks again
 next step instead of waiting; a tier that can hand the chunk over from a file mapped into the
@@ -228,7 +229,9 @@ class TieringManager:
     def _end_promotion(self, index: int, key: ChunkKey, ok: bool) -> None:
         self._promoting.pop(key, None)
         self.host.complete_store(key, ok)
-        if not ok:
+        if ok:
+            self.queries.mark_held(index, key)
+        else:
             self.queries.mark_failed(index, key)
 
     # ---- device <-> host (two-phase; the connector moves the bytes) ------------------------
@@ -264,14 +267,17 @@ class TieringManager:
         self._record([TierMoveEvent(key, DEVICE, HOST)])
         for index in self._targets(key, write_back=False):
             self._store_on(index, key)
-        if self._write_back:
+        if self._write_back and not all(self.queries.holds(index, key) for index, back
+                                        in enumerate(self._tier_write_back) if back):
             self.host.mark_dirty(key)
 
     def _targets(self, key: ChunkKey, write_back: bool) -> list[int]:
-        """The tiers of that write policy whose admission rule `key` meets."""
+        """The tiers of that write policy whose admission rule `key` meets and that are not
+        known to hold it."""
         hits = self._hits.get(key, 0)
         return [index for index, spec in enumerate(self.config.secondary_tiers)
-                if self._tier_write_back[index] == write_back and hits >= spec.admit_after_hits]
+                if self._tier_write_back[index] == write_back and hits >= spec.admit_after_hits
+                and not self.queries.holds(index, key)]
 
     def _at_limit(self, index: int) -> bool:
         """The tier has max_pending_stores stores in flight: it takes no new one now."""
@@ -303,8 +309,8 @@ class TieringManager:
             return
         for key in keys:
             hits = self._hits[key] = self._hits.get(key, 0) + 1
-            for index, spec in enumerate(self.config.secondary_tiers):
-                if not self._tier_write_back[index] and spec.admit_after_hits == hits:
+            for index in self._targets(key, write_back=False):
+                if self.config.secondary_tiers[index].admit_after_hits == hits:
                     self._store_on(index, key)
 
     # ---- tier jobs --------------------------------------------------------------------------
@@ -413,8 +419,9 @@ class TieringManager:
             except Exception:  # a broken tier costs its events, never the step
                 self.metrics.error(self.tier_names[index])
                 continue
-            evicted.extend(TierMoveEvent(key, self.tier_names[index], None, tier.locality)
-                           for key in dropped)
+            for key in dropped:
+                self.queries.mark_dropped(index, key)
+                evicted.append(TierMoveEvent(key, self.tier_names[index], None, tier.locality))
         events, self._events = self._events + evicted, []
         return events
 

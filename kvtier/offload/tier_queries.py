@@ -8,6 +8,12 @@ later store would clear the failure). A tier that answers UNKNOWN (a remote chec
 asked again later without counting; the query counts once, with its final answer. The calls
 for loads straight from a tier's mapped file (`num_mappable`, `pin_mapped`, `release_mapped`) go
 through here too: a tier that raises there costs a counted error and a promotion instead.
+
+What each tier is known to hold is remembered from what passes through here and the manager (a
+store there, a FOUND answer, a load from there; forgotten at a NOT_FOUND answer, a failed load
+or an eviction the tier reports), so that a chunk stored again from the device is not written
+again to a tier that has it. A tier that drops a chunk without a word is found out at its next
+query for it: the chunk is recomputed then, and its store writes it again.
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ class TierQueries:
         self._failed: BoundedDict[tuple[int, ChunkKey], float] = BoundedDict(remembered)
         # (tier index, key) pairs whose tier answered UNKNOWN to a counted query
         self._undecided: BoundedDict[tuple[int, ChunkKey], None] = BoundedDict(remembered)
+        # (tier index, key) pairs the tier is known to hold (see above); one forgotten is
+        # written again at its next store
+        self._held: BoundedDict[tuple[int, ChunkKey], None] = BoundedDict(
+            remembered * max(1, len(tiers)))
 
     def ask(self, index: int, key: ChunkKey, req_context: Any, record: bool) -> LookupResult:
         """Tier `index`'s answer for `key`; `record=False`: a repeated query, not counted."""
@@ -56,18 +66,38 @@ class TierQueries:
             return answer
         if self._undecided.pop((index, key), False) is None:
             record = True
+        if answer is LookupResult.FOUND:
+            self._held[(index, key)] = None
+        else:
+            self._held.pop((index, key), None)
         if record:
             self.metrics.lookup(self.names[index], answer is LookupResult.FOUND,
                                 self._clock() - start)
         return answer
 
     def mark_failed(self, index: int, key: ChunkKey) -> None:
-        """`key` failed to come back from tier `index`: do not ask it again for a while."""
+        """`key` failed to come back from tier `index`: do not ask it again for a while, and
+        write it there again at its next store."""
         self._failed[(index, key)] = self._clock()
+        self._held.pop((index, key), None)
 
     def mark_stored(self, index: int, key: ChunkKey) -> None:
-        """A store of `key` to tier `index` succeeded: it may be asked again at once."""
+        """A store of `key` to tier `index` succeeded: it may be asked again at once, and is
+        not written there again."""
         self._failed.pop((index, key), None)
+        self._held[(index, key)] = None
+
+    def mark_held(self, index: int, key: ChunkKey) -> None:
+        """`key` came back from tier `index`: the tier holds it."""
+        self._held[(index, key)] = None
+
+    def mark_dropped(self, index: int, key: ChunkKey) -> None:
+        """Tier `index` reported `key` evicted."""
+        self._held.pop((index, key), None)
+
+    def holds(self, index: int, key: ChunkKey) -> bool:
+        """Tier `index` is known to hold `key`: a store of it there would write it again."""
+        return (index, key) in self._held
 
     def num_mappable(self, index: int, keys: Sequence[ChunkKey], num_bytes: int,
                      in_memory: bool = True) -> int:
@@ -105,8 +135,11 @@ class TierQueries:
         """The load of `key`, pinned as `chunk`, ended: the tier may overwrite it again. One that
         failed is not taken from that tier again for a while (`mark_failed`), as a failed
         promotion is not: each request would fail it again."""
-        if not ok:
-            self.mark_failed(self.tiers.index(chunk.owner), key)
+        index = self.tiers.index(chunk.owner)
+        if ok:
+            self.mark_held(index, key)
+        else:
+            self.mark_failed(index, key)
         try:
             chunk.owner.release_mapped(chunk)
         except Exception:

@@ -334,3 +334,64 @@ def test_events_keep_the_order_of_evictions_and_stores_within_a_step(make_manage
     assert moves == [(key(1), "device", "host"), (key(1), "host", None),
                      (key(2), "device", "host"), (key(2), "host", None),
                      (key(1), "device", "host")]
+
+
+# ---- a chunk stored again from the device ------------------------------------------------------
+
+def _count_writes(tier) -> list:
+    """The keys of the stores `tier` is handed from now on, in order."""
+    writes, submit_store = [], tier.submit_store
+    tier.submit_store = lambda job: writes.append(job.key) or submit_store(job)
+    return writes
+
+
+def test_a_chunk_stored_again_is_not_written_to_a_tier_known_to_hold_it(make_manager):
+    manager = make_manager(offload_config(1, [MEMORY]))
+    writes = _count_writes(manager.tiers[0])
+    for n in (1, 2, 1):  # one host slot: 2 evicts 1, which is recomputed and stored again
+        store_from_device(manager, n)
+        manager.poll()
+    assert writes == [key(1), key(2)]
+    assert stored_bytes(manager, "memory") == 2 * CHUNK
+    assert [(e.key, e.destination) for e in manager.take_events() if e.source == "host"] == [
+        (key(1), "memory"), (key(1), None), (key(2), "memory"), (key(2), None)]
+
+
+def test_a_chunk_promoted_from_a_tier_is_not_written_back_to_it(make_manager):
+    manager = make_manager(offload_config(1, [STUCK]))
+    stuck = manager.tiers[0]
+    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY
+    stuck.release(ok=True)
+    manager.poll()
+    assert manager.lookup(key(1), CHUNK) is Lookup.HIT
+    store_from_device(manager, 2)  # evicts 1
+    assert [job.key for job in stuck.held] == [key(2)]
+    stuck.release(ok=True)
+    manager.poll()
+    store_from_device(manager, 1)  # evicts 2; recomputed, 1 is still on the tier
+    assert stuck.held == []
+
+
+def test_a_tier_that_lost_a_chunk_is_written_it_again(make_manager):
+    """What the manager knows a tier holds is forgotten when the tier answers NOT_FOUND or
+    fails the chunk's load: the request recomputes it, and its store repairs the tier."""
+    manager = make_manager(offload_config(1, [MEMORY]))
+    writes = _count_writes(manager.tiers[0])
+    for n in (1, 2):
+        store_from_device(manager, n)
+        manager.poll()
+    del manager.tiers[0]._chunks[key(1)]  # gone without a word (a shared store's eviction)
+    assert manager.lookup(key(1), CHUNK) is Lookup.MISS
+    store_from_device(manager, 1)
+    manager.poll()
+    assert writes == [key(1), key(2), key(1)]
+    assert poll_until(manager, 2) is Lookup.HIT  # promoted back: 1 evicted
+    assert poll_until(manager, 1) is Lookup.HIT
+    stuck_manager = make_manager(offload_config(1, [STUCK]))
+    stuck = stuck_manager.tiers[0]
+    assert stuck_manager.lookup(key(3), CHUNK) is Lookup.RETRY  # found there
+    stuck.release(ok=False)  # but damaged
+    stuck_manager.poll()
+    assert stuck_manager.lookup(key(3), CHUNK) is Lookup.MISS
+    store_from_device(stuck_manager, 3)
+    assert [job.key for job in stuck.held] == [key(3)]

@@ -137,3 +137,13 @@ def test_admit_after_hits_on_a_write_back_tier_is_checked_at_write_back(make_man
     manager.poll()
     assert stored_bytes(manager, "memory") == CHUNK  # only 2 was hit
     assert manager.host.num_dirty == 0  # 1 and 3 are not owed to any tier
+
+
+def test_a_chunk_stored_again_is_not_owed_to_a_write_back_tier_that_holds_it(make_manager):
+    manager = make_manager(offload_config(1, [MEMORY], write_policy="write_back"))
+    for n in (1, 2, 1):  # one host slot: 2 evicts 1 once written, then 1 is recomputed
+        store_from_device(manager, n)
+        manager.poll()  # the reserve (1 slot) writes the chunk out
+        manager.poll()
+    assert manager.host.num_dirty == 0
+    assert stored_bytes(manager, "memory") == 2 * CHUNK
