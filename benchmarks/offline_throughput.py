@@ -19,10 +19,12 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
-import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's runner
+from offline_peer import run_as_peer  # noqa: E402
 
 PEER_MODEL = "/opt/kvtier-peer/smollm2-hf"
 # SmolLM2's vocabulary is 49,152 ids; stay clear of the special tokens at the bottom.
@@ -101,22 +103,12 @@ def run_vllm(args: argparse.Namespace) -> dict[str, float]:
 
 
 def run_peer(args: argparse.Namespace) -> dict[str, float]:
-    # The result travels through a file: vLLM writes its own lines to stdout at shutdown.
-    with tempfile.TemporaryDirectory() as tmp:
-        result_path = os.path.join(tmp, "peer.json")
-        command = [args.peer_python, os.path.abspath(__file__), "--engine", "vllm",
-                   "--result-file", result_path]
-        for name in ("num_prompts", "prompt_len", "output_len", "ttft_prompt_len", "seed",
-                     "peer_block_size", "kv_cache_memory_bytes", "max_num_batched_tokens",
-                     "max_model_len", "peer_model", "temperature", "top_p"):
-            command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-        result = subprocess.run(command, capture_output=True, text=True,
-                                timeout=args.peer_timeout)
-        if result.returncode != 0:
-            raise RuntimeError(f"peer run failed (exit {result.returncode}):\n"
-                               f"{result.stderr[-3000:]}")
-        with open(result_path) as f:
-            return json.load(f)
+    flags = []
+    for name in ("num_prompts", "prompt_len", "output_len", "ttft_prompt_len", "seed",
+                 "peer_block_size", "kv_cache_memory_bytes", "max_num_batched_tokens",
+                 "max_model_len", "peer_model", "temperature", "top_p"):
+        flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return run_as_peer(args.peer_python, __file__, flags, args.peer_timeout)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

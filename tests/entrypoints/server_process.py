@@ -65,6 +65,9 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"server not healthy within {START_DEADLINE_S} s: {self.log()}")
 
+    def post(self, path: str, body: dict, timeout: float = 60.0) -> httpx.Response:
+        return httpx.post(f"{self.url}{path}", json=body, timeout=timeout)
+
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()[-4000:]

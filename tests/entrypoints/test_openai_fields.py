@@ -9,23 +9,19 @@ import httpx
 import openai
 import pytest
 
-from .server_process import ServerProcess
+from .conftest import TINY_NAMES
 
-MODEL, ALIAS = "tiny", "tiny-alias"
+MODEL, ALIAS = TINY_NAMES
 PROMPT = [5, 6, 7, 8]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    proc = ServerProcess(tiny_model[0], "--served-model-name", MODEL, ALIAS,
-                         "--num-device-blocks", "64", "--block-size", "16",
-                         "--max-model-len", "256")
-    yield proc
-    proc.stop()
+def server(tiny_server):
+    return tiny_server
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=60.0)
+    return server.post(path, body)
 
 
 def completion(server, **fields) -> httpx.Response:

@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from .server_process import ServerProcess
+from .conftest import TINY_NAMES
 
-MODEL = "tiny"
+MODEL = TINY_NAMES[0]
 CHOICES = ["alpha", "beta", "gamma delta"]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "kind": {"enum": ["a", "bb"]}},
@@ -20,25 +20,17 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model):
-    proc = ServerProcess(tiny_model[0], "--served-model-name", MODEL,
-                         "--num-device-blocks", "64", "--block-size", "16",
-                         "--max-model-len", "256")
-    yield proc
-    proc.stop()
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json=body, timeout=60.0)
+def server(tiny_server):
+    return tiny_server
 
 
 def completion(server, **fields) -> httpx.Response:
-    return post(server, "/v1/completions", {"model": MODEL, "prompt": "Pick: ",
+    return server.post("/v1/completions", {"model": MODEL, "prompt": "Pick: ",
                                             "max_tokens": 30, "temperature": 0.0, **fields})
 
 
 def chat(server, **fields) -> httpx.Response:
-    return post(server, "/v1/chat/completions", {
+    return server.post("/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": "Answer in JSON"}],
         "max_tokens": 40, "temperature": 0.0, **fields})
 
