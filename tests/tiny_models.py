@@ -32,6 +32,9 @@ ARCHS = {
 BYTE_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 BYTE_VOCAB = 256 + len(BYTE_SPECIALS)
 BYTE_BOS_ID, BYTE_EOS_ID = 256, 258
+# The "thinking" tokenizer: the byte one plus a reasoning model's two (non-special) tags.
+THINK_TAGS = ("<think>", "</think>")
+THINK_START_ID, THINK_END_ID = BYTE_VOCAB, BYTE_VOCAB + 1
 BYTE_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
                       "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
                       "assistant\n{% endif %}")
@@ -44,6 +47,8 @@ _TOKENIZER_CONFIG = {
     "words": {},
     "bytes": {"vocab_size": BYTE_VOCAB, "bos_token_id": BYTE_BOS_ID, "eos_token_id": BYTE_EOS_ID,
               "max_position_embeddings": 2048},
+    "thinking": {"vocab_size": BYTE_VOCAB + 2, "bos_token_id": BYTE_BOS_ID,
+                 "eos_token_id": BYTE_EOS_ID, "max_position_embeddings": 2048},
 }
 
 
@@ -51,10 +56,11 @@ def make_hf_model(arch: str, directory, seed: int = 0, tokenizer: str | None = N
                   **overrides):
     """Save a tiny random fp32 HF model of `arch` into `directory`; return it in eval mode.
 
-    `tokenizer` also saves one beside it: "words" (save_word_tokenizer) or "bytes"
-    (save_byte_tokenizer, which sets the vocabulary and BOS/EOS ids to match)."""
+    `tokenizer` also saves one beside it: "words" (save_word_tokenizer), "bytes"
+    (save_byte_tokenizer, which sets the vocabulary and BOS/EOS ids to match) or "thinking"
+    (the byte tokenizer with THINK_TAGS)."""
     if tokenizer not in _TOKENIZER_CONFIG:
-        raise ValueError(f"tokenizer={tokenizer!r}: use None, 'words' or 'bytes'")
+        raise ValueError(f"tokenizer={tokenizer!r}: use None, 'words', 'bytes' or 'thinking'")
     config_cls, model_cls, extra = ARCHS[arch]
     config = config_cls(**{**BASE_CONFIG, **extra, **_TOKENIZER_CONFIG[tokenizer], **overrides})
     torch.manual_seed(seed)
@@ -66,8 +72,8 @@ def make_hf_model(arch: str, directory, seed: int = 0, tokenizer: str | None = N
     model.save_pretrained(directory)
     if tokenizer == "words":
         save_word_tokenizer(directory)
-    elif tokenizer == "bytes":
-        save_byte_tokenizer(directory)
+    elif tokenizer in ("bytes", "thinking"):
+        save_byte_tokenizer(directory, THINK_TAGS if tokenizer == "thinking" else ())
     # The engine runs with ignore_eos; else HF's min_new_tokens would mask EOS, which the
     # engine may pick.
     model.generation_config.eos_token_id = None
@@ -87,14 +93,16 @@ def save_word_tokenizer(directory) -> list[str]:
     return words
 
 
-def save_byte_tokenizer(directory) -> None:
+def save_byte_tokenizer(directory, extra_tokens: tuple[str, ...] = ()) -> None:
     """A byte-level BPE tokenizer without merges (one token per byte), BYTE_SPECIALS after the
-    bytes, and an im_start/im_end chat template; the model needs BYTE_VOCAB tokens."""
+    bytes, then `extra_tokens` (added, not special), and an im_start/im_end chat template; the
+    model needs BYTE_VOCAB tokens and one per extra token."""
     vocab = {symbol: i for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens(list(BYTE_SPECIALS))
+    tokenizer.add_tokens(list(extra_tokens))
     _save_tokenizer(directory, tokenizer, {"bos_token": None, "eos_token": BYTE_SPECIALS[2],
                                            "chat_template": BYTE_CHAT_TEMPLATE})
 

@@ -33,8 +33,10 @@ _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # 128 conversations from 189-214 to 166-171 ms (on the 2-core VM of docs/benchmarks.md).
 DEFAULT_SWITCH_INTERVAL_S = 0.0005
 
-# The tool call formats --tool-call-parser may name (kvtier/entrypoints/openai/tools.py).
+# The tool call formats --tool-call-parser may name (kvtier/entrypoints/openai/tools.py), and
+# the thinking formats --reasoning-parser may name (kvtier/entrypoints/openai/reasoning.py).
 TOOL_CALL_PARSERS = ("hermes",)
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +68,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="how the model writes tool calls, for --enable-auto-tool-choice: "
                             "hermes (<tool_call>{\"name\": ..., \"arguments\": ...}"
                             "</tool_call>, as Qwen and Hermes models write them)")
+    group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                       help="a reasoning model's thinking (<think>...</think>) goes to the chat "
+                            "message's `reasoning`, the rest to `content`: deepseek_r1 (the "
+                            "output thinks until </think>; DeepSeek-R1, QwQ, Qwen3 thinking "
+                            "models) or qwen3 (only when it opens with <think>)")
     group.add_argument("--generation-config", default="auto",
                        help="sampling defaults (temperature, top_p, top_k, min_p, "
                             "repetition_penalty) for requests that leave them unset: 'auto' "
@@ -181,20 +188,19 @@ def run(args: argparse.Namespace) -> int:
         publisher.shutdown()  # its thread holds the port until stopped
         raise
     engine = async_llm.engine
-    if chat_template is not None:
-        try:
-            if engine.tokenizer is None:
-                raise ValueError("--chat-template: this model has no tokenizer to render chats")
-            engine.tokenizer.set_chat_template(chat_template)
-        except ValueError:  # a template that does not parse, too
-            async_llm.shutdown(0.0)
-            raise
+    try:
+        thinking = _set_up_tokenizer(engine.tokenizer, chat_template, args.reasoning_parser)
+    except ValueError:  # a template that does not parse, too
+        async_llm.shutdown(0.0)
+        raise
     model_arg = config.model.model
     names = tuple(args.served_model_name or [model_arg or engine.model_name])
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
                         ServerMetrics(engine.metrics),
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                         tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser,
+                        thinking_token_ids=thinking,
                         kv_events_info=_kv_events_info(events_config, config, chat_template),
                         sampling_defaults=sampling_defaults)
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
@@ -207,6 +213,21 @@ def run(args: argparse.Namespace) -> int:
     use_one_cpu_thread()  # the HTTP loop's torch ops (if any) start no OpenMP team
     freeze_startup_objects()
     return _serve_until_stopped(server, async_llm)
+
+
+def _set_up_tokenizer(tokenizer: Any, chat_template: str | None,
+                      reasoning_parser: str | None) -> tuple[int, int] | None:
+    """Give the tokenizer --chat-template; the ids of the thinking tokens --reasoning-parser
+    reads (None without one). ValueError for a model that cannot take them."""
+    if chat_template is not None:
+        if tokenizer is None:
+            raise ValueError("--chat-template: this model has no tokenizer to render chats")
+        tokenizer.set_chat_template(chat_template)
+    if reasoning_parser is None:
+        return None
+    from kvtier.entrypoints.openai.reasoning import thinking_tokens
+
+    return thinking_tokens(tokenizer, reasoning_parser)
 
 
 def _serve_until_stopped(server: Any, async_llm: Any) -> int:

@@ -35,24 +35,38 @@ class GrammarError(ValueError):
 
 class StructuredOutputGrammar:
     """One completion's place in its grammar. Not thread safe: the engine thread alone
-    advances it (one sampled token per step)."""
+    advances it (one sampled token per step).
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    A grammar may start only after a given token (`starts_after`): a reasoning model's answer
+    is held to it once its reasoning has ended, the thinking before that runs free."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, starts_after: int | None = None) -> None:
         self._matcher = matcher
+        # The token whose sampling starts the grammar; None: it holds from the first token.
+        self.starts_after = starts_after
         # Whether the output was complete before the last token came (then only EOS fits).
         self._ended_before = False
 
     def copy(self) -> StructuredOutputGrammar:
         """A grammar at the same place with its own state (each of n completions has one)."""
-        return StructuredOutputGrammar(self._matcher.deep_copy())
+        return StructuredOutputGrammar(self._matcher.deep_copy(), self.starts_after)
 
     @property
     def matcher(self) -> llguidance.LLMatcher:
         return self._matcher
 
+    @property
+    def active(self) -> bool:
+        """Whether it holds the next token."""
+        return self.starts_after is None
+
     def accept(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar does not allow it (the grammar
         is then in an error state for good)."""
+        if not self.active:
+            if token_id == self.starts_after:
+                self.starts_after = None
+            return True
         self._ended_before = self._matcher.is_stopped()
         return self._matcher.consume_token(token_id)
 

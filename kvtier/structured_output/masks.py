@@ -16,8 +16,8 @@ _BITS = 32
 def apply_grammar_masks(logits: torch.Tensor,
                         grammars: Sequence[StructuredOutputGrammar | None]) -> torch.Tensor:
     """logits (N, V) with -inf for every token a row's grammar does not allow next (rows
-    without a grammar are untouched; `logits` itself is not changed)."""
-    rows = [i for i, grammar in enumerate(grammars) if grammar is not None]
+    without an active grammar are untouched; `logits` itself is not changed)."""
+    rows = [i for i, grammar in enumerate(grammars) if grammar is not None and grammar.active]
     if not rows:
         return logits
     vocab = logits.shape[-1]

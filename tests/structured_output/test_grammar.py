@@ -121,3 +121,18 @@ def test_a_model_without_a_tokenizer_is_refused():
 def test_bad_params_are_refused_naming_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(structured_outputs=fields)
+
+
+def test_a_grammar_may_start_after_a_token(compiler, tokenizer):
+    grammar = compiler.compile(StructuredOutputsParams(choice=["ab"]))
+    grammar.starts_after = BYTE_EOS_ID - 1  # any token id: the end of a model's thinking
+    def num_allowed(grammar) -> int:
+        return int(torch.isfinite(apply_grammar_masks(torch.zeros(1, BYTE_VOCAB),
+                                                      [grammar])).sum())
+
+    assert num_allowed(grammar) == BYTE_VOCAB  # nothing masked yet
+    copy = grammar.copy()
+    assert grammar.accept(tokenizer.encode("z").ids[0])  # free text before the start
+    assert grammar.accept(BYTE_EOS_ID - 1)
+    assert allowed_texts(tokenizer, grammar) == {"a"}
+    assert not copy.active and num_allowed(copy) == BYTE_VOCAB

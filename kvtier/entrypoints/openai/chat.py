@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -37,6 +39,11 @@ from kvtier.entrypoints.openai.protocol import (
     DeltaMessage,
     UsageInfo,
 )
+from kvtier.entrypoints.openai.reasoning import (
+    ReasoningStream,
+    grammar_start,
+    split_reasoning,
+)
 from kvtier.entrypoints.openai.sampling import chat_sampling_params, check_token_ids
 from kvtier.entrypoints.openai.streaming import (
     DONE,
@@ -47,6 +54,7 @@ from kvtier.entrypoints.openai.streaming import (
     usage_info,
 )
 from kvtier.entrypoints.openai.tools import (
+    ParsedAnswer,
     ToolChoice,
     ToolStream,
     finish_reason,
@@ -54,6 +62,7 @@ from kvtier.entrypoints.openai.tools import (
     tool_choice,
     tool_constraint,
 )
+from kvtier.sampling_params import SamplingParams
 
 router = APIRouter()
 
@@ -74,14 +83,14 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     ctx.metrics.observe_params(params.n, params.max_tokens)
     request_id = base_request_id(raw)
     response_id = f"chatcmpl-{request_id}"
-    generations = await open_or_none(raw, ctx, [prompt], params, [response_id],
-                                     engine_options(body))
+    options = {**engine_options(body), **await _answer_grammar(ctx, params, prompt)}
+    generations = await open_or_none(raw, ctx, [prompt], params, [response_id], options)
     if generations is None:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
     if body.stream:
         return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id,
-                                         ToolStream(tools)),
+                                         ToolStream(tools), ReasoningStream(ctx.reasoning_parser)),
                                  media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
     finals = await finals_or_none(raw, generations)
@@ -89,6 +98,23 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
         return Response(status_code=499)
     response = _response(ctx, body, prompt, finals[0], response_id, tools)
     return JSONResponse(response.model_dump(), headers=headers)
+
+
+async def _answer_grammar(ctx: ServerContext, params: SamplingParams,
+                          prompt: Prompt) -> dict[str, Any]:
+    """With a reasoning parser, a structured output constraint holds the answer only: its
+    grammar, compiled here, starts after the thinking ends (engine option `grammar`)."""
+    if params.structured_outputs is None or ctx.thinking_token_ids is None:
+        return {}
+    start = grammar_start(prompt.token_ids, *ctx.thinking_token_ids)
+    if start is None:
+        return {}
+    try:
+        grammar = await asyncio.to_thread(ctx.engine.compile_grammar, params)
+    except ValueError as exc:
+        raise to_api_error(exc) from exc
+    grammar.starts_after = start
+    return {"grammar": grammar}
 
 
 def _num_top(body: ChatCompletionRequest) -> int:
@@ -104,10 +130,13 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
         if body.logprobs and completion.logprobs is not None:
             logprobs = chat_logprobs(ctx.tokenizer, completion.token_ids, completion.logprobs,
                                      _num_top(body))
-        answer = parse_answer(tools, completion.text)
+        reasoning, content = split_reasoning(ctx.reasoning_parser, completion.text)
+        answer = parse_answer(tools, content) if content is not None else ParsedAnswer(None, [])
         choices.append(ChatChoice(
             index=completion.index,
-            message=ChatResponseMessage(content=answer.content, tool_calls=answer.tool_calls),
+            message=ChatResponseMessage(content=answer.content, tool_calls=answer.tool_calls,
+                                        reasoning=reasoning if body.include_reasoning
+                                        else None),
             logprobs=logprobs,
             finish_reason=finish_reason(tools, answer, completion.finish_reason),
             stop_reason=completion.stop_reason,
@@ -122,8 +151,8 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
 
 
 async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
-                  outputs: Outputs, response_id: str,
-                  tools: ToolStream) -> AsyncIterator[str]:
+                  outputs: Outputs, response_id: str, tools: ToolStream,
+                  reasoning: ReasoningStream) -> AsyncIterator[str]:
     tracker = DeltaTracker()
     num_cached = 0
     prompt_logprobs_sent = False
@@ -142,7 +171,8 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
                 break
             num_cached = output.num_cached_tokens
             choices = [choice for completion in output.outputs
-                       if (choice := _stream_choice(ctx, body, tracker, completion, tools))]
+                       if (choice := _stream_choice(ctx, body, tracker, completion, tools,
+                                                    reasoning))]
             if choices:
                 continuous = options is not None and options.continuous_usage_stats
                 # The prompt's logprobs go with the first chunk.
@@ -162,15 +192,19 @@ async def _stream(ctx: ServerContext, body: ChatCompletionRequest, prompt: Promp
 
 
 def _stream_choice(ctx: ServerContext, body: ChatCompletionRequest, tracker: DeltaTracker,
-                   completion, tools: ToolStream) -> ChatStreamChoice | None:
+                   completion, tools: ToolStream,
+                   reasoning: ReasoningStream) -> ChatStreamChoice | None:
     delta = tracker.advance(completion.index, completion)
     if delta is None:
         return None
-    # The content sent is what the tool calls leave of the text (all of it without tools).
-    content, tool_calls, reason = tools.step(completion.index, completion.text,
-                                             delta.finish_reason)
+    # The text is the thinking, then the content; the content sent is what the tool calls
+    # leave of it (all of it without a reasoning parser and tools).
+    thought, answer = reasoning.step(completion.index, completion.text,
+                                     delta.finish_reason is not None)
+    content, tool_calls, reason = tools.step(completion.index, answer, delta.finish_reason)
     message = DeltaMessage(role="assistant" if delta.is_first else None, content=content,
-                           tool_calls=tool_calls)
+                           tool_calls=tool_calls,
+                           reasoning=thought if thought and body.include_reasoning else None)
     logprobs = None
     if body.logprobs and delta.logprobs is not None:
         logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, _num_top(body))

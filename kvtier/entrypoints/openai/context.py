@@ -56,6 +56,10 @@ class ServerContext:
     # How chat answers under tool_choice "auto" write tool calls (--tool-call-parser); None:
     # "auto" is refused.
     tool_call_parser: str | None = None
+    # How a reasoning model's thinking is told from its answer (--reasoning-parser).
+    reasoning_parser: str | None = None
+    # With one: the ids of its <think> and </think> tokens.
+    thinking_token_ids: tuple[int, int] | None = None
     # What a request that leaves a sampling field unset gets (--generation-config).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     # What GET /v1/kv_events_info answers: where KV events are published and how blocks are

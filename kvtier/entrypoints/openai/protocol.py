@@ -109,6 +109,8 @@ class ChatCompletionRequest(SamplingFields):
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's: false leaves a reasoning model's thinking out of the response.
+    include_reasoning: StrictBool = True
     add_generation_prompt: StrictBool = True
     # vLLM's: the last message is left open for the model to go on with (no generation
     # prompt after it), and extra variables for the chat template (e.g. enable_thinking).
@@ -207,6 +209,8 @@ class ChatResponseMessage(BaseModel):
     content: str | None = None
     # Each {"id", "type": "function", "function": {"name", "arguments"}}.
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    # A reasoning model's thinking (--reasoning-parser), as vLLM names it.
+    reasoning: str | None = _when_set()
 
 
 class ChatChoice(BaseModel):
@@ -235,6 +239,7 @@ class DeltaMessage(BaseModel):
     content: str | None = _when_set()
     # Whole calls, each with its "index" among the choice's calls.
     tool_calls: list[dict[str, Any]] | None = _when_set()
+    reasoning: str | None = _when_set()
 
 
 class ChatStreamChoice(BaseModel):

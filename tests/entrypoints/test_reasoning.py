@@ -1,0 +1,92 @@
+"""--reasoning-parser through a real server: a tiny random Llama whose tokenizer has <think>
+and </think>, and a chat template that opens the thinking (as DeepSeek-R1's does)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvtier.entrypoints.openai.reasoning import split_reasoning
+
+from ..tiny_models import THINK_END_ID, make_hf_model
+from .server_process import ServerProcess
+
+MODEL = "thinker"
+TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}{{ '\\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}assistant: <think>{% endif %}")
+CHOICES = ["yes", "no"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("thinker")
+    make_hf_model("llama", directory, tokenizer="thinking")
+    template = directory / "template.jinja"
+    template.write_text(TEMPLATE)
+    proc = ServerProcess(str(directory), "--served-model-name", MODEL,
+                         "--num-device-blocks", "64", "--block-size", "16",
+                         "--max-model-len", "256", "--chat-template", str(template),
+                         "--reasoning-parser", "deepseek_r1")
+    yield proc
+    proc.stop()
+
+
+def chat(server, **fields) -> dict:
+    response = server.post("/v1/chat/completions", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Think, then answer."}],
+        "max_tokens": 16, "temperature": 0.0, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]
+
+
+def streamed(server, **fields) -> tuple[str, str, list[dict]]:
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", timeout=60.0, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Think, then answer."}],
+            "max_tokens": 16, "temperature": 0.0, "stream": True, **fields}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    return ("".join(d.get("reasoning") or "" for d in deltas),
+            "".join(d.get("content") or "" for d in deltas), chunks)
+
+
+def raw_text(server, token_ids: list[int]) -> str:
+    return server.post("/detokenize", {"model": MODEL, "tokens": token_ids}).json()["prompt"]
+
+
+def test_the_output_splits_as_the_parser_reads_it(server):
+    choice = chat(server, return_token_ids=True)
+    text = raw_text(server, choice["token_ids"])
+    message = choice["message"]
+    assert (message.get("reasoning"), message["content"]) == split_reasoning("deepseek_r1", text)
+    assert message.get("reasoning")  # a thinking template: the output starts as reasoning
+
+
+def test_a_constraint_holds_the_answer_after_the_thinking(server):
+    # The bias makes </think> the first token; the choice then holds the answer.
+    fields = {"logit_bias": {str(THINK_END_ID): 100}, "structured_outputs": {"choice": CHOICES}}
+    message = chat(server, **fields)["message"]
+    assert message["content"] in CHOICES and message.get("reasoning") == ""
+    reasoning, content, chunks = streamed(server, **fields)
+    assert (reasoning, content) == ("", message["content"])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_stream_sends_the_same_split(server):
+    message = chat(server)["message"]
+    reasoning, content, _ = streamed(server)
+    assert (reasoning, content or None) == (message.get("reasoning"), message["content"])
+
+
+def test_include_reasoning_false_leaves_the_thinking_out(server):
+    message = chat(server, include_reasoning=False)["message"]
+    assert "reasoning" not in message
+    reasoning, _, _ = streamed(server, include_reasoning=False)
+    assert reasoning == ""
+
+
+def test_a_model_without_thinking_tokens_is_refused_at_start(tiny_model):
+    with pytest.raises(RuntimeError, match="has no <think> and </think> tokens"):
+        ServerProcess(tiny_model[0], "--num-device-blocks", "64", "--reasoning-parser", "qwen3")
