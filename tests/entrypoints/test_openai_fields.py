@@ -185,3 +185,11 @@ def test_bad_words_are_never_generated(server):
     assert word not in body["text"] and body["text"][:position] == plain["text"][:position]
     refused = completion(server, bad_words=[" "])  # no token: vLLM refuses it too
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "bad_words"
+
+
+def test_prompt_token_ids_are_strict_and_digit_strings_stay_text(server):
+    refused = completion(server, prompt=[True, 5])
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["error"]["param"].startswith("prompt")
+    echoed = completion(server, prompt=["12"], echo=True, max_tokens=1).json()
+    assert echoed["choices"][0]["text"].startswith("12")  # the text "12", not token 12
