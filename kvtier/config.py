@@ -15,6 +15,7 @@ from typing import Any
 from kvtier.common.memory import available_memory_bytes, format_bytes
 from kvtier.connector.config import KVTransferConfig
 from kvtier.sampling_params import SEED_RANGE
+from kvtier.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16",
@@ -150,6 +151,8 @@ class EngineConfig:
     # The KV connector, its options parsed (see KVTransferConfig.options); the one-flag
     # offloading form becomes one of these too (`kv_offload_transfer_config`).
     kv_transfer_config: KVTransferConfig | None = None
+    # Speculative decoding (kvtier/spec_decode); None: none.
+    speculative_config: SpeculativeConfig | None = None
 
     @classmethod
     def create(cls, **options: Any) -> EngineConfig:
@@ -160,20 +163,24 @@ class EngineConfig:
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
         transfer = options.pop("kv_transfer_config", None)
         flag = options.pop("kv_offload", None)
+        speculative = SpeculativeConfig.parse(options.pop("speculative_config", None),
+                                              "speculative_config")
         for key, value in options.items():
             owner = next((s for s, kls in sections.items()
                           if key in kls.__dataclass_fields__), None)
             if owner is None:
                 valid = sorted(k for kls in sections.values() for k in kls.__dataclass_fields__)
+                extra = ["kv_offload", "kv_transfer_config", "speculative_config"]
                 raise ValueError(f"unknown engine option {key!r}; valid options: "
-                                 f"{', '.join(valid + ['kv_offload', 'kv_transfer_config'])}")
+                                 f"{', '.join(valid + extra)}")
             grouped[owner][key] = value
         _require(transfer is None or flag is None,
                  "give kv_transfer_config or kv_offload, not both")
         if flag is not None:
             transfer = kv_offload_transfer_config(flag, "kv_offload")
         return cls(**{s: sections[s](**grouped[s]) for s in sections},
-                   kv_transfer_config=parse_transfer_config(transfer, "kv_transfer_config"))
+                   kv_transfer_config=parse_transfer_config(transfer, "kv_transfer_config"),
+                   speculative_config=speculative)
 
 
 def parse_transfer_config(value: Any, where: str) -> KVTransferConfig | None:

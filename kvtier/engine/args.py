@@ -13,6 +13,7 @@ from kvtier.config import (
     kv_offload_transfer_config,
     parse_transfer_config,
 )
+from kvtier.spec_decode.config import SpeculativeConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool = True) -> None:
@@ -66,6 +67,11 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                                "optional policy=lru|arc, blocks_per_chunk=N, write=through|back "
                                "(when chunks go on to disk: at once, or when host memory needs "
                                "room and at shutdown)")
+    group.add_argument("--speculative-config", default=None,
+                       help='speculative decoding as JSON, vLLM\'s shape: {"method": "ngram", '
+                            '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                            '"prompt_lookup_min": 2} (greedy requests draft tokens from their '
+                            "own earlier text; the model checks them in one step)")
     group.add_argument("--enable-kv-cache-events", action="store_true",
                        help="record KV cache block events")
     group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
@@ -97,4 +103,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
         max_waiting_requests=args.max_waiting_requests,
-        kv_transfer_config=transfer)
+        kv_transfer_config=transfer,
+        speculative_config=SpeculativeConfig.parse(args.speculative_config,
+                                                   "--speculative-config"))

@@ -91,7 +91,8 @@ class Engine:
             max_num_batched_tokens=sched.max_num_batched_tokens, max_num_seqs=sched.max_num_seqs,
             max_model_len=runtime.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy,
-            max_waiting_requests=sched.max_waiting_requests, **load_options)
+            max_waiting_requests=sched.max_waiting_requests,
+            speculative=self._speculative_config(), **load_options)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, scheduler_connector)
         self.runner = ModelRunner(
             model, runtime.kv_cache_config, dtype=runtime.dtype, device=runtime.device,
@@ -99,6 +100,16 @@ class Engine:
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=runtime.max_model_len, seed=config.model.seed,
             eos_token_ids=self._eos_token_ids, connector=worker_connector)
+
+    def _speculative_config(self) -> Any:
+        """config.speculative_config, for a model it can run on."""
+        speculative = self.config.speculative_config
+        if speculative is not None and self.model_config.conv_layer_indices:
+            # A rejected draft would have advanced the convolutions' recurrent state.
+            raise ValueError(f"speculative_config: {self.model_config.name} has short "
+                             "convolution layers, whose state drafts would advance; "
+                             "speculative decoding needs an attention-only model")
+        return speculative
 
     def _find_eos_token_ids(self) -> tuple[int, ...]:
         """The tokenizer's (else config.json's) EOS ids first, then generation_config.json's."""

@@ -77,6 +77,13 @@ class EngineStats:
             "kvtier:connector_lookup_timeouts",
             "Requests admitted without the connector after it answered 'not yet' past "
             "kv_load_timeout_s.")
+        self.spec_drafts = metrics.counter(
+            "vllm:spec_decode_num_drafts", "Speculative decoding: drafts computed.")
+        self.spec_draft_tokens = metrics.counter(
+            "vllm:spec_decode_num_draft_tokens", "Speculative decoding: draft tokens computed.")
+        self.spec_accepted_tokens = metrics.counter(
+            "vllm:spec_decode_num_accepted_tokens",
+            "Speculative decoding: draft tokens the model agreed with (kept).")
         self.step_seconds = metrics.histogram(
             "kvtier:engine_step_seconds",
             "Duration of engine steps that computed tokens (schedule, forward, sampling, "
@@ -99,6 +106,9 @@ class EngineStats:
         self.preemptions.inc(stats.num_preemptions)
         self.kv_load_failures.inc(stats.num_kv_load_failures + stats.num_kv_load_timeouts)
         self.lookup_timeouts.inc(stats.num_connector_lookup_timeouts)
+        self.spec_drafts.inc(stats.num_spec_drafts)
+        self.spec_draft_tokens.inc(stats.num_spec_draft_tokens)
+        self.spec_accepted_tokens.inc(stats.num_spec_accepted_tokens)
 
     def record_step(self, step: ProcessedStep, num_new_tokens: int,
                     seconds: float | None) -> None:

@@ -257,6 +257,13 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.get_blocks(request_id).get_block_ids()
 
+    def has_every_usable_block(self, request_id: str) -> bool:
+        """The request's blocks and the free ones are all there are: it can never get more."""
+        null_id = self.block_pool.null_block.block_id
+        held = {b for ids in self.get_block_ids(request_id) for b in ids} - {null_id}
+        usable = self.kv_cache_config.num_blocks - 1  # the null block is never handed out
+        return len(held) + self.num_free_blocks >= usable
+
     def create_kv_cache_blocks(self, blocks: tuple[Sequence[KVCacheBlock], ...]) -> KVCacheBlocks:
         """Wrap per-group blocks; the shared empty instance when there are none."""
         return KVCacheBlocks(blocks) if any(blocks) else self.empty_kv_cache_blocks

@@ -21,6 +21,8 @@ class StepBatch:
     cached_reqs: list[Request] = field(default_factory=list)
     new_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Draft tokens computed after a request's last token this step (speculative decoding).
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     # The runner drops these before building `new_reqs`.
     dropped_req_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
@@ -30,9 +32,12 @@ class StepBatch:
         self._charge(request, num_tokens)
 
     def add_cached(self, request: Request, num_tokens: int,
-                   new_block_ids: tuple[list[int], ...]) -> None:
+                   new_block_ids: tuple[list[int], ...], drafts: list[int]) -> None:
+        """`drafts`: the last `len(drafts)` of the `num_tokens` are these draft tokens."""
         self.cached_reqs.append(request)
         self.new_block_ids[request.request_id] = new_block_ids
+        if drafts:
+            self.spec_tokens[request.request_id] = drafts
         self._charge(request, num_tokens)
 
     def preempt(self, request: Request) -> None:
@@ -44,6 +49,7 @@ class StepBatch:
             self.cached_reqs = [r for r in self.cached_reqs if r is not request]
             self.new_reqs = [r for r in self.new_reqs if r is not request]
             self.new_block_ids.pop(req_id, None)
+            self.spec_tokens.pop(req_id, None)
         self.dropped_req_ids.add(req_id)
         self.num_preempted += 1
 
@@ -59,7 +65,8 @@ class StepBatch:
             num_scheduled_tokens=self.num_scheduled_tokens,
             total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
-            preempted_req_ids=self.dropped_req_ids)
+            preempted_req_ids=self.dropped_req_ids,
+            scheduled_spec_decode_tokens=self.spec_tokens)
 
     def _charge(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kvtier.spec_decode import SpeculativeConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 KVLoadFailurePolicy = Literal["recompute", "fail"]
@@ -30,6 +33,8 @@ class SchedulerConfig:
     # An asynchronous KV load not reported finished within this many seconds counts as failed.
     kv_load_timeout_s: float = 60.0
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
+    # Draft tokens for greedy decodes (kvtier/spec_decode); None: none.
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         checks = [

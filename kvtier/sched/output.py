@@ -58,6 +58,9 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     preempted_req_ids: set[str] = field(default_factory=set)
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # req_id -> the draft tokens the step computes after its last token (counted in
+    # num_scheduled_tokens); only requests that speculate are listed.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -27,9 +27,10 @@ from kvtier.sched.output import (
     SchedulerOutput,
 )
 from kvtier.sched.request_queue import create_request_queue
-from kvtier.sched.stats import SchedulerStats
+from kvtier.sched.stats import SchedulerStats, take_stats
 from kvtier.sched.stop import check_stop
 from kvtier.sched.transfers import TransferFailures
+from kvtier.spec_decode import DraftTracker
 
 if TYPE_CHECKING:
     from kvtier.connector.base import KVConnectorOutput, KVConnectorScheduler
@@ -63,11 +64,13 @@ class Scheduler:
         # Finished requests whose blocks stay held until a transfer ends: the transfers
         # ("recving" | "sending") and when the engine stops waiting for them.
         self.delayed_frees = DelayedFrees(self._clock, config.kv_load_timeout_s, self._release)
-        self._num_preemptions = 0
-        self._connector_stats: dict[str, float] = {}
+        # Counted since the last make_stats().
+        self.num_preemptions = 0
+        self.connector_stats: dict[str, float] = {}
         self._worker_events: list[Any] = []
         # Requests schedule() finished (they could not grow): reported by update_from_output.
         self._capped_outputs: list[EngineCoreOutput] = []
+        self.drafts = None if config.speculative is None else DraftTracker(config.speculative)
 
     # ---- requests in and out ---------------------------------------------------------------
 
@@ -132,7 +135,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and batch.token_budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, batch.token_budget)
+            drafts = [] if self.drafts is None or request.request_id in self.resync_req_ids \
+                else self.drafts.draft(request, batch.token_budget, self.config.max_model_len)
+            num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens,
+                          batch.token_budget)
             if num_new <= 0:
                 # The runner sampled nothing for it last step; there is nothing to compute.
                 index += 1
@@ -145,7 +151,7 @@ class Scheduler:
                 batch.dropped_req_ids.add(request.request_id)
                 batch.add_new(request, num_new)
             else:
-                batch.add_cached(request, num_new, new_blocks.get_block_ids())
+                batch.add_cached(request, num_new, new_blocks.get_block_ids(), drafts)
             index = self.running.index(request) + 1 if batch.num_preempted else index + 1
 
     def _allocate_or_preempt(self, request: Request, num_new: int,
@@ -169,13 +175,8 @@ class Scheduler:
         """Out of blocks while it is the only request holding any: preempting it would only
         leave it waiting, at the head of the queue, for blocks that can never come. It ends
         as if it reached max_model_len (reported by the next update_from_output)."""
-        if self.running != [request]:
-            return False
-        manager = self.kv_cache_manager
-        null_id = manager.block_pool.null_block.block_id
-        held = {b for ids in manager.get_block_ids(request.request_id) for b in ids} - {null_id}
-        usable = manager.kv_cache_config.num_blocks - 1  # the null block is never handed out
-        return len(held) + manager.num_free_blocks >= usable
+        return self.running == [request] and \
+            self.kv_cache_manager.has_every_usable_block(request.request_id)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -190,7 +191,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
-        self._num_preemptions += 1
+        self.num_preemptions += 1
         self.resync_req_ids.discard(request.request_id)
         self.waiting.prepend_request(request)
 
@@ -316,6 +317,8 @@ class Scheduler:
             if request is None or request.is_finished() or req_id in discarded:
                 continue
             error = model_runner_output.errors.get(req_id)
+            if req_id in scheduler_output.scheduled_spec_decode_tokens and not error:
+                self.drafts.settle(request, scheduler_output, model_runner_output)
             output = self._end_request(request, RequestStatus.FINISHED_ERROR, error) if error \
                 else self._append_sampled(request, model_runner_output)
             if output is not None:
@@ -370,7 +373,7 @@ class Scheduler:
         for req_id in kv_output.finished_sending:
             self.delayed_frees.transfer_ended(req_id, "sending")
         for name, value in kv_output.stats.items():
-            self._connector_stats[name] = self._connector_stats.get(name, 0.0) + value
+            self.connector_stats[name] = self.connector_stats.get(name, 0.0) + value
         if self.kv_cache_manager.enable_kv_cache_events:
             self._worker_events.extend(kv_output.events)
         elif self.connector is not None:
@@ -397,6 +400,8 @@ class Scheduler:
         self._finished_req_ids.add(req_id)
         self.resync_req_ids.discard(req_id)
         self.no_external_load.discard(req_id)
+        if self.drafts is not None:
+            self.drafts.forget(req_id)
         delay_free, kv_transfer_params = False, None
         if self.connector is not None:
             # The connector interface takes one block list: the first KV cache group's.
@@ -414,24 +419,7 @@ class Scheduler:
     # ---- stats, events, shutdown ---------------------------------------------------------
 
     def make_stats(self) -> SchedulerStats:
-        prefix = self.kv_cache_manager.make_prefix_cache_stats()
-        stats = SchedulerStats(
-            num_running=len(self.running),
-            num_waiting=len(self.waiting),
-            num_waiting_for_remote_kvs=self.loads.num_in_flight,
-            kv_cache_usage=self.kv_cache_manager.usage,
-            prefix_cache_queries=prefix.queries,
-            prefix_cache_hits=prefix.hits,
-            num_preemptions=self._num_preemptions,
-            num_kv_load_failures=self.failures.num_load_failures,
-            num_kv_load_timeouts=self.failures.num_load_timeouts,
-            num_connector_lookup_timeouts=self.lookups.num_timeouts,
-            connector_stats=self._connector_stats)
-        self._num_preemptions = 0
-        self.lookups.num_timeouts = 0
-        self.failures.reset_counts()
-        self._connector_stats = {}
-        return stats
+        return take_stats(self)
 
     def take_kv_events(self) -> list[Any]:
         """Device-cache events, then the connector's, then the worker connector's."""

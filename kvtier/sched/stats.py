@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvtier.sched.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -26,3 +30,31 @@ class SchedulerStats:
     num_connector_lookup_timeouts: int = 0
     # Worker connector stats (KVConnectorOutput.stats), summed over the steps since last time.
     connector_stats: dict[str, float] = field(default_factory=dict)
+    # Speculative decoding: drafts made, their tokens, and the tokens of them kept.
+    num_spec_drafts: int = 0
+    num_spec_draft_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+
+
+def take_stats(scheduler: Scheduler) -> SchedulerStats:
+    """The scheduler's gauges now and its counters since the last call, which restart."""
+    prefix = scheduler.kv_cache_manager.make_prefix_cache_stats()
+    drafts = (0, 0, 0) if scheduler.drafts is None else scheduler.drafts.take_counts()
+    stats = SchedulerStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_waiting_for_remote_kvs=scheduler.loads.num_in_flight,
+        kv_cache_usage=scheduler.kv_cache_manager.usage,
+        prefix_cache_queries=prefix.queries,
+        prefix_cache_hits=prefix.hits,
+        num_preemptions=scheduler.num_preemptions,
+        num_kv_load_failures=scheduler.failures.num_load_failures,
+        num_kv_load_timeouts=scheduler.failures.num_load_timeouts,
+        num_connector_lookup_timeouts=scheduler.lookups.num_timeouts,
+        connector_stats=scheduler.connector_stats, num_spec_drafts=drafts[0],
+        num_spec_draft_tokens=drafts[1], num_spec_accepted_tokens=drafts[2])
+    scheduler.num_preemptions = 0
+    scheduler.lookups.num_timeouts = 0
+    scheduler.failures.reset_counts()
+    scheduler.connector_stats = {}
+    return stats

@@ -7,7 +7,8 @@ the batch (only the small device copies on an accelerator).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,11 @@ class BatchInputs:
     logits_indices: torch.Tensor  # (S,)
     # The requests that sample this step (their whole known sequence is now computed).
     sampling: list[RequestState]
+    # Speculative decoding: (row of `sampling`, its draft tokens) of each request that
+    # computes drafts, and the index of each draft's preceding position, where the model's
+    # token is compared with the draft (all requests' in that order).
+    drafts: list[tuple[int, list[int]]] = field(default_factory=list)
+    draft_logits_indices: torch.Tensor | None = None
 
 
 class InputBatchBuilder:
@@ -40,8 +46,10 @@ class InputBatchBuilder:
         self.query_start = np.zeros(max_num_seqs + 1, np.int64)
         self.seq_index = np.zeros(max_num_tokens, np.int64)
 
-    def build(self, scheduled: list[tuple[RequestState, int]], hooks: Any) -> BatchInputs:
-        """scheduled: (request, number of new tokens) in batch order."""
+    def build(self, scheduled: list[tuple[RequestState, int]], hooks: Any,
+              drafts: Mapping[str, list[int]] | None = None) -> BatchInputs:
+        """scheduled: (request, number of new tokens) in batch order; `drafts`: the draft
+        tokens that end some requests' new tokens (scheduled_spec_decode_tokens)."""
         num_seqs = len(scheduled)
         num_new = np.fromiter((n for _, n in scheduled), np.int64, num_seqs)
         num_computed = [state.num_computed_tokens for state, _ in scheduled]
@@ -51,7 +59,10 @@ class InputBatchBuilder:
         starts = self.query_start[:num_seqs]
         flat: list[int] = []
         for state, n in scheduled:
-            flat.extend(state.token_ids[state.num_computed_tokens:state.num_computed_tokens + n])
+            piece = state.token_ids[state.num_computed_tokens:state.num_computed_tokens + n]
+            flat.extend(piece)
+            if len(piece) < n:
+                flat.extend(drafts[state.req_id])
         self.input_ids[:total] = flat
         seq_index = self.seq_index[:total]
         seq_index[:] = np.repeat(np.arange(num_seqs), num_new)
@@ -73,8 +84,16 @@ class InputBatchBuilder:
             num_computed=num_computed, block_tables=block_tables, slot_mapping=slot_mappings,
             is_decode_only=bool((num_new == 1).all()), block_size=self.block_size,
             layer_hooks=hooks)
-        return BatchInputs(self._to_device(self.input_ids[:total]), self._to_device(positions),
-                           metadata, torch.from_numpy(ends).to(self.device), sampling)
+        inputs = BatchInputs(self._to_device(self.input_ids[:total]),
+                             self._to_device(positions), metadata,
+                             torch.from_numpy(ends).to(self.device), sampling)
+        if drafts:
+            inputs.drafts = [(row, drafts[state.req_id]) for row, state in enumerate(sampling)
+                             if state.req_id in drafts]
+            indices = np.concatenate([np.arange(ends[row] - len(d), ends[row])
+                                      for row, d in inputs.drafts])
+            inputs.draft_logits_indices = torch.from_numpy(indices).to(self.device)
+        return inputs
 
     def _fill_block_tables(self, scheduled: list[tuple[RequestState, int]],
                            seq_index: np.ndarray,

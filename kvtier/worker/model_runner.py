@@ -12,6 +12,7 @@ from kvtier.connector.base import TRANSFER_POLL_S, KVConnectorOutput, KVConnecto
 from kvtier.kv import KVCacheConfig
 from kvtier.models import cpu_kernels
 from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
+from kvtier.spec_decode import accept_drafts
 from kvtier.worker.input_batch import BatchInputs, InputBatchBuilder
 from kvtier.worker.kv_cache import allocate_kv_caches
 from kvtier.worker.logprobs import prompt_logprobs
@@ -74,7 +75,8 @@ class ModelRunner:
             return None
         scheduled = [(self.states[req_id], n)
                      for req_id, n in scheduler_output.num_scheduled_tokens.items()]
-        return self.inputs.build(scheduled, self.connector)
+        return self.inputs.build(scheduled, self.connector,
+                                 scheduler_output.scheduled_spec_decode_tokens)
 
     def _execute_with_connector(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """The worker half's hook sequence around the forward pass."""
@@ -109,6 +111,7 @@ class ModelRunner:
         if batch.sampling:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # (S, vocab) fp32
             result = self.sampler.sample(logits, [self._sampling_row(s) for s in batch.sampling])
+            made = self._verify_drafts(batch, hidden, result.token_ids)
             for row, (state, token, token_logprobs) in enumerate(zip(
                     batch.sampling, result.token_ids, result.logprobs)):
                 if token is None:
@@ -117,8 +120,9 @@ class ModelRunner:
                 if state.grammar is not None and not state.grammar.accept(token):
                     output.errors[state.req_id] = state.grammar.why_refused(token)
                     continue
-                state.token_ids.append(token)
-                output.sampled_token_ids[state.req_id] = [token]
+                tokens = made.get(row, [token])
+                state.token_ids.extend(tokens)
+                output.sampled_token_ids[state.req_id] = tokens
                 if token_logprobs is not None:
                     output.logprobs[state.req_id] = [token_logprobs]
                 if state.prompt_logprobs is not None:
@@ -126,6 +130,23 @@ class ModelRunner:
                     output.prompt_logprobs[state.req_id] = [None, *state.prompt_logprobs]
                     state.prompt_logprobs = None
         return output
+
+    def _verify_drafts(self, batch: BatchInputs, hidden: torch.Tensor,
+                       sampled: list[int | None]) -> dict[int, list[int]]:
+        """Row of `batch.sampling` -> the tokens its drafts leave it this step (the drafts the
+        model agrees with, then its own token); only rows that computed drafts."""
+        if not batch.drafts:
+            return {}
+        # Drafting requests sample greedily with nothing shaping the logits: the argmax.
+        targets = self.model.compute_logits(
+            hidden[batch.draft_logits_indices]).argmax(dim=-1).tolist()
+        made, offset = {}, 0
+        for row, drafts in batch.drafts:
+            bonus = sampled[row]
+            if bonus is not None:
+                made[row] = accept_drafts(drafts, targets[offset:offset + len(drafts)], bonus)
+            offset += len(drafts)
+        return made
 
     def _compute_prompt_logprobs(self, scheduler_output: SchedulerOutput, batch: BatchInputs,
                                  hidden: torch.Tensor) -> None:
