@@ -22,6 +22,7 @@ from .offload_helpers import (
     chunk_bytes,
     key,
     offload_config,
+    settled_lookup,
     store_from_device,
     tier_job,
     tier_load,
@@ -110,7 +111,7 @@ def test_fs_store_replaces_a_symlinked_chunk_file_never_its_target(make_fs, tmp_
     path = tier.path_for(key(1))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     os.symlink(outside / "victim.kvc", path)
-    assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
+    assert settled_lookup(tier, 1) is LookupResult.NOT_FOUND
     assert tier_load(tier, 1)[0] is False
     assert tier_store(tier, 1)
     assert (outside / "victim.kvc").read_bytes() == b"precious"
@@ -204,7 +205,7 @@ def test_read_only_mount_is_a_read_only_tier(make_fs, tmp_path):
     before = _chunk_files(tmp_path / "shared")
     with read_only_view(tmp_path / "shared", tmp_path / "ro") as ro:
         tier = make_fs(ro)
-        assert tier.lookup(key(1)) is LookupResult.FOUND
+        assert settled_lookup(tier, 1) is LookupResult.FOUND
         assert tier_load(tier, 1) == (True, chunk_bytes(1))  # the access-time touch fails
         assert tier.read_only
         result = _store_result(tier, 2)

@@ -15,6 +15,7 @@ from .offload_helpers import (
     NAMESPACE,
     chunk_bytes,
     key,
+    settled_lookup,
     tier_job,
     tier_load,
     tier_store,
@@ -43,7 +44,7 @@ def make_tier():
 
 def test_store_then_load_round_trip(make_tier, tmp_path):
     tier = make_tier(tmp_path)
-    assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
+    assert settled_lookup(tier, 1) is LookupResult.NOT_FOUND
     assert tier_store(tier, 1)
     assert tier.lookup(key(1)) is LookupResult.FOUND
     assert tier_load(tier, 1) == (True, chunk_bytes(1))
@@ -90,7 +91,7 @@ def test_other_namespace_never_sees_the_files(make_tier, tmp_path):
     assert tier_store(make_tier(tmp_path), 1)
     other = FsTier(FsTierOptions(root_dir=str(tmp_path)),
                    TierContext("fs", b"other-model" * 3))
-    assert other.lookup(key(1)) is LookupResult.NOT_FOUND
+    assert settled_lookup(other, 1) is LookupResult.NOT_FOUND
     other.shutdown()
 
 
@@ -217,7 +218,7 @@ def test_a_directory_that_cannot_be_created_is_refused_at_start_up(tmp_path):
 
 _FULL_DISK = textwrap.dedent("""
     import resource, signal, time
-    from tests.offload.offload_helpers import CHUNK, NAMESPACE, chunk_bytes, key
+    from tests.offload.offload_helpers import CHUNK, NAMESPACE, chunk_bytes, key, settled_lookup
     from kvtier.offload.tiers.base import TierContext, TransferJob
     from kvtier.offload.tiers.fs import FsTier, FsTierOptions
     # A file-size limit below one chunk file: every write fails like on a full disk.
@@ -229,8 +230,8 @@ _FULL_DISK = textwrap.dedent("""
     while not results and time.monotonic() < deadline:
         results = list(tier.get_finished_jobs())
         time.sleep(0.002)
+    print(results[0].ok, results[0].error.split(":")[0], settled_lookup(tier, 1).name)
     tier.shutdown()
-    print(results[0].ok, results[0].error.split(":")[0], tier.lookup(key(1)).name)
 """)
 
 

@@ -5,8 +5,10 @@ of offload/chunk_format.py), so instances with the same KV identity share a cach
 never see each other's files; `<root>/<namespace>/<namespace>.json` says what the namespace
 covers (written with the first chunk, for operators). Writes go to a temp
 file that is renamed into place, so a reader sees a whole file or none, and concurrent writers
-of one chunk (threads or processes) simply race to rename identical bytes. Lookups are one stat
-on the caller's thread; reads and writes run on the thread pools of `ThreadedTier`. The byte
+of one chunk (threads or processes) simply race to rename identical bytes. Lookups never touch
+the file system on the caller's (the engine's) thread, where a stat on a hung mount would stall
+every request: they answer from memory or through a probe thread (tiers/fs_index.py). Reads and
+writes run on the thread pools of `ThreadedTier`. The byte
 budget is kept by deleting the least recently used files (mtime, which loads bump), scanned on
 the write pool: other instances fill the directory too, and only a scan sees their files, so
 each instance scans again once it has added a twentieth of the budget, or at a store a minute
@@ -58,6 +60,7 @@ from kvtier.offload.safe_dir import (
     write_atomically,
 )
 from kvtier.offload.tiers.base import LookupResult, TierContext, TransferJob
+from kvtier.offload.tiers.fs_index import FsIndex
 from kvtier.offload.tiers.fs_scan import CHUNK_SUFFIX, DirectoryScan, scan_directory
 from kvtier.offload.tiers.threaded import StoreSkipped, ThreadedTier, check_thread_options
 
@@ -80,6 +83,8 @@ _READ_ONLY_ERRNOS = (errno.EROFS, errno.EACCES, errno.EPERM)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 # A full disk is logged at most this often.
 _FULL_LOG_INTERVAL_S = 60.0
+# Seconds shutdown waits for the probe thread: it is idle or stuck in a stat on a hung mount.
+_PROBE_SHUTDOWN_S = 0.5
 
 
 class FsTierSetupError(ValueError):
@@ -117,6 +122,8 @@ class FsTier(ThreadedTier):
         self._evict_lock = threading.Lock()
         self._described = False
         self.read_only = self._open_directory()
+        self._index = FsIndex(self._is_chunk_file, f"kvtier-{context.name}-probe",
+                              f"{context.name} ({self.directory})")
         self._last_full_log: float | None = None
         self._warned_symlink = False
         # Bytes in the namespace's directory (all instances'): the last scan's count plus what
@@ -175,16 +182,22 @@ class FsTier(ThreadedTier):
             pass
 
     def path_for(self, key: ChunkKey) -> str:
-        digest = key_digest(key)
+        return self._path(key_digest(key))
+
+    def _path(self, digest: str) -> str:
         return os.path.join(self.directory, digest[:2], digest + CHUNK_SUFFIX)
 
     def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
         # Existence only: a damaged file fails its load (a counted error) and is dropped then.
+        return self._index.lookup(key_digest(key))
+
+    def _is_chunk_file(self, digest: str) -> bool:
+        """Whether the chunk file named `digest` is there (on the probe thread: may hang)."""
         try:
-            found = stat.S_ISREG(os.stat(self.path_for(key), follow_symlinks=False).st_mode)
+            st = os.stat(self._path(digest), follow_symlinks=False)
         except OSError:
-            found = False
-        return LookupResult.FOUND if found else LookupResult.NOT_FOUND
+            return False
+        return stat.S_ISREG(st.st_mode)
 
     @contextlib.contextmanager
     def _subdir(self, name: str, create: bool = False) -> Iterator[int]:
@@ -210,11 +223,13 @@ class FsTier(ThreadedTier):
         os.makedirs(self.root, DIR_MODE, exist_ok=True)
         self._make_directory()
         self._described = False  # its description went with it
+        self._index.clear()  # and its files
         self._last_scan = -math.inf  # and what it held: count afresh at the next store
 
     def _store(self, job: TransferJob) -> None:
         if self.read_only:
             raise StoreSkipped("read_only")
+        self._index.check_available()  # a write would hang in the mount too
         # A file written before the start-up scan ends would be counted twice.
         if not self._scanned.wait(max(0.0, job.deadline - time.monotonic())):
             raise TimeoutError(f"the start-up scan of {self.directory} has not ended")
@@ -228,6 +243,7 @@ class FsTier(ThreadedTier):
                 raise
             self._make_room(exc)
             added = self._write(job)  # once: a second failure fails the job
+        self._index.remember(key_digest(job.key), True)
         self._account(added)
 
     def _write(self, job: TransferJob) -> int:
@@ -249,7 +265,16 @@ class FsTier(ThreadedTier):
         return file_size(job.key, len(job.buffer), self._secret)
 
     def _load(self, job: TransferJob) -> None:
+        self._index.check_available()  # a read would hang in the mount too
         digest = key_digest(job.key)
+        try:
+            self._read(job, digest)
+        except Exception:
+            self._index.remember(digest, False)  # missing, damaged (dropped) or unreadable
+            raise
+        self._index.remember(digest, True)
+
+    def _read(self, job: TransferJob, digest: str) -> None:
         name = digest + CHUNK_SUFFIX
         with self._subdir(digest[:2]) as dir_fd, \
                 os.fdopen(open_regular_file(name, dir_fd), "rb") as f:
@@ -326,9 +351,12 @@ class FsTier(ThreadedTier):
     def _delete(self, sub: str, name: str) -> bool:
         try:
             with self._subdir(sub) as dir_fd:
-                return unlink_quietly(name, dir_fd)
+                deleted = unlink_quietly(name, dir_fd)
         except OSError:
             return False
+        if deleted:
+            self._index.remember(name.removesuffix(CHUNK_SUFFIX), False)
+        return deleted
 
     def _scan(self) -> DirectoryScan:
         """Every instance's files in the namespace directory (under the eviction lock)."""
@@ -340,6 +368,10 @@ class FsTier(ThreadedTier):
                         "that died mid-write", self.context.name, scan.num_removed_temps,
                         scan.removed_temp_bytes, self.directory)
         return scan
+
+    def shutdown(self) -> bool:
+        probe_stopped = self._index.shutdown(_PROBE_SHUTDOWN_S)
+        return super().shutdown() and probe_stopped
 
     def _warn_symlink(self, name: str) -> None:
         if not self._warned_symlink:
