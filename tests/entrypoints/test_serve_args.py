@@ -57,6 +57,8 @@ def run_serve(*args: str) -> tuple[int, list[str], set[str]]:
      "'write_policy']"),
     (["--kv-offload", "host=1GiB", "--kv-transfer-config", "{}"],
      "argument --kv-transfer-config: not allowed with argument --kv-offload"),
+    (["--speculative-config", '{"method": "eagle"}'],
+     "speculative_config.method must be one of ngram, got 'eagle'"),
     (["--chat-template", "no/such/template.jinja"],
      "--chat-template 'no/such/template.jinja': no such file; give the path of a file holding "
      "a Jinja chat template, or the template itself"),
