@@ -1,8 +1,8 @@
 """Drafts for the scheduler, and their verification for the runner.
 
 The scheduler asks `DraftTracker.draft` for each running request about to decode: a request
-that samples greedily with nothing else shaping its logits (no penalties, biases, token masks,
-grammar or logprobs; min_tokens reached) gets the tokens an n-gram match in its own prompt and
+that samples greedily with nothing else shaping its logits or its end (no penalties, biases,
+token masks, grammar, logprobs or stop strings; min_tokens reached) gets the tokens an n-gram match in its own prompt and
 output proposes, and the step computes them after its last token. The runner then compares
 the model's greedy choice at each position with the draft: the draft is kept up to the first
 difference, followed by the model's own token there (or, with every draft token kept, the one
@@ -92,8 +92,10 @@ def _may_speculate(request: Request) -> bool:
     params = request.sampling_params
     if params is None or request.num_computed_tokens != request.num_tokens - 1:
         return False  # not decoding (a prefill chunk, or a resumed request)
+    # Stop strings are matched in the text after the step: tokens drafted past one would
+    # stay in the output's token ids.
     return (params.is_greedy and params.logprobs is None and not params.has_penalties
-            and not params.logit_bias and not params.allowed_token_ids
+            and not params.logit_bias and not params.allowed_token_ids and not params.stop
             and not request.bad_words_token_ids and request.grammar is None
             and request.num_output_tokens >= params.min_tokens)
 

@@ -45,7 +45,7 @@ def test_only_plain_greedy_decodes_draft_within_their_limits():
     assert tracker.draft(decoding(tokens, max_tokens=50), 100, 7) == [3, 1]  # context length
     assert tracker.draft(decoding(tokens, max_tokens=2), 100, 1000) == [3]  # max_tokens
     for params in ({"logprobs": 0}, {"repetition_penalty": 1.2}, {"logit_bias": {1: 1.0}},
-                   {"allowed_token_ids": [1, 2]}, {"min_tokens": 3}):
+                   {"allowed_token_ids": [1, 2]}, {"min_tokens": 3}, {"stop": ["x"]}):
         assert tracker.draft(decoding(tokens, max_tokens=50, **params), 100, 1000) == []
     sampled = Request("s", tokens, SamplingParams(temperature=0.7))
     sampled.num_computed_tokens = len(tokens) - 1
