@@ -102,12 +102,11 @@ def parse_answer(choice: ToolChoice, text: str) -> ParsedAnswer:
         return ParsedAnswer("", [_call(choice.name, text)])
     if choice.mode == "required":
         try:
-            calls = json.loads(text)
-        except json.JSONDecodeError:  # cut short (finish reason "length"): left as text
+            return ParsedAnswer("", [_call(call["name"], json.dumps(call["parameters"],
+                                                                    ensure_ascii=False))
+                                     for call in json.loads(text)])
+        except (json.JSONDecodeError, KeyError, TypeError):  # cut short: left as text
             return ParsedAnswer(text, [])
-        return ParsedAnswer("", [_call(call["name"], json.dumps(call["parameters"],
-                                                                ensure_ascii=False))
-                                 for call in calls])
     if choice.mode == "auto":
         return _parse_hermes(text)
     return ParsedAnswer(text, [])
