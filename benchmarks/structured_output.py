@@ -6,8 +6,9 @@ Workload: 32 text prompts asking for a JSON record, answered three ways in one b
   * json: a JSON schema (an object with a string, a number, an enum and an array of strings),
     up to 128 tokens, ending where the JSON does;
   * choice: one of four labels.
-Each reports output tokens per second; the json and choice runs also count their outputs that
-parse (json) or are a label (choice). The schema is compiled once per request, as a server does.
+Each reports output tokens per second (the median of `--repeats` runs: this VM's speed drifts
+by 2x over minutes); the json and choice runs also count their outputs that parse (json) or are
+a label (choice). The schema is compiled once per request, as a server does.
 
     python benchmarks/structured_output.py --peer-python /opt/vllm-venv/bin/python
 
@@ -50,9 +51,12 @@ def measure(generate, args: argparse.Namespace) -> dict[str, float]:
     generate(texts[:2], "json", 8)  # first-call costs (kernels, grammar tokenizer) stay out
     result: dict[str, float] = {}
     for kind in ("plain", "json", "choice"):
-        start = time.perf_counter()
-        outputs = generate(texts, kind, args.output_len)
-        elapsed = time.perf_counter() - start
+        runs = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            outputs = generate(texts, kind, args.output_len)
+            runs.append((time.perf_counter() - start, outputs))
+        elapsed, outputs = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
         result[f"{kind}_output_tokens_per_s"] = sum(n for _, n in outputs) / elapsed
         result[f"{kind}_elapsed_s"] = elapsed
         if kind == "json":
@@ -115,7 +119,7 @@ def _constraint(kind: str) -> dict | None:
 
 def run_peer(args: argparse.Namespace) -> dict[str, float]:
     flags = ["--num-prompts", str(args.num_prompts), "--output-len", str(args.output_len),
-             "--peer-model", args.peer_model,
+             "--repeats", str(args.repeats), "--peer-model", args.peer_model,
              "--kv-cache-memory-bytes", str(args.kv_cache_memory_bytes)]
     return run_as_peer(args.peer_python, __file__, flags, args.peer_timeout)
 
@@ -131,11 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--peer-timeout", type=float, default=1800.0)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
     parser.add_argument("--result-file", default=None, help="also write the result JSON here")
     args = parser.parse_args(argv)
-    if args.num_prompts < 1 or args.output_len < 8:
-        parser.error("--num-prompts must be >= 1 and --output-len >= 8")
+    if args.num_prompts < 1 or args.output_len < 8 or args.repeats < 1:
+        parser.error("--num-prompts and --repeats must be >= 1, --output-len >= 8")
     return args
 
 
