@@ -2,13 +2,13 @@
 
 The scheduler asks `DraftTracker.draft` for each running request about to decode: a request
 that samples greedily with nothing else shaping its logits or its end (no penalties, biases,
-token masks, grammar, logprobs or stop strings; min_tokens reached) gets the tokens an n-gram match in its own prompt and
-output proposes, and the step computes them after its last token. The runner then compares
-the model's greedy choice at each position with the draft: the draft is kept up to the first
-difference, followed by the model's own token there (or, with every draft token kept, the one
-after them). Greedy outputs are the same tokens as without speculation; a step makes 1 to k + 1
-of them. `settle` takes back the computed positions whose tokens were not kept: their KV is
-overwritten later.
+token masks, grammar, logprobs or stop strings; min_tokens reached) gets the tokens an n-gram
+match in its own prompt and output proposes, and the step computes them after its last token.
+The runner then compares the model's greedy choice at each position with the draft: the draft
+is kept up to the first difference, followed by the model's own token there (or, with every
+draft token kept, the one after them). Greedy outputs are the same tokens as without
+speculation; a step makes 1 to k + 1 of them. `settle` takes back the computed positions whose
+tokens were not kept: their KV is overwritten later.
 """
 
 from __future__ import annotations
