@@ -35,7 +35,7 @@ DEFAULT_SWITCH_INTERVAL_S = 0.0005
 
 # The tool call formats --tool-call-parser may name (kvtier/entrypoints/openai/tools.py), and
 # the thinking formats --reasoning-parser may name (kvtier/entrypoints/openai/reasoning.py).
-TOOL_CALL_PARSERS = ("hermes",)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 REASONING_PARSERS = ("deepseek_r1", "qwen3")
 
 
@@ -67,7 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
                        help="how the model writes tool calls, for --enable-auto-tool-choice: "
                             "hermes (<tool_call>{\"name\": ..., \"arguments\": ...}"
-                            "</tool_call>, as Qwen and Hermes models write them)")
+                            "</tool_call>, as Qwen and Hermes models write them) or "
+                            "llama3_json (the answer is {\"name\": ..., \"parameters\": ...}, "
+                            "several joined by ';', as Llama 3.1-3.3 write them)")
     group.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
                        help="a reasoning model's thinking (<think>...</think>) goes to the chat "
                             "message's `reasoning`, the rest to `content`: deepseek_r1 (the "

@@ -18,7 +18,7 @@ from kvtier.entrypoints.openai.tools import (
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 TIME = {"type": "function", "function": {"name": "get_time"}}
-AUTO = ToolChoice("auto")
+AUTO = ToolChoice("auto", parser="hermes")
 
 
 def request(**fields) -> ChatCompletionRequest:
@@ -111,3 +111,30 @@ def test_tool_stream_sends_content_then_the_calls_whole():
     plain = ToolStream(AUTO)
     assert plain.step(1, "a <t", None)[0] == "a "
     assert plain.step(1, "a <td>", "length") == ("<td>", None, "length")
+
+
+LLAMA = ToolChoice("auto", parser="llama3_json")
+
+
+def test_llama3_json_calls_are_the_whole_answer():
+    answer = parse_answer(LLAMA, '<|python_tag|>{"name": "get_time", "parameters": {}}; '
+                                 '{"name": "get_weather", "arguments": {"city": "Oslo"}}')
+    assert answer.content is None
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in answer.tool_calls] == [("get_time", {}), ("get_weather", {"city": "Oslo"})]
+    for text in ('Sure: {"name": "get_time", "parameters": {}}',  # content first: no call
+                 '{"name": "get_time", "parameters": {}} and more', '{"name": "get_ti',
+                 '{"parameters": {}}', "plain answer"):
+        answer = parse_answer(LLAMA, text)
+        assert (answer.content, answer.tool_calls) == (text, [])
+
+
+def test_a_llama3_json_stream_holds_back_only_what_may_be_a_call():
+    for text in ("", "  ", "<|pyth", "{", ' {"name"', "<|python_tag|>{"):
+        assert streamable_prefix(LLAMA, text) == ""
+    assert streamable_prefix(LLAMA, "Hi there") == "Hi there"
+    assert streamable_prefix(LLAMA, "<b>bold</b>") == "<b>bold</b>"
+    stream = ToolStream(LLAMA)
+    assert stream.step(0, '{"name": "get_time", ', None) == ("", None, None)
+    content, calls, reason = stream.step(0, '{"name": "get_time", "parameters": {}}', "stop")
+    assert (content, reason, calls[0]["function"]["name"]) == ("", "tool_calls", "get_time")

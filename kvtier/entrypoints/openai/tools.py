@@ -4,8 +4,9 @@
 "none" leaves the answer as text; "required" and a named function constrain the output
 (structured outputs) to the calls' JSON, so the calls always parse; "auto" lets the model
 choose, and the server's tool call parser (`--enable-auto-tool-choice --tool-call-parser
-hermes`) finds the calls in its text. Calls come back as `message.tool_calls`, with finish
-reason "tool_calls" for "auto" and "required" (OpenAI's "stop" for a named function).
+hermes | llama3_json`) finds the calls in its text. Calls come back as `message.tool_calls`,
+with finish reason "tool_calls" for "auto" and "required" (OpenAI's "stop" for a named
+function).
 """
 
 from __future__ import annotations
@@ -20,17 +21,20 @@ from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
 from kvtier.sampling_params import StructuredOutputsParams
 
-_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+_HERMES_START = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
+# Llama 3's tag before a call (a special token: gone from the text unless it is kept).
+_PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
 class ToolChoice:
     """What a request's tools ask of the answer. mode: "none", "auto", "required" or
-    "named" (then `name` is the function's)."""
+    "named" (then `name` is the function's); `parser` reads "auto" answers."""
 
     mode: str
     name: str | None = None
+    parser: str | None = None
 
     @property
     def constrains_output(self) -> bool:
@@ -62,7 +66,7 @@ def tool_choice(request: ChatCompletionRequest, parser: str | None) -> ToolChoic
                                   "--enable-auto-tool-choice and --tool-call-parser; ask for "
                                   'tool_choice "required", a named function or "none"',
                                   param="tool_choice", code="invalid_value")
-        return ToolChoice("auto")
+        return ToolChoice("auto", parser=parser)
     if choice == "required":
         return ToolChoice("required")
     function = choice.get("function") if isinstance(choice, dict) else None
@@ -108,7 +112,8 @@ def parse_answer(choice: ToolChoice, text: str) -> ParsedAnswer:
         except (json.JSONDecodeError, KeyError, TypeError):  # cut short: left as text
             return ParsedAnswer(text, [])
     if choice.mode == "auto":
-        return _parse_hermes(text)
+        return _parse_llama3_json(text) if choice.parser == "llama3_json" \
+            else _parse_hermes(text)
     return ParsedAnswer(text, [])
 
 
@@ -127,6 +132,11 @@ def streamable_prefix(choice: ToolChoice, text: str) -> str:
         return ""
     if choice.mode != "auto":
         return text
+    if choice.parser == "llama3_json":
+        # A call is the whole answer: held until it is clear the answer is none.
+        body = text.lstrip()
+        return "" if not body or body.startswith("{") or _PYTHON_TAG.startswith(body[:14]) \
+            else text
     start = text.find(_HERMES_START)
     if start >= 0:
         return text[:start]
@@ -155,6 +165,29 @@ def _parse_hermes(text: str) -> ParsedAnswer:
                            else json.dumps(arguments, ensure_ascii=False)))
     content = text[:start].strip()
     return ParsedAnswer(content or None, calls)
+
+
+def _parse_llama3_json(text: str) -> ParsedAnswer:
+    """Llama 3's JSON calls: the whole answer is `{"name": ..., "parameters": {...}}` (or
+    "arguments"), after an optional `<|python_tag|>`, several separated by ";". Anything else
+    is content."""
+    body = text.strip().removeprefix(_PYTHON_TAG).lstrip()
+    decoder, calls, position = json.JSONDecoder(), [], 0
+    while body.startswith("{", position):
+        try:
+            call, position = decoder.raw_decode(body, position)
+        except json.JSONDecodeError:
+            return ParsedAnswer(text, [])
+        name = call.get("name") if isinstance(call, dict) else None
+        if not isinstance(name, str):
+            return ParsedAnswer(text, [])
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append(_call(name, arguments if isinstance(arguments, str)
+                           else json.dumps(arguments, ensure_ascii=False)))
+        position = len(body) - len(body[position:].lstrip().removeprefix(";").lstrip())
+    if not calls or position < len(body):
+        return ParsedAnswer(text, [])
+    return ParsedAnswer(None, calls)
 
 
 def _call(name: str, arguments: str) -> dict[str, Any]:
