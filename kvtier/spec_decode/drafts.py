@@ -1,14 +1,15 @@
 """Drafts for the scheduler, and their verification for the runner.
 
 The scheduler asks `DraftTracker.draft` for each running request about to decode: a request
-that samples greedily with nothing else shaping its logits or its end (no penalties, biases,
-token masks, grammar, logprobs or stop strings; min_tokens reached) gets the tokens an n-gram
-match in its own prompt and output proposes, and the step computes them after its last token.
-The runner then compares the model's greedy choice at each position with the draft: the draft
-is kept up to the first difference, followed by the model's own token there (or, with every
-draft token kept, the one after them). Greedy outputs are the same tokens as without
-speculation; a step makes 1 to k + 1 of them. `settle` takes back the computed positions whose
-tokens were not kept: their KV is overwritten later.
+whose logits and end nothing shapes beyond temperature, top-k / top-p and min-p (no penalties,
+biases, token masks, grammar, logprobs or stop strings; min_tokens reached) gets the tokens an
+n-gram match in its own prompt and output proposes, and the step computes them after its last
+token. The runner checks them against the model's distribution at each position
+(worker/draft_check.py: a greedy request keeps them up to the first that differs from the
+argmax, then the model's token, so its tokens are the same as without drafts; a sampling
+request keeps each with the probability the model gives it). A step makes 1 to k + 1 tokens.
+`settle` takes back the computed positions whose tokens were not kept: their KV is
+overwritten later.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def _may_speculate(request: Request) -> bool:
         return False  # not decoding (a prefill chunk, or a resumed request)
     # Stop strings are matched in the text after the step: tokens drafted past one would
     # stay in the output's token ids.
-    return (params.is_greedy and params.logprobs is None and not params.has_penalties
+    return (params.logprobs is None and not params.has_penalties
             and not params.logit_bias and not params.allowed_token_ids and not params.stop
             and not request.bad_words_token_ids and request.grammar is None
             and request.num_output_tokens >= params.min_tokens)

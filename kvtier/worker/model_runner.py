@@ -12,7 +12,7 @@ from kvtier.connector.base import TRANSFER_POLL_S, KVConnectorOutput, KVConnecto
 from kvtier.kv import KVCacheConfig
 from kvtier.models import cpu_kernels
 from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
-from kvtier.spec_decode import accept_drafts
+from kvtier.worker.draft_check import check_drafts
 from kvtier.worker.input_batch import BatchInputs, InputBatchBuilder
 from kvtier.worker.kv_cache import allocate_kv_caches
 from kvtier.worker.logprobs import prompt_logprobs
@@ -137,16 +137,13 @@ class ModelRunner:
         model agrees with, then its own token); only rows that computed drafts."""
         if not batch.drafts:
             return {}
-        # Drafting requests sample greedily with nothing shaping the logits: the argmax.
-        targets = self.model.compute_logits(
-            hidden[batch.draft_logits_indices]).argmax(dim=-1).tolist()
-        made, offset = {}, 0
-        for row, drafts in batch.drafts:
-            bonus = sampled[row]
-            if bonus is not None:
-                made[row] = accept_drafts(drafts, targets[offset:offset + len(drafts)], bonus)
-            offset += len(drafts)
-        return made
+        logits = self.model.compute_logits(hidden[batch.draft_logits_indices])  # (D, V)
+        rows = [row for row, _ in batch.drafts]
+        # A row whose sampling failed has no bonus: its drafts are checked, then dropped.
+        made = check_drafts(self.sampler, logits, [
+            (self._sampling_row(batch.sampling[row]), drafts, sampled[row] or 0)
+            for row, drafts in batch.drafts])
+        return {row: tokens for row, tokens in zip(rows, made) if sampled[row] is not None}
 
     def _compute_prompt_logprobs(self, scheduler_output: SchedulerOutput, batch: BatchInputs,
                                  hidden: torch.Tensor) -> None:

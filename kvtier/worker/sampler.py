@@ -129,11 +129,11 @@ class Sampler:
                 logprobs[i] = entry
         return SamplerOutput(token_ids.tolist(), logprobs)
 
-    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """A draw for every row (greedy ones included: the caller takes their argmax)."""
+    def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Each row's distribution to draw from: after its temperature (greedy rows: 1),
+        top-k / top-p and min-p (rows with a min-p floor are not renormalized)."""
         device = logits.device
         # Times the reciprocal: a broadcast division took ~7x as long here.
-        # Greedy rows are drawn too (then replaced by their argmax): at temperature 1.
         inverse = torch.tensor([1.0 if r.params.is_greedy else 1.0 / r.params.temperature
                                 for r in rows],
                                dtype=logits.dtype, device=device)
@@ -144,6 +144,13 @@ class Sampler:
         if any(min_p):
             floor = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None]
             probs = probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
+        return probs
+
+    def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """A draw for every row (greedy ones included, at temperature 1: the caller takes
+        their argmax)."""
+        probs = self.probabilities(logits, rows)
+        device = logits.device
         # Inverse-CDF sampling: one uniform draw per row, from the row's own generator (a
         # seeded request gets the same tokens in any batch). An exponential race (argmax
         # p / Exp(1)) draws one number per vocabulary entry instead: 66 ms for 64 rows of a 49k

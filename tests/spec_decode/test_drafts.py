@@ -37,7 +37,7 @@ def decoding(token_ids, **params):
     return request
 
 
-def test_only_plain_greedy_decodes_draft_within_their_limits():
+def test_only_plain_decodes_draft_within_their_limits():
     tracker = DraftTracker(CONFIG)
     tokens = [1, 2, 3, 1, 2]
     assert tracker.draft(decoding(tokens, max_tokens=50), 100, 1000) == [3, 1, 2]
@@ -47,9 +47,9 @@ def test_only_plain_greedy_decodes_draft_within_their_limits():
     for params in ({"logprobs": 0}, {"repetition_penalty": 1.2}, {"logit_bias": {1: 1.0}},
                    {"allowed_token_ids": [1, 2]}, {"min_tokens": 3}, {"stop": ["x"]}):
         assert tracker.draft(decoding(tokens, max_tokens=50, **params), 100, 1000) == []
-    sampled = Request("s", tokens, SamplingParams(temperature=0.7))
+    sampled = Request("s", tokens, SamplingParams(temperature=0.7, top_p=0.9))
     sampled.num_computed_tokens = len(tokens) - 1
-    assert tracker.draft(sampled, 100, 1000) == []
+    assert tracker.draft(sampled, 100, 1000) == [3, 1, 2]
     prefill = decoding(tokens, max_tokens=50)
     prefill.num_computed_tokens = 0
     assert tracker.draft(prefill, 100, 1000) == []

@@ -70,7 +70,8 @@ def test_eos_and_max_tokens_end_a_step_of_several_tokens(llama):
 def test_requests_that_do_not_speculate_are_unchanged_beside_those_that_do(llama):
     prompts = make_prompts()
     params = [GREEDY,
-              SamplingParams(temperature=0.8, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                             stop=["never"]),
               SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
                              logprobs=2),
               SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
@@ -84,6 +85,20 @@ def test_requests_that_do_not_speculate_are_unchanged_beside_those_that_do(llama
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert spec[2].logprobs == plain[2].logprobs
     assert metrics["vllm:spec_decode_num_draft_tokens_total"] > 0
+
+
+def test_sampled_requests_draft_and_a_seed_still_repeats(llama):
+    # Low temperature: the tiny model repeats itself, so drafts are found and kept.
+    prompts = make_prompts()
+    params = [SamplingParams(temperature=0.3, top_p=0.95, seed=i, max_tokens=MAX_TOKENS,
+                             ignore_eos=True) for i in range(len(prompts))]
+    first, metrics = run(llama, prompts, params, num_device_blocks=256,
+                         speculative_config=SPECULATIVE)
+    again, _ = run(llama, prompts, params, num_device_blocks=256,
+                   speculative_config=SPECULATIVE)
+    assert accepted(metrics) > 0
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert all(len(o.token_ids) == MAX_TOKENS for o in first)
 
 
 def test_offloading_keeps_the_same_outputs(llama):
