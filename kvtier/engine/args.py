@@ -70,8 +70,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     group.add_argument("--speculative-config", default=None,
                        help='speculative decoding as JSON, vLLM\'s shape: {"method": "ngram", '
                             '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                            '"prompt_lookup_min": 2} (greedy requests draft tokens from their '
-                            "own earlier text; the model checks them in one step)")
+                            '"prompt_lookup_min": 2} (requests draft tokens from their own '
+                            "earlier text; the model checks them in one step)")
     group.add_argument("--enable-kv-cache-events", action="store_true",
                        help="record KV cache block events")
     group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
