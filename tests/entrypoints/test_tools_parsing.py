@@ -62,6 +62,24 @@ def test_required_and_named_constrain_the_output_to_the_calls():
     assert tool_constraint(request(tools=[WEATHER]), AUTO) is None
 
 
+def test_required_calls_hold_no_other_keys_and_their_defs_move_to_the_root():
+    place = {"type": "object", "properties": {"city": {"type": "string"}}}
+    moving = {"type": "function", "function": {"name": "move", "parameters": {
+        "type": "object", "properties": {"to": {"$ref": "#/$defs/place"}},
+        "$defs": {"place": place}}}}
+    body = request(tools=[moving, TIME], tool_choice="required")
+    schema = tool_constraint(body, tool_choice(body, None)).json
+    assert schema["$defs"] == {"place": place}
+    assert all(c["additionalProperties"] is False for c in schema["items"]["anyOf"])
+    assert "$defs" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    assert "$defs" in moving["function"]["parameters"]  # the request's own tools untouched
+    clash = {"type": "function", "function": {"name": "other", "parameters": {
+        "type": "object", "$defs": {"place": {"type": "string"}}}}}
+    body = request(tools=[moving, clash], tool_choice="required")
+    with pytest.raises(BadRequestError, match="\\$defs 'place' twice"):
+        tool_constraint(body, tool_choice(body, None))
+
+
 def test_required_and_named_answers_become_calls():
     required = parse_answer(ToolChoice("required"),
                             '[{"name": "get_time", "parameters": {}}, '

@@ -91,12 +91,24 @@ def tool_constraint(request: ChatCompletionRequest,
     tools = check_tools(request.tools)
     if choice.mode == "named":
         return StructuredOutputsParams(json=_parameters(tools[choice.name]))
-    calls = [{"type": "object", "properties": {"name": {"enum": [name]},
-                                               "parameters": _parameters(function)},
-              "required": ["name", "parameters"]} for name, function in tools.items()]
+    # Each tool's "$defs" move to the root, where its "#/$defs/..." references now point.
+    definitions: dict[str, Any] = {}
+    calls = []
+    for name, function in tools.items():
+        parameters = dict(_parameters(function))
+        for key, value in (parameters.pop("$defs", None) or {}).items():
+            if definitions.setdefault(key, value) != value:
+                raise BadRequestError(f"tools define $defs {key!r} twice, differently; give "
+                                      "each definition one name", param="tools",
+                                      code="invalid_value")
+        calls.append({"type": "object", "properties": {"name": {"enum": [name]},
+                                                       "parameters": parameters},
+                      "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
     if request.parallel_tool_calls is False:
         schema["maxItems"] = 1
+    if definitions:
+        schema["$defs"] = definitions
     return StructuredOutputsParams(json=schema)
 
 
