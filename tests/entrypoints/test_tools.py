@@ -91,6 +91,9 @@ def test_a_streamed_auto_answer_sends_the_content_then_the_call(client):
     assert len(calls) == 1 and calls[0].function.name == "get_weather" and calls[0].id
     assert json.loads(calls[0].function.arguments) == {"city": "Rome"}
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # Nothing is sent while a possible call is held back: no empty chunks.
+    deltas = [(c.choices[0].delta, c.choices[0].finish_reason) for c in chunks if c.choices]
+    assert all(d.content or d.tool_calls or d.role or reason for d, reason in deltas)
 
 
 def test_the_template_sees_the_tools_and_earlier_calls(server):

@@ -202,6 +202,9 @@ def _stream_choice(ctx: ServerContext, body: ChatCompletionRequest, tracker: Del
     thought, answer = reasoning.step(completion.index, completion.text,
                                      delta.finish_reason is not None)
     content, tool_calls, reason = tools.step(completion.index, answer, delta.finish_reason)
+    if not (content or tool_calls or thought or reason or delta.is_first or body.logprobs
+            or body.return_token_ids):
+        return None  # nothing to say yet (held back as a possible call, or no text)
     message = DeltaMessage(role="assistant" if delta.is_first else None, content=content,
                            tool_calls=tool_calls,
                            reasoning=thought if thought and body.include_reasoning else None)
