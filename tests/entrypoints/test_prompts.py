@@ -94,3 +94,20 @@ def test_chat_template_kwargs_reach_the_template_but_not_its_own_names(byte_toke
     with pytest.raises(BadRequestError) as info:
         _chat(byte_tokenizer, template, chat_template_kwargs={"messages": []})
     assert info.value.param == "chat_template_kwargs"
+
+
+def test_message_chars_counts_tools_and_tool_calls_too():
+    # What decides whether a chat is rendered off the event loop: all the text it renders.
+    from kvtier.entrypoints.openai.prompts import message_chars
+    from kvtier.entrypoints.openai.protocol import ChatMessage
+
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "x" * 500}}
+    messages = [ChatMessage(role="assistant", content=None, tool_calls=[call]),
+                ChatMessage(role="user", content="hi")]
+    tools = [{"type": "function", "function": {"name": "g", "description": "y" * 1000}}]
+    assert message_chars(messages) > 500
+    assert message_chars(messages, tools) > 1500
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    assert message_chars([ChatMessage(role="user", content="z", extra=deep)]) == len("zextra")

@@ -90,3 +90,17 @@ def test_include_reasoning_false_leaves_the_thinking_out(server):
 def test_a_model_without_thinking_tokens_is_refused_at_start(tiny_model):
     with pytest.raises(RuntimeError, match="has no <think> and </think> tokens"):
         ServerProcess(tiny_model[0], "--num-device-blocks", "64", "--reasoning-parser", "qwen3")
+
+
+def test_include_reasoning_false_hides_the_thinking_in_logprobs_and_token_ids_too(server):
+    choice = chat(server, include_reasoning=False, logprobs=True, top_logprobs=1,
+                  return_token_ids=True)
+    assert choice["logprobs"] is None and "token_ids" not in choice
+
+
+def test_a_constraint_with_logprobs_reports_ruled_out_tokens_as_minus_9999(server):
+    fields = {"logit_bias": {str(THINK_END_ID): 100}, "structured_outputs": {"choice": CHOICES},
+              "logprobs": True, "top_logprobs": 5}
+    content = chat(server, **fields)["logprobs"]["content"]
+    tops = [top["logprob"] for entry in content for top in entry["top_logprobs"]]
+    assert -9999.0 in tops and all(value >= -9999.0 for value in tops)

@@ -4,8 +4,8 @@ import pytest
 
 from kvtier.entrypoints.openai.reasoning import (
     ReasoningStream,
-    grammar_start,
     split_reasoning,
+    thinking_closed,
 )
 
 START, END = 7, 8  # token ids of <think> and </think>
@@ -48,8 +48,11 @@ def test_streamed_pieces_add_up_to_the_finished_split(parser, text):
     assert all(b.startswith(a) for a, b in zip(contents, contents[1:] + [content]))
 
 
-def test_the_grammar_starts_after_the_thinking_unless_the_prompt_closed_it():
-    assert grammar_start([1, 2, START], START, END) == END  # the template opened it
-    assert grammar_start([1, 2], START, END) == END  # the model may open it
-    assert grammar_start([1, START, 3, END, 4], START, END) is None  # thinking turned off
-    assert grammar_start([START, END, 5, START], START, END) == END  # a later turn reopened
+def test_a_prompt_that_closed_the_thinking_leaves_the_output_all_answer():
+    assert not thinking_closed([1, 2, START], START, END)  # the template opened it
+    assert not thinking_closed([1, 2], START, END)  # the model may open it
+    assert thinking_closed([1, START, 3, END, 4], START, END)  # thinking turned off
+    assert not thinking_closed([START, END, 5, START], START, END)  # a later turn reopened
+    assert split_reasoning("deepseek_r1", '{"a": 1}', closed=True) == (None, '{"a": 1}')
+    stream = ReasoningStream("deepseek_r1", closed=True)
+    assert stream.step(0, '{"a"', finished=False) == ("", '{"a"')

@@ -76,7 +76,7 @@ def test_a_named_function_is_called_with_its_parameters(client):
 def test_auto_finds_hermes_calls_in_the_text(client):
     choice = ask(client, max_tokens=120,
                  extra_body={"structured_outputs": {"choice": [FORCED]}}).choices[0]
-    assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Sure.")
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", "Sure. ")
     (call,) = choice.message.tool_calls
     assert (call.function.name, json.loads(call.function.arguments)) == \
         ("get_weather", {"city": "Rome"})

@@ -98,7 +98,7 @@ def test_hermes_calls_after_content():
     text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
             '\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": {}}</tool_call>')
     answer = parse_answer(AUTO, text)
-    assert answer.content == "Let me check."
+    assert answer.content == "Let me check.\n"  # as written, as a stream sends it
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
             for c in answer.tool_calls] == [("get_weather", {"city": "Paris"}),
                                             ("get_time", {})]
@@ -156,3 +156,36 @@ def test_a_llama3_json_stream_holds_back_only_what_may_be_a_call():
     assert stream.step(0, '{"name": "get_time", ', None) == ("", None, None)
     content, calls, reason = stream.step(0, '{"name": "get_time", "parameters": {}}', "stop")
     assert (content, reason, calls[0]["function"]["name"]) == ("", "tool_calls", "get_time")
+
+
+def test_a_stream_sends_the_content_before_a_call_even_when_it_all_comes_at_once():
+    text = 'Checking the weather now. <tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    stream = ToolStream(AUTO)
+    assert stream.step(0, "Check", None)[0] == "Check"
+    content, calls, reason = stream.step(0, text, "stop")  # the rest in one last step
+    assert "Check" + content == "Checking the weather now. " and reason == "tool_calls"
+    assert calls[0]["function"]["name"] == "get_time"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_and_deep_nesting_is_text():
+    body = request(tools=[WEATHER, TIME], parallel_tool_calls=False)
+    single = tool_choice(body, "hermes")
+    two = ('<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+           '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    assert [c["function"]["name"] for c in parse_answer(single, two).tool_calls] == ["get_time"]
+    deep = '{"name": "get_time", "arguments": ' + "[" * 5000 + "]" * 5000 + "}"
+    for choice, text in ((AUTO, f"<tool_call>{deep}</tool_call>"), (LLAMA, deep),
+                         (ToolChoice("required"), f"[{deep}]")):
+        assert parse_answer(choice, text).tool_calls == []
+
+
+def test_a_named_call_cut_short_before_its_answer_is_no_call():
+    assert parse_answer(ToolChoice("named", "get_time"), "").tool_calls == []
+
+
+def test_defs_that_are_not_an_object_are_refused():
+    bad = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "$defs": ["x"]}}}
+    body = request(tools=[bad], tool_choice="required")
+    with pytest.raises(BadRequestError, match="must be an object"):
+        tool_constraint(body, tool_choice(body, None))

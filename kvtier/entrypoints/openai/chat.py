@@ -41,8 +41,8 @@ from kvtier.entrypoints.openai.protocol import (
 )
 from kvtier.entrypoints.openai.reasoning import (
     ReasoningStream,
-    grammar_start,
     split_reasoning,
+    thinking_closed,
 )
 from kvtier.entrypoints.openai.sampling import chat_sampling_params, check_token_ids
 from kvtier.entrypoints.openai.streaming import (
@@ -75,7 +75,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     check_token_ids(body, ctx.vocab_size)
     tools = tool_choice(body, ctx.tool_call_parser)
     params = chat_sampling_params(body, ctx.sampling_defaults, tool_constraint(body, tools))
-    prompt = await ctx.prepare(message_chars(body.messages), chat_prompt, ctx, body)
+    prompt = await ctx.prepare(message_chars(body.messages, body.tools), chat_prompt, ctx, body)
     prompt = truncate(ctx, prompt, body, params.max_tokens)
     max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
         else "max_tokens"
@@ -83,38 +83,45 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     ctx.metrics.observe_params(params.n, params.max_tokens)
     request_id = base_request_id(raw)
     response_id = f"chatcmpl-{request_id}"
-    options = {**engine_options(body), **await _answer_grammar(ctx, params, prompt)}
+    # With a reasoning parser: whether the prompt already ended the thinking.
+    closed = ctx.thinking_token_ids is not None and thinking_closed(prompt.token_ids,
+                                                                    *ctx.thinking_token_ids)
+    options = {**engine_options(body), **await _answer_grammar(ctx, params, closed)}
     generations = await open_or_none(raw, ctx, [prompt], params, [response_id], options)
     if generations is None:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
     if body.stream:
         return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id,
-                                         ToolStream(tools), ReasoningStream(ctx.reasoning_parser)),
+                                         ToolStream(tools),
+                                         ReasoningStream(ctx.reasoning_parser, closed)),
                                  media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
     finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)
-    response = _response(ctx, body, prompt, finals[0], response_id, tools)
+    response = _response(ctx, body, prompt, finals[0], response_id, tools, closed)
     return JSONResponse(response.model_dump(), headers=headers)
 
 
 async def _answer_grammar(ctx: ServerContext, params: SamplingParams,
-                          prompt: Prompt) -> dict[str, Any]:
+                          closed: bool) -> dict[str, Any]:
     """With a reasoning parser, a structured output constraint holds the answer only: its
     grammar, compiled here, starts after the thinking ends (engine option `grammar`)."""
-    if params.structured_outputs is None or ctx.thinking_token_ids is None:
-        return {}
-    start = grammar_start(prompt.token_ids, *ctx.thinking_token_ids)
-    if start is None:
+    if params.structured_outputs is None or ctx.thinking_token_ids is None or closed:
         return {}
     try:
         grammar = await asyncio.to_thread(ctx.engine.compile_grammar, params)
     except ValueError as exc:
         raise to_api_error(exc) from exc
-    grammar.starts_after = start
+    grammar.starts_after = ctx.thinking_token_ids[1]
     return {"grammar": grammar}
+
+
+def _shows_tokens(ctx: ServerContext, body: ChatCompletionRequest) -> bool:
+    """Logprobs and token ids would show thinking that include_reasoning false hides: then
+    they are left out, as vLLM leaves them."""
+    return body.include_reasoning or ctx.reasoning_parser is None
 
 
 def _num_top(body: ChatCompletionRequest) -> int:
@@ -122,15 +129,16 @@ def _num_top(body: ChatCompletionRequest) -> int:
 
 
 def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
-              final: RequestOutput, response_id: str,
-              tools: ToolChoice) -> ChatCompletionResponse:
+              final: RequestOutput, response_id: str, tools: ToolChoice,
+              closed: bool) -> ChatCompletionResponse:
     choices = []
+    shown = _shows_tokens(ctx, body)
     for completion in final.outputs:
         logprobs = None
-        if body.logprobs and completion.logprobs is not None:
+        if body.logprobs and completion.logprobs is not None and shown:
             logprobs = chat_logprobs(ctx.tokenizer, completion.token_ids, completion.logprobs,
                                      _num_top(body))
-        reasoning, content = split_reasoning(ctx.reasoning_parser, completion.text)
+        reasoning, content = split_reasoning(ctx.reasoning_parser, completion.text, closed)
         answer = parse_answer(tools, content) if content is not None else ParsedAnswer(None, [])
         choices.append(ChatChoice(
             index=completion.index,
@@ -140,7 +148,7 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
             logprobs=logprobs,
             finish_reason=finish_reason(tools, answer, completion.finish_reason),
             stop_reason=completion.stop_reason,
-            token_ids=completion.token_ids if body.return_token_ids else None))
+            token_ids=completion.token_ids if body.return_token_ids and shown else None))
     num_completion = sum(len(c.token_ids) for c in final.outputs)
     usage = usage_info(ctx, len(prompt.token_ids), num_completion, final.num_cached_tokens)
     return ChatCompletionResponse(
@@ -202,15 +210,17 @@ def _stream_choice(ctx: ServerContext, body: ChatCompletionRequest, tracker: Del
     thought, answer = reasoning.step(completion.index, completion.text,
                                      delta.finish_reason is not None)
     content, tool_calls, reason = tools.step(completion.index, answer, delta.finish_reason)
-    if not (content or tool_calls or thought or reason or delta.is_first or body.logprobs
-            or body.return_token_ids):
-        return None  # nothing to say yet (held back as a possible call, or no text)
+    thought = thought if body.include_reasoning else ""
+    shown = _shows_tokens(ctx, body)
+    if not (content or tool_calls or thought or reason or delta.is_first
+            or shown and (body.logprobs or body.return_token_ids)):
+        return None  # nothing to say yet (held back, hidden thinking, or no text)
     message = DeltaMessage(role="assistant" if delta.is_first else None, content=content,
-                           tool_calls=tool_calls,
-                           reasoning=thought if thought and body.include_reasoning else None)
+                           tool_calls=tool_calls, reasoning=thought or None)
     logprobs = None
-    if body.logprobs and delta.logprobs is not None:
+    if body.logprobs and delta.logprobs is not None and shown:
         logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, _num_top(body))
     return ChatStreamChoice(index=completion.index, delta=message, logprobs=logprobs,
                             finish_reason=reason, stop_reason=delta.stop_reason,
-                            token_ids=delta.token_ids if body.return_token_ids else None)
+                            token_ids=delta.token_ids if body.return_token_ids and shown
+                            else None)

@@ -35,6 +35,11 @@ def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
 
 
+def _finite(logprob: float) -> float:
+    """-inf (a token a grammar or mask ruled out), which JSON lacks, as -9999, as vLLM does."""
+    return max(logprob, _UNKNOWN_LOGPROB)
+
+
 def completion_logprobs(tokenizer: Any, token_ids: list[int],
                         logprobs: list[dict[int, Logprob] | None], num_top: int,
                         text_offset: int) -> CompletionLogProbs:
@@ -50,13 +55,15 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int],
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)
             continue
-        result.token_logprobs.append(entry[token_id].logprob if token_id in entry else None)
+        result.token_logprobs.append(_finite(entry[token_id].logprob) if token_id in entry
+                                     else None)
         # The token itself and the top `num_top` (up to num_top + 1 entries), as OpenAI's
         # completions API has them.
         top = _top(entry, num_top)
         if token_id in entry and all(t != token_id for t, _ in top):
             top.append((token_id, entry[token_id]))
-        result.top_logprobs.append({_text(tokenizer, t, entry): lp.logprob for t, lp in top})
+        result.top_logprobs.append({_text(tokenizer, t, entry): _finite(lp.logprob)
+                                    for t, lp in top})
     return result
 
 
@@ -67,11 +74,11 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int,
         text = _text(tokenizer, token_id, entry)
         # A sampled token outside the returned top-k has no logprob to report; OpenAI writes
         # -9999 for such tokens (JSON has no -inf).
-        logprob = entry[token_id].logprob if token_id in entry else _UNKNOWN_LOGPROB
+        logprob = _finite(entry[token_id].logprob) if token_id in entry else _UNKNOWN_LOGPROB
         top = []
         for top_id, top_logprob in _top(entry, num_top):
             top_text = _text(tokenizer, top_id, entry)
-            top.append(TopLogProb(token=top_text, logprob=top_logprob.logprob,
+            top.append(TopLogProb(token=top_text, logprob=_finite(top_logprob.logprob),
                                   bytes=list(top_text.encode())))
         content.append(ChatTokenLogProb(token=text, logprob=logprob, bytes=list(text.encode()),
                                         top_logprobs=top))
@@ -85,6 +92,6 @@ def prompt_logprobs_body(prompt_logprobs: list[dict[int, Logprob] | None] | None
     if prompt_logprobs is None:
         return None
     return [None if entry is None else {
-        token_id: PromptLogprob(logprob=max(lp.logprob, _UNKNOWN_LOGPROB), rank=lp.rank,
+        token_id: PromptLogprob(logprob=_finite(lp.logprob), rank=lp.rank,
                                 decoded_token=lp.decoded_token)
         for token_id, lp in entry.items()} for entry in prompt_logprobs]

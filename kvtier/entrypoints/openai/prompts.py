@@ -57,13 +57,30 @@ def prompt_chars(prompt: Any) -> int:
     return 0 if all_ints(prompt) else sum(len(item) for item in prompt if isinstance(item, str))
 
 
-def message_chars(messages: list[ChatMessage]) -> int:
-    """Characters of text in chat messages."""
-    total = 0
+def message_chars(messages: list[ChatMessage], tools: Any = None) -> int:
+    """Characters of text a chat renders: the messages' content and other fields (tool calls),
+    and the tools (the template prints them too)."""
+    total = _chars(tools)
     for message in messages:
         content = message.content
         parts = [content] if isinstance(content, str) else [p.text for p in content or ()]
-        total += sum(len(part) for part in parts if part)
+        total += sum(len(part) for part in parts if part) + _chars(message.model_extra)
+    return total
+
+
+def _chars(value: Any) -> int:
+    """Characters of the strings in parsed JSON, walked without recursion (it may nest
+    deeply)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
     return total
 
 

@@ -18,9 +18,11 @@ from kvtier.models.tokenizer import Tokenizer
 START, END = "<think>", "</think>"
 
 
-def split_reasoning(parser: str | None, text: str) -> tuple[str | None, str | None]:
-    """(reasoning, content) of a finished output; None for a part it does not have."""
-    if parser is None:
+def split_reasoning(parser: str | None, text: str,
+                    closed: bool = False) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a finished output; None for a part it does not have.
+    `closed`: the prompt already ended the thinking (all of the output is content)."""
+    if parser is None or closed:
         return None, text
     body = text.lstrip()
     if body.startswith(START):
@@ -33,9 +35,9 @@ def split_reasoning(parser: str | None, text: str) -> tuple[str | None, str | No
     return body[:end], body[end + len(END):] or None
 
 
-def _settled(parser: str | None, text: str) -> tuple[str, str]:
+def _settled(parser: str | None, text: str, closed: bool) -> tuple[str, str]:
     """(reasoning, content) of an unfinished output, less what may still become a tag."""
-    if parser is None:
+    if parser is None or closed:
         return "", text
     body = text.lstrip()
     if START.startswith(body) and body != START:
@@ -56,18 +58,19 @@ def _settled(parser: str | None, text: str) -> tuple[str, str]:
 class ReasoningStream:
     """A streamed answer's reasoning, per choice: what to send now, and the content so far."""
 
-    def __init__(self, parser: str | None) -> None:
+    def __init__(self, parser: str | None, closed: bool = False) -> None:
         self.parser = parser
+        self.closed = closed  # the prompt ended the thinking: all is content
         self._sent: dict[int, int] = {}  # choice index -> characters of reasoning sent
 
     def step(self, index: int, text: str, finished: bool) -> tuple[str, str]:
         """(reasoning to send now, the whole content so far) for a choice whose whole text so
         far is `text`."""
         if finished:
-            reasoning, content = split_reasoning(self.parser, text)
+            reasoning, content = split_reasoning(self.parser, text, self.closed)
             reasoning, content = reasoning or "", content or ""
         else:
-            reasoning, content = _settled(self.parser, text)
+            reasoning, content = _settled(self.parser, text, self.closed)
         sent = self._sent.get(index, 0)
         self._sent[index] = max(sent, len(reasoning))
         return reasoning[sent:], content
@@ -83,14 +86,14 @@ def thinking_tokens(tokenizer: Tokenizer | None, parser: str) -> tuple[int, int]
     return ids[0], ids[1]
 
 
-def grammar_start(prompt_token_ids: Sequence[int], start_id: int, end_id: int) -> int | None:
-    """The token after which a structured output constraint holds: `</think>`, unless the
-    prompt already closed the thinking (a template that turns thinking off writes an empty
-    `<think></think>`), then None (from the first token)."""
+def thinking_closed(prompt_token_ids: Sequence[int], start_id: int, end_id: int) -> bool:
+    """Whether the prompt already ended the thinking (a template that turns thinking off
+    writes an empty `<think></think>`): the output is then all answer, and a structured output
+    constraint holds from its first token instead of after `</think>`."""
     last_start = last_end = -1
     for position, token in enumerate(prompt_token_ids):
         if token == start_id:
             last_start = position
         elif token == end_id:
             last_end = position
-    return None if last_end > last_start else end_id
+    return last_end > last_start

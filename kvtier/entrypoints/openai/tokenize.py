@@ -78,7 +78,8 @@ async def tokenize(body: TokenizeRequest, raw: Request) -> JSONResponse:
     check_text(body)  # first: an error message quoting a bad string could not be sent
     ctx.check_model(body.model)
     _check_form(body)
-    num_chars = len(body.prompt) if body.prompt is not None else message_chars(body.messages)
+    num_chars = len(body.prompt) if body.prompt is not None \
+        else message_chars(body.messages, body.tools)
     token_ids = await ctx.prepare(num_chars, _token_ids, ctx, body)
     token_strs = None
     if body.return_token_strs:

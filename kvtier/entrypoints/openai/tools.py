@@ -30,11 +30,13 @@ _PYTHON_TAG = "<|python_tag|>"
 @dataclass(frozen=True)
 class ToolChoice:
     """What a request's tools ask of the answer. mode: "none", "auto", "required" or
-    "named" (then `name` is the function's); `parser` reads "auto" answers."""
+    "named" (then `name` is the function's); `parser` reads "auto" answers; `single`: one call
+    at most (parallel_tool_calls false)."""
 
     mode: str
     name: str | None = None
     parser: str | None = None
+    single: bool = False
 
     @property
     def constrains_output(self) -> bool:
@@ -66,7 +68,7 @@ def tool_choice(request: ChatCompletionRequest, parser: str | None) -> ToolChoic
                                   "--enable-auto-tool-choice and --tool-call-parser; ask for "
                                   'tool_choice "required", a named function or "none"',
                                   param="tool_choice", code="invalid_value")
-        return ToolChoice("auto", parser=parser)
+        return ToolChoice("auto", parser=parser, single=request.parallel_tool_calls is False)
     if choice == "required":
         return ToolChoice("required")
     function = choice.get("function") if isinstance(choice, dict) else None
@@ -96,7 +98,11 @@ def tool_constraint(request: ChatCompletionRequest,
     calls = []
     for name, function in tools.items():
         parameters = dict(_parameters(function))
-        for key, value in (parameters.pop("$defs", None) or {}).items():
+        defs = parameters.pop("$defs", None) or {}
+        if not isinstance(defs, dict):
+            raise BadRequestError(f"tools: $defs in the parameters of {name!r} must be an "
+                                  "object", param="tools", code="invalid_value")
+        for key, value in defs.items():
             if definitions.setdefault(key, value) != value:
                 raise BadRequestError(f"tools define $defs {key!r} twice, differently; give "
                                       "each definition one name", param="tools",
@@ -115,17 +121,21 @@ def tool_constraint(request: ChatCompletionRequest,
 def parse_answer(choice: ToolChoice, text: str) -> ParsedAnswer:
     """The generated text as content and tool calls."""
     if choice.mode == "named":
-        return ParsedAnswer("", [_call(choice.name, text)])
+        # (No text: cut short before the answer began, e.g. while thinking.)
+        return ParsedAnswer("", [_call(choice.name, text)]) if text else ParsedAnswer(text, [])
     if choice.mode == "required":
         try:
             return ParsedAnswer("", [_call(call["name"], json.dumps(call["parameters"],
                                                                     ensure_ascii=False))
                                      for call in json.loads(text)])
-        except (json.JSONDecodeError, KeyError, TypeError):  # cut short: left as text
+        except (ValueError, KeyError, TypeError, RecursionError):  # cut short: left as text
             return ParsedAnswer(text, [])
     if choice.mode == "auto":
-        return _parse_llama3_json(text) if choice.parser == "llama3_json" \
+        answer = _parse_llama3_json(text) if choice.parser == "llama3_json" \
             else _parse_hermes(text)
+        if choice.single and len(answer.tool_calls) > 1:
+            return ParsedAnswer(answer.content, answer.tool_calls[:1])
+        return answer
     return ParsedAnswer(text, [])
 
 
@@ -169,14 +179,14 @@ def _parse_hermes(text: str) -> ParsedAnswer:
         try:
             call = json.loads(body)
             name, arguments = call["name"], call.get("arguments", {})
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             return ParsedAnswer(text, [])
         if not isinstance(name, str):
             return ParsedAnswer(text, [])
         calls.append(_call(name, arguments if isinstance(arguments, str)
                            else json.dumps(arguments, ensure_ascii=False)))
-    content = text[:start].strip()
-    return ParsedAnswer(content or None, calls)
+    # As written (a stream sends it so): no call's whitespace is taken off.
+    return ParsedAnswer(text[:start] or None, calls)
 
 
 def _parse_llama3_json(text: str) -> ParsedAnswer:
@@ -188,7 +198,7 @@ def _parse_llama3_json(text: str) -> ParsedAnswer:
     while body.startswith("{", position):
         try:
             call, position = decoder.raw_decode(body, position)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return ParsedAnswer(text, [])
         name = call.get("name") if isinstance(call, dict) else None
         if not isinstance(name, str):
@@ -253,4 +263,5 @@ class ToolStream:
         if not answer.tool_calls:
             return text[sent:], None, reason
         calls = [{"index": i, **call} for i, call in enumerate(answer.tool_calls)]
-        return "", calls, reason
+        # The content before the calls not sent yet (the last steps may come at once).
+        return (answer.content or "")[sent:], calls, reason
