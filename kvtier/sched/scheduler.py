@@ -135,8 +135,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and batch.token_budget > 0:
             request = self.running[index]
+            # Drafts get only what leaves a token for each running request after this one.
+            spare = batch.token_budget - (len(self.running) - index - 1)
             drafts = [] if self.drafts is None or request.request_id in self.resync_req_ids \
-                else self.drafts.draft(request, batch.token_budget, self.config.max_model_len)
+                else self.drafts.draft(request, spare, self.config.max_model_len)
             num_new = min(request.num_tokens + len(drafts) - request.num_computed_tokens,
                           batch.token_budget)
             if num_new <= 0:
@@ -314,6 +316,9 @@ class Scheduler:
         stopped: set[str] = set()
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
+            if req_id in discarded and request is not None and request.grammar is not None \
+                    and model_runner_output.sampled_token_ids.get(req_id):
+                request.grammar.undo_last()  # the token is dropped; so is its grammar step
             if request is None or request.is_finished() or req_id in discarded:
                 continue
             error = model_runner_output.errors.get(req_id)

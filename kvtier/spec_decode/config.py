@@ -10,6 +10,8 @@ from typing import Any
 METHODS = ("ngram",)
 # Drafts longer than this are refused: each costs a token of compute whether or not it is kept.
 MAX_SPECULATIVE_TOKENS = 16
+# Longer n-grams are refused: each length is one scan of the request's recent tokens per step.
+MAX_PROMPT_LOOKUP = 16
 
 
 @dataclass(frozen=True)
@@ -36,8 +38,9 @@ class SpeculativeConfig:
             (whole("prompt_lookup_min") is not None and self.prompt_lookup_min >= 1,
              "prompt_lookup_min", "must be an integer >= 1"),
             (whole("prompt_lookup_max") is not None and whole("prompt_lookup_min") is not None
-             and self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
-             "must be an integer >= prompt_lookup_min"),
+             and self.prompt_lookup_min <= self.prompt_lookup_max <= MAX_PROMPT_LOOKUP,
+             "prompt_lookup_max", f"must be an integer in [prompt_lookup_min, "
+             f"{MAX_PROMPT_LOOKUP}]"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 # Initial room of a request's token array (it doubles as the request grows).
 _INITIAL_CAPACITY = 1024
+# Drafts are looked for among a request's last this many tokens: a scan per n-gram length of
+# 32k tokens took 1.6 ms a request a step (128 requests: 0.2 s).
+SEARCH_WINDOW = 4096
 
 
 class DraftTracker:
@@ -49,7 +52,7 @@ class DraftTracker:
             room = min(room, max_tokens - request.num_output_tokens - 1)
         if room <= 0:
             return []
-        tokens = self._array(request)
+        tokens = self._array(request)[-SEARCH_WINDOW:]
         return _ngram_draft(tokens, self.config.prompt_lookup_min,
                             self.config.prompt_lookup_max, room)
 

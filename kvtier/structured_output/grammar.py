@@ -46,6 +46,10 @@ class StructuredOutputGrammar:
         self.starts_after = starts_after
         # Whether the output was complete before the last token came (then only EOS fits).
         self._ended_before = False
+        # What the last accepted token did: "matched", "started" (it was starts_after), or
+        # None (nothing to undo).
+        self._last: str | None = None
+        self._started_by = starts_after
 
     def copy(self) -> StructuredOutputGrammar:
         """A grammar at the same place with its own state (each of n completions has one)."""
@@ -64,11 +68,24 @@ class StructuredOutputGrammar:
         """Advance past a sampled token; False if the grammar does not allow it (the grammar
         is then in an error state for good)."""
         if not self.active:
+            self._last = None
             if token_id == self.starts_after:
-                self.starts_after = None
+                self.starts_after, self._last = None, "started"
+                self._started_by = token_id
             return True
         self._ended_before = self._matcher.is_stopped()
-        return self._matcher.consume_token(token_id)
+        accepted = self._matcher.consume_token(token_id)
+        self._last = "matched" if accepted else None
+        return accepted
+
+    def undo_last(self) -> None:
+        """Take back the last accepted token: the scheduler dropped it (its step read KV that
+        failed to load, and the request computes again from before it)."""
+        if self._last == "matched":
+            self._matcher.rollback(1)
+        elif self._last == "started":
+            self.starts_after = self._started_by
+        self._last = None
 
     def why_refused(self, token_id: int) -> str:
         """Why `accept(token_id)` returned False, in one line."""
@@ -99,6 +116,8 @@ class GrammarCompiler:
         where = f"SamplingParams.structured_outputs.{params.kind}"
         try:
             grammar = _llguidance_grammar(params)
+        except RecursionError:
+            raise GrammarError(f"{where} is invalid: nested too deeply") from None
         except ValueError as exc:
             raise GrammarError(f"{where} is invalid: {exc}") from None
         matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)

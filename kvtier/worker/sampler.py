@@ -111,6 +111,10 @@ class Sampler:
         logits = _ban_bad_words(_keep_allowed_tokens(logits, rows), rows)
         logits = _mask_early_stops(logits, rows)
         logits = _apply_penalties(_apply_logit_bias(logits, rows), rows)
+        if not bool(torch.isfinite(logits).any(dim=-1).all()):
+            # Before any draw: the rows apart then draw what they would have drawn here.
+            raise ValueError("no token is allowed: the structured output grammar, "
+                             "allowed_token_ids, bad_words and min_tokens ruled out every one")
         is_greedy = [r.params.is_greedy for r in rows]
         if all(is_greedy):
             token_ids = logits.argmax(dim=-1)

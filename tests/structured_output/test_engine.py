@@ -138,13 +138,44 @@ def test_a_constraint_that_does_not_compile_is_refused_at_add(llm, constraint, m
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_min_tokens_past_the_grammar_fails_that_request_alone(llm):
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_past_the_grammar_fails_that_request_alone(llm, temperature):
     # The choice ends after 2 tokens; min_tokens forbids the EOS it then allows.
-    stuck = SamplingParams(temperature=0.0, max_tokens=20, min_tokens=6,
+    stuck = SamplingParams(temperature=temperature, max_tokens=20, min_tokens=6,
                            structured_outputs={"choice": ["no"]})
-    plain = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    failed, other = llm.generate(["Q: ", "Q: "], [stuck, plain])
+    seeded = SamplingParams(temperature=1.0, seed=123, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["Q: "], seeded)[0].outputs[0].token_ids
+    failed, other = llm.generate(["Q: ", "Q: "], [stuck, seeded])
     assert failed.outputs[0].finish_reason == "error"
-    assert "after the output was complete" in failed.error
-    assert other.outputs[0].finish_reason == "length"
+    assert "no token is allowed" in failed.error
+    # The failing row drew no noise: the seeded neighbour draws what it draws alone.
+    assert other.outputs[0].token_ids == alone
     llm.engine.check_invariants()
+
+
+def test_a_token_dropped_after_a_failed_load_is_taken_back_from_the_grammar(reference,
+                                                                           monkeypatch):
+    # The host tier's load fails (recompute policy): the scheduler drops the token sampled on
+    # the bad KV and computes again; the grammar must not stay a token ahead.
+    import time
+
+    import kvtier.connector.offloading.worker as offload_worker
+
+    failing = {"on": False}
+    run_loads = offload_worker.OffloadingConnectorWorker._run_loads
+    monkeypatch.setattr(offload_worker.OffloadingConnectorWorker, "_run_loads",
+                        lambda self, direction, loads: False if failing["on"]
+                        else run_loads(self, direction, loads))
+    llm = LLM(reference[0], dtype="float32", block_size=4, num_device_blocks=64,
+              max_num_batched_tokens=64, kv_offload="host=64MiB")
+    try:
+        prompt = "x" * 40 + " Spell it: "
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=2))  # stored on host
+        time.sleep(0.5)
+        assert llm.reset_prefix_cache()
+        failing["on"] = True
+        params = SamplingParams(temperature=0.0, max_tokens=20,
+                                structured_outputs={"regex": "abcdefghij"})
+        assert llm.generate(prompt, params)[0].outputs[0].text == "abcdefghij"
+    finally:
+        llm.engine.shutdown()

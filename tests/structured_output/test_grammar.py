@@ -136,3 +136,16 @@ def test_a_grammar_may_start_after_a_token(compiler, tokenizer):
     assert grammar.accept(BYTE_EOS_ID - 1)
     assert allowed_texts(tokenizer, grammar) == {"a"}
     assert not copy.active and num_allowed(copy) == BYTE_VOCAB
+
+
+def test_the_last_token_can_be_taken_back(compiler, tokenizer):
+    # The scheduler drops a step's token whose KV read failed: the grammar steps back too.
+    grammar = compiler.compile(StructuredOutputsParams(choice=["ab", "cd"]))
+    assert grammar.accept(tokenizer.encode("a").ids[0])
+    grammar.undo_last()
+    assert allowed_texts(tokenizer, grammar) == {"a", "c"}
+    waiting = compiler.compile(StructuredOutputsParams(choice=["ab"]))
+    waiting.starts_after = BYTE_EOS_ID - 1
+    assert waiting.accept(BYTE_EOS_ID - 1) and waiting.active
+    waiting.undo_last()
+    assert not waiting.active and waiting.starts_after == BYTE_EOS_ID - 1
