@@ -29,6 +29,9 @@ _SUBSCHEMAS = ("items", "prefixItems", "additionalItems", "contains", "not", "if
                "unevaluatedProperties", "unevaluatedItems")
 
 
+_REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
+
+
 class GrammarError(ValueError):
     """A structured outputs constraint that does not compile (the message says why)."""
 
@@ -159,8 +162,16 @@ def _llguidance_grammar(params: StructuredOutputsParams) -> str:
     if params.regex is not None:
         return llguidance.grammar_from("regex", params.regex)
     if params.choice is not None:
-        return llguidance.grammar_from("choice", params.choice)
+        # As one regex of literal alternatives: llguidance's own choice grammar puts them in
+        # one grammar row, which fails at its first step past 2,000 of them.
+        return llguidance.grammar_from(
+            "regex", "(?:" + "|".join(_regex_literal(c) for c in params.choice) + ")")
     return llguidance.grammar_from("grammar", params.grammar)
+
+
+def _regex_literal(text: str) -> str:
+    """`text` as a regex matching just itself (the regex crate's metacharacters escaped)."""
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
 
 
 def _without_additional_properties(schema: Any) -> Any:

@@ -149,3 +149,18 @@ def test_the_last_token_can_be_taken_back(compiler, tokenizer):
     assert waiting.accept(BYTE_EOS_ID - 1) and waiting.active
     waiting.undo_last()
     assert not waiting.active and waiting.starts_after == BYTE_EOS_ID - 1
+
+
+def test_choices_are_literal_and_many_of_them_compile(compiler, tokenizer):
+    tricky = ["a.b", "(x|y)*", "[z]", "\\\\", "$^"]
+    for choice in tricky:
+        grammar = compiler.compile(StructuredOutputsParams(choice=tricky))
+        feed(tokenizer, grammar, choice)
+        assert "EOS" in allowed_texts(tokenizer, grammar)
+    dot = compiler.compile(StructuredOutputsParams(choice=["a.b"]))
+    feed(tokenizer, dot, "a")
+    assert allowed_texts(tokenizer, dot) == {"."}  # a literal dot, not any character
+    many = [f"option {i}" for i in range(5000)]  # past llguidance's 2,000-item grammar row
+    grammar = compiler.compile(StructuredOutputsParams(choice=many))
+    feed(tokenizer, grammar, "option 4321")
+    assert allowed_texts(tokenizer, grammar) == {"EOS"}
