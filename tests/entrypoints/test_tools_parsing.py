@@ -189,3 +189,14 @@ def test_defs_that_are_not_an_object_are_refused():
     body = request(tools=[bad], tool_choice="required")
     with pytest.raises(BadRequestError, match="must be an object"):
         tool_constraint(body, tool_choice(body, None))
+
+
+@pytest.mark.parametrize("ref", ["#", "#/properties/a", "#/definitions/place"])
+def test_required_refuses_references_that_would_point_elsewhere(ref):
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "next": {"$ref": ref}}}}}
+    body = request(tools=[tool], tool_choice="required")
+    with pytest.raises(BadRequestError, match="must point into"):
+        tool_constraint(body, tool_choice(body, None))
+    named = request(tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}})
+    assert tool_constraint(named, tool_choice(named, None)) is not None  # the root: fine

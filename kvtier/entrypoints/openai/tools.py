@@ -98,6 +98,7 @@ def tool_constraint(request: ChatCompletionRequest,
     calls = []
     for name, function in tools.items():
         parameters = dict(_parameters(function))
+        _check_local_refs(name, parameters)
         defs = parameters.pop("$defs", None) or {}
         if not isinstance(defs, dict):
             raise BadRequestError(f"tools: $defs in the parameters of {name!r} must be an "
@@ -234,6 +235,24 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
                                   "object", param="tools", code="invalid_value")
         functions[function["name"]] = function
     return functions
+
+
+def _check_local_refs(name: str, parameters: dict[str, Any]) -> None:
+    """In the calls' array schema a tool's parameters are no longer the root: a reference into
+    them other than through $defs (which move to the root) would point elsewhere."""
+    stack: list[Any] = [parameters]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            ref = item.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#") and not ref.startswith("#/$defs/"):
+                raise BadRequestError(f"tools: the parameters of {name!r} refer to {ref!r}; "
+                                      'with tool_choice "required" references must point into '
+                                      '"$defs" ("#/$defs/NAME")', param="tools",
+                                      code="invalid_value")
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:
