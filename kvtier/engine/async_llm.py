@@ -155,7 +155,7 @@ class AsyncLLM:
         goes on stepping meanwhile.
         """
         if params.structured_outputs is not None and "grammar" not in options:
-            options = {**options, "grammar": await self._compile_grammar(params)}
+            options = {**options, "grammar": await self.compile_grammar(params)}
         stream = _Stream(asyncio.get_running_loop())
         try:
             await self._submit_add(_AddCommand(request_id, prompt, params, options, stream,
@@ -181,7 +181,10 @@ class AsyncLLM:
             if not finished:
                 self._send(_AbortCommand([request_id], stream))
 
-    async def _compile_grammar(self, params: SamplingParams) -> Any:
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        """params.structured_outputs compiled on a worker thread, within submit_timeout_s
+        (generate does this itself; callers that adjust the grammar first pass it as the
+        `grammar` option)."""
         if not self.is_running:
             raise EngineDeadError("the engine loop is not running")
         async with asyncio.timeout(self.submit_timeout_s):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -111,8 +110,8 @@ async def _answer_grammar(ctx: ServerContext, params: SamplingParams,
     if params.structured_outputs is None or ctx.thinking_token_ids is None or closed:
         return {}
     try:
-        grammar = await asyncio.to_thread(ctx.engine.compile_grammar, params)
-    except ValueError as exc:
+        grammar = await ctx.async_llm.compile_grammar(params)
+    except Exception as exc:  # a bad constraint (400), a dead or busy engine (503)
         raise to_api_error(exc) from exc
     grammar.starts_after = ctx.thinking_token_ids[1]
     return {"grammar": grammar}
