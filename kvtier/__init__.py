@@ -2,7 +2,7 @@
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -10,6 +10,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from kvtier.engine.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from kvtier.lora.request import LoRARequest
+        return LoRARequest
     if name == "SamplingParams":
         from kvtier.sampling_params import SamplingParams
         return SamplingParams

@@ -144,10 +144,29 @@ class SchedulingConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (kvtier/lora), vLLM's option names."""
+
+    enable_lora: bool = False
+    # Most distinct adapters in one step; requests of another adapter wait for a seat.
+    max_loras: int = 1
+    # Largest adapter rank accepted.
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.enable_lora, bool),
+                 f"enable_lora must be True or False, got {self.enable_lora!r}")
+        _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
+        _require(self.max_lora_rank >= 1,
+                 f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelLoadConfig = field(default_factory=ModelLoadConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulingConfig = field(default_factory=SchedulingConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # The KV connector, its options parsed (see KVTransferConfig.options); the one-flag
     # offloading form becomes one of these too (`kv_offload_transfer_config`).
     kv_transfer_config: KVTransferConfig | None = None
@@ -159,7 +178,7 @@ class EngineConfig:
         """Build from flat keyword options (the LLM() and CLI surface); unknown names are an
         error listing the valid ones."""
         sections = {"model": ModelLoadConfig, "cache": CacheConfig,
-                    "scheduler": SchedulingConfig}
+                    "scheduler": SchedulingConfig, "lora": LoRAConfig}
         grouped: dict[str, dict[str, Any]] = {name: {} for name in sections}
         transfer = options.pop("kv_transfer_config", None)
         flag = options.pop("kv_offload", None)

@@ -25,6 +25,7 @@ from kvtier.engine.runtime import (
 )
 from kvtier.engine.stats import EngineStats
 from kvtier.kv import KVCacheManager, Request, RequestStatus
+from kvtier.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRARequest
 from kvtier.models.detokenizer import IncrementalDetokenizer
 from kvtier.models.generation_config import load_eos_token_ids
 from kvtier.models.loader import load_model
@@ -61,6 +62,10 @@ class Engine:
         self._eos_token_ids = self._find_eos_token_ids()
         self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self._eos_token_ids)
+        self.loras: LoRARegistry | None = None
+        if config.lora.enable_lora:
+            self.loras = LoRARegistry(loaded.model, max_lora_rank=config.lora.max_lora_rank,
+                                      dtype=self.runtime.dtype, device=device)
         self._build_core(loaded.model)
         self._outputs = OutputProcessor(self.tokenizer)
         self._stopped = False
@@ -92,14 +97,16 @@ class Engine:
             max_model_len=runtime.max_model_len,
             enable_chunked_prefill=sched.enable_chunked_prefill, policy=sched.policy,
             max_waiting_requests=sched.max_waiting_requests,
-            speculative=self._speculative_config(), **load_options)
+            speculative=self._speculative_config(),
+            max_loras=config.lora.max_loras if self.loras is not None else None, **load_options)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, scheduler_connector)
         self.runner = ModelRunner(
             model, runtime.kv_cache_config, dtype=runtime.dtype, device=runtime.device,
             max_num_seqs=sched.max_num_seqs,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=runtime.max_model_len, seed=config.model.seed,
-            eos_token_ids=self._eos_token_ids, connector=worker_connector)
+            eos_token_ids=self._eos_token_ids, connector=worker_connector,
+            lora=self.loras.batch if self.loras is not None else None)
 
     def _speculative_config(self) -> Any:
         """config.speculative_config, for a model it can run on."""
@@ -137,10 +144,12 @@ class Engine:
                     priority: int = 0, cache_salt: str | None = None,
                     kv_transfer_params: dict[str, Any] | None = None,
                     arrival_time: float | None = None,
-                    grammar: StructuredOutputGrammar | None = None) -> None:
+                    grammar: StructuredOutputGrammar | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. ValueError for a bad prompt or a duplicate id; EngineQueueFullError
         when the waiting queue is full. `grammar`: params.structured_outputs compiled already
-        (compile_grammar, off the engine thread); compiled here if not given."""
+        (compile_grammar, off the engine thread); compiled here if not given. `lora_request`:
+        its adapter, loaded here if it is not yet (load_lora, off the engine thread)."""
         if self._outputs.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -148,13 +157,14 @@ class Engine:
                              "(--scheduling-policy priority); this engine serves in arrival "
                              "order")
         self._check_params(params)
+        lora = None if lora_request is None else self.load_lora(lora_request)
         prompt_text, token_ids = self._tokenize(prompt)
         if grammar is None:
             grammar = self.compile_grammar(params)
         arrival = time.time() if arrival_time is None else arrival_time
         children = self._make_children(request_id, params, token_ids, grammar,
                                        priority=priority, cache_salt=cache_salt,
-                                       arrival_time=arrival,
+                                       arrival_time=arrival, lora=lora,
                                        kv_transfer_params=kv_transfer_params)
         added: list[str] = []
         try:
@@ -177,6 +187,14 @@ class Engine:
         if params.structured_outputs is None:
             return None
         return self._grammars.compile(params.structured_outputs)
+
+    def load_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """The adapter `request` names, loaded (and kept) if it is not yet; LoRAError (a
+        ValueError) when LoRA is off or the adapter cannot be used. Thread safe."""
+        if self.loras is None:
+            raise LoRAError(f"LoRA adapter {request.lora_name!r} asked for, but this engine "
+                            "runs without LoRA: start it with enable_lora=True (--enable-lora)")
+        return self.loras.load(request)
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: its token ids against this vocabulary (an

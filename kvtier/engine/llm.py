@@ -13,6 +13,7 @@ from kvtier.config import EngineConfig
 from kvtier.connector.config import KVTransferConfig
 from kvtier.engine.engine import Engine
 from kvtier.engine.outputs import RequestOutput
+from kvtier.lora import LoRARequest
 from kvtier.models.chat import render_chat
 from kvtier.models.generation_config import load_sampling_defaults
 from kvtier.sampling_params import SamplingParams
@@ -89,21 +90,25 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Outputs in the order of `prompts`, each finished."""
+                 use_tqdm: bool = False,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 ) -> list[RequestOutput]:
+        """Outputs in the order of `prompts`, each finished. `lora_request`: the LoRA adapter
+        of every prompt, or one per prompt (None: the base model); loaded on first use."""
         if self.engine.stopped:
             raise RuntimeError("this LLM was shut down; make a new one")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        params = _per_prompt(sampling_params, len(prompts))
+        params = _per_prompt(sampling_params, len(prompts), SamplingParams, "sampling_params")
+        loras = _per_prompt(lora_request, len(prompts), LoRARequest, "lora_request")
         request_ids: list[str] = []
         try:
-            for prompt, prompt_params in zip(prompts, params):
+            for prompt, prompt_params, lora in zip(prompts, params, loras):
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, _prompt_input(prompt), prompt_params,
-                                        cache_salt=_cache_salt(prompt))
+                                        cache_salt=_cache_salt(prompt), lora_request=lora)
                 request_ids.append(request_id)
         except Exception:
             # All or nothing: the prompts already queued would otherwise run, unseen, in the
@@ -121,7 +126,9 @@ class LLM:
              use_tqdm: bool = False, add_generation_prompt: bool = True,
              continue_final_message: bool = False,
              chat_template_kwargs: dict[str, Any] | None = None,
-             tools: list[dict[str, Any]] | None = None) -> list[RequestOutput]:
+             tools: list[dict[str, Any]] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             ) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts, content a string or OpenAI's
         text parts) or a list of them; the options as in the server's chat requests (`tools`:
         OpenAI's function tools, for the chat template)."""
@@ -136,7 +143,7 @@ class LLM:
         # The template already wrote the special tokens (BOS) it wants.
         token_prompts = [{"prompt": p, "prompt_token_ids": self.engine.tokenizer.encode(
             p, add_special_tokens=False)} for p in prompts]
-        return self.generate(token_prompts, sampling_params, use_tqdm)
+        return self.generate(token_prompts, sampling_params, use_tqdm, lora_request)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
@@ -169,14 +176,14 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams],
-                count: int) -> list[SamplingParams]:
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    if len(params) != count:
-        raise ValueError(f"got {len(params)} sampling_params for {count} prompts; give one, "
-                         "or one per prompt")
-    return list(params)
+def _per_prompt(value: Any, count: int, kind: type, name: str) -> list[Any]:
+    """`value` (one `kind`, or None) for every prompt, or its one-per-prompt sequence."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"got {len(value)} {name} for {count} prompts; give one, or one per "
+                         "prompt")
+    return list(value)
 
 
 def _prompt_input(prompt: PromptType) -> str | list[int]:

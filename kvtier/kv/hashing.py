@@ -72,7 +72,11 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
 def block_extra_keys(request: Request, start: int, end: int) -> tuple[Any, ...] | None:
     """Everything besides the tokens of [start, end) that changes their KV; None when nothing."""
     keys: list[Any] = []
-    if request.lora_name is not None:
+    if request.lora is not None:
+        # The adapter's content, not its name: no instance serves one adapter's KV to another
+        # that took the same name.
+        keys.append(request.lora.cache_key)
+    elif request.lora_name is not None:
         keys.append(request.lora_name)
     for feature in request.mm_features:
         if feature.offset < end and feature.offset + feature.length > start:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.kv.hashing import BlockHash
+    from kvtier.lora import LoRAAdapter
     from kvtier.sampling_params import SamplingParams
     from kvtier.structured_output import StructuredOutputGrammar
 
@@ -79,6 +80,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
+        lora: LoRAAdapter | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         skip_reading_prefix_cache: bool = False,
         bad_words_token_ids: tuple[tuple[int, ...], ...] = (),
@@ -93,7 +95,9 @@ class Request:
         self.arrival_time = time.time() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
-        self.lora_name = lora_name
+        # The adapter it runs with (the engine's loaded one); lora_name defaults to its name.
+        self.lora = lora
+        self.lora_name = lora.name if lora_name is None and lora is not None else lora_name
         self.mm_features: list[MultiModalFeature] = mm_features or []
         self.skip_reading_prefix_cache = skip_reading_prefix_cache
         # The token ids of SamplingParams.bad_words (the engine's tokenizer made them).

@@ -26,9 +26,25 @@ class StepBatch:
     # The runner drops these before building `new_reqs`.
     dropped_req_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
+    # LoRA adapter seats: the adapters of running requests, at most `max_loras` (None: any).
+    max_loras: int | None = None
+    loras: set[str] = field(default_factory=set)
+
+    def hold_loras(self, running: list[Request]) -> None:
+        """Running requests keep their adapters' seats (scheduled this step or not), so no
+        later step runs more than max_loras adapters."""
+        self.loras.update(r.lora_name for r in running if r.lora_name is not None)
+
+    def may_add_lora(self, request: Request) -> bool:
+        """Whether `request` may start: no adapter, one that holds a seat, or a free seat."""
+        name = request.lora_name
+        return (name is None or self.max_loras is None or name in self.loras
+                or len(self.loras) < self.max_loras)
 
     def add_new(self, request: Request, num_tokens: int) -> None:
         self.new_reqs.append(request)
+        if request.lora_name is not None:
+            self.loras.add(request.lora_name)
         self._charge(request, num_tokens)
 
     def add_cached(self, request: Request, num_tokens: int,
@@ -82,4 +98,5 @@ def _new_request_data(request: Request,
         sampling_params=request.sampling_params,
         block_ids=block_ids_of(request.request_id),
         num_computed_tokens=request.num_computed_tokens,
-        bad_words_token_ids=request.bad_words_token_ids, grammar=request.grammar)
+        bad_words_token_ids=request.bad_words_token_ids, grammar=request.grammar,
+        lora=request.lora)

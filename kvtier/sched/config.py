@@ -35,6 +35,8 @@ class SchedulerConfig:
     kv_load_failure_policy: KVLoadFailurePolicy = "recompute"
     # Draft tokens for greedy decodes (kvtier/spec_decode); None: none.
     speculative: SpeculativeConfig | None = None
+    # Most distinct LoRA adapters among running requests; None: no adapters.
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -49,6 +51,8 @@ class SchedulerConfig:
             (self.policy in POLICIES, "policy", f"must be one of {', '.join(POLICIES)}"),
             (self.max_waiting_requests is None or self.max_waiting_requests >= 1,
              "max_waiting_requests", "must be >= 1, or None for no limit"),
+            (self.max_loras is None or self.max_loras >= 1, "max_loras",
+             "must be >= 1, or None without adapters"),
             (self.kv_load_timeout_s > 0, "kv_load_timeout_s", "must be > 0 seconds"),
             (self.kv_load_failure_policy in KV_LOAD_FAILURE_POLICIES, "kv_load_failure_policy",
              f"must be one of {', '.join(KV_LOAD_FAILURE_POLICIES)}"),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvtier.connector.base import KVConnectorMetadata, KVConnectorOutput
     from kvtier.logprobs import PromptLogprobs, SampleLogprobs
+    from kvtier.lora import LoRAAdapter
     from kvtier.sampling_params import SamplingParams
     from kvtier.structured_output import StructuredOutputGrammar
 
@@ -35,6 +36,8 @@ class NewRequestData:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # The request's structured output grammar (Request.grammar), already past its outputs.
     grammar: StructuredOutputGrammar | None = None
+    # The LoRA adapter it runs with (Request.lora).
+    lora: LoRAAdapter | None = None
 
 
 @dataclass(frozen=True)

@@ -116,8 +116,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self.failures.abandon_overdue_loads()
-        batch = StepBatch(token_budget=self.config.max_num_batched_tokens)
+        batch = StepBatch(token_budget=self.config.max_num_batched_tokens,
+                          max_loras=self.config.max_loras)
         self._schedule_running(batch)
+        batch.hold_loras(self.running)
         # A step that had to preempt is out of blocks: admitting newcomers would thrash.
         if not batch.num_preempted:
             self._schedule_landed_loads(batch)
@@ -209,6 +211,8 @@ class Scheduler:
             if not self._has_room(batch):
                 return
             request = self.requests[req_id]
+            if not batch.may_add_lora(request):
+                continue
             if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                 failed = self.loads.is_failed(req_id)
                 if failed:  # it recomputes what did not arrive
@@ -232,7 +236,8 @@ class Scheduler:
         deferred_tokens = 0
         while len(self.waiting) > 0 and self._has_room(batch):
             request = self.waiting.peek_request()
-            if request.request_id in self.loads:  # _schedule_landed_loads starts it
+            # _schedule_landed_loads starts the first; the other waits for an adapter seat.
+            if request.request_id in self.loads or not batch.may_add_lora(request):
                 skipped.append(self.waiting.pop_request())
                 continue
             admission = self._plan_admission(request, batch)

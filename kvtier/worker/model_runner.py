@@ -10,6 +10,7 @@ from torch import nn
 
 from kvtier.connector.base import TRANSFER_POLL_S, KVConnectorOutput, KVConnectorWorker
 from kvtier.kv import KVCacheConfig
+from kvtier.lora import LoRABatch
 from kvtier.models import cpu_kernels
 from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvtier.worker.draft_check import check_drafts
@@ -30,8 +31,11 @@ class ModelRunner:
                  dtype: torch.dtype, device: torch.device, max_num_seqs: int,
                  max_num_batched_tokens: int, max_model_len: int, seed: int,
                  eos_token_ids: Sequence[int],
-                 connector: KVConnectorWorker | None = None) -> None:
+                 connector: KVConnectorWorker | None = None,
+                 lora: LoRABatch | None = None) -> None:
         self.model = model
+        # With LoRA: where each step says which rows run which adapter (kvtier/lora).
+        self.lora = lora
         self.device = device
         self.connector = connector
         self.eos_token_ids = tuple(eos_token_ids)
@@ -103,8 +107,7 @@ class ModelRunner:
         req_ids = list(scheduler_output.num_scheduled_tokens)
         if batch is None:
             return ModelRunnerOutput(req_ids=req_ids, sampled_token_ids={})
-        hidden = self.model.forward(batch.input_ids, batch.positions, self.kv_caches,
-                                    batch.metadata)  # (T, hidden)
+        hidden = self._forward(req_ids, batch)  # (T, hidden)
         output = ModelRunnerOutput(req_ids=req_ids,
                                    sampled_token_ids={req_id: [] for req_id in req_ids})
         self._compute_prompt_logprobs(scheduler_output, batch, hidden)
@@ -130,6 +133,18 @@ class ModelRunner:
                     output.prompt_logprobs[state.req_id] = [None, *state.prompt_logprobs]
                     state.prompt_logprobs = None
         return output
+
+    def _forward(self, req_ids: list[str], batch: BatchInputs) -> torch.Tensor:
+        if self.lora is None:
+            return self.model.forward(batch.input_ids, batch.positions, self.kv_caches,
+                                      batch.metadata)
+        self.lora.begin_step([self.states[r].lora for r in req_ids],
+                             batch.metadata.query_start_loc_list)
+        try:
+            return self.model.forward(batch.input_ids, batch.positions, self.kv_caches,
+                                      batch.metadata)
+        finally:
+            self.lora.end_step()
 
     def _verify_drafts(self, batch: BatchInputs, hidden: torch.Tensor,
                        sampled: list[int | None]) -> dict[int, list[int]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.logprobs import Logprob
+from kvtier.lora import LoRAAdapter
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import SchedulerOutput
 from kvtier.structured_output import StructuredOutputGrammar
@@ -30,6 +31,7 @@ class RequestState:
     prompt_logprobs: list[dict[int, Logprob]] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     grammar: StructuredOutputGrammar | None = None
+    lora: LoRAAdapter | None = None
 
     @property
     def num_output_tokens(self) -> int:
@@ -57,7 +59,8 @@ class RequestStates:
                 new.req_id, list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 [list(ids) for ids in new.block_ids], new.num_computed_tokens,
                 prompt_logprobs=None if new.sampling_params.prompt_logprobs is None else [],
-                bad_words_token_ids=new.bad_words_token_ids, grammar=new.grammar)
+                bad_words_token_ids=new.bad_words_token_ids, grammar=new.grammar,
+                lora=new.lora)
             seed = new.sampling_params.seed
             if seed is not None and new.req_id not in self.generators:
                 generator = torch.Generator(device=self.device)

@@ -1,0 +1,84 @@
+"""Projections that add each request's adapter to their output, several adapters in one batch.
+
+`attach_lora` wraps every target module once; a step's `LoRABatch.begin_step` says which rows
+of the batch run which adapter. Rows without one cost nothing; a step without adapters costs
+one check per projection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvtier.lora.adapter import LoRAAdapter
+from kvtier.lora.targets import LoRATarget
+
+
+class LoRABatch:
+    """This step's adapters and the batch rows (tokens) each one runs on."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        # (adapter, its rows: None for every row of the batch, else (R,) indices)
+        self.groups: list[tuple[LoRAAdapter, torch.Tensor | None]] = []
+
+    def begin_step(self, adapters: Sequence[LoRAAdapter | None],
+                   query_start: Sequence[int]) -> None:
+        """`adapters[i]`: request i's adapter, whose tokens are rows
+        [query_start[i], query_start[i + 1])."""
+        ranges: dict[int, tuple[LoRAAdapter, list[range]]] = {}
+        for index, adapter in enumerate(adapters):
+            if adapter is not None:
+                rows = range(query_start[index], query_start[index + 1])
+                ranges.setdefault(id(adapter), (adapter, []))[1].append(rows)
+        self.groups = []
+        total = query_start[len(adapters)]
+        for adapter, pieces in ranges.values():
+            if sum(len(rows) for rows in pieces) == total:
+                self.groups.append((adapter, None))
+                continue
+            rows = torch.tensor([row for piece in pieces for row in piece], dtype=torch.long)
+            self.groups.append((adapter, rows.to(self.device)))
+
+    def end_step(self) -> None:
+        self.groups = []
+
+
+class LoRALinear(nn.Module):
+    """`base(x)` plus, for each adapter of the step that adapts this module, its product on
+    that adapter's rows (within the output rows of each adapted piece)."""
+
+    def __init__(self, base: nn.Module, path: str, batch: LoRABatch) -> None:
+        super().__init__()
+        self.base = base
+        self.path = path
+        self.batch = batch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)  # (T, out_features)
+        for adapter, rows in self.batch.groups:
+            pieces = adapter.weights.get(self.path)
+            if not pieces:
+                continue
+            inputs = x if rows is None else x[rows]  # (R, in_features)
+            for piece in pieces:
+                delta = F.linear(F.linear(inputs, piece.lora_a), piece.lora_b) * piece.scaling
+                if rows is None:
+                    out[:, piece.row_start:piece.row_end] += delta
+                else:
+                    out[rows, piece.row_start:piece.row_end] += delta
+        return out
+
+
+def attach_lora(model: nn.Module, targets: dict[str, LoRATarget],
+                device: torch.device) -> LoRABatch:
+    """Wrap every module the targets name; returns the batch state they share."""
+    batch = LoRABatch(device)
+    for path in sorted({target.module for target in targets.values()}):
+        parent_path, _, attribute = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        setattr(parent, attribute, LoRALinear(getattr(parent, attribute), path, batch))
+    return batch
