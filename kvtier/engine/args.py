@@ -75,6 +75,18 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     group.add_argument("--enable-kv-cache-events", action="store_true",
                        help="record KV cache block events")
     group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
+    _add_lora_args(parser)
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("LoRA")
+    group.add_argument("--enable-lora", action="store_true",
+                       help="serve LoRA adapters (PEFT directories) beside the base model")
+    group.add_argument("--max-loras", type=int, default=1,
+                       help="most LoRA adapters in one step (default 1); requests of another "
+                            "adapter wait for a seat")
+    group.add_argument("--max-lora-rank", type=int, default=16,
+                       help="largest LoRA rank accepted (default 16)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -103,6 +115,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         enable_chunked_prefill=args.enable_chunked_prefill, policy=args.policy,
         max_waiting_requests=args.max_waiting_requests,
-        kv_transfer_config=transfer,
+        kv_transfer_config=transfer, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
         speculative_config=SpeculativeConfig.parse(args.speculative_config,
                                                    "--speculative-config"))

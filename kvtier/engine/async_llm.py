@@ -148,14 +148,16 @@ class AsyncLLM:
                        request_id: str, **options: Any) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative outputs until it finishes.
 
-        options go to Engine.add_request (priority, cache_salt, kv_transfer_params, ...); its
-        ValueError / EngineQueueFullError is raised here before anything is yielded. Leaving
-        early (client gone, task cancelled) aborts the request and frees its blocks. A
-        structured outputs grammar is compiled here, on a worker thread, so the engine thread
-        goes on stepping meanwhile.
+        options go to Engine.add_request (priority, cache_salt, kv_transfer_params,
+        lora_request, ...); its ValueError / EngineQueueFullError is raised here before
+        anything is yielded. Leaving early (client gone, task cancelled) aborts the request and
+        frees its blocks. A structured outputs grammar is compiled, and a LoRA adapter loaded,
+        here, on a worker thread, so the engine thread goes on stepping meanwhile.
         """
         if params.structured_outputs is not None and "grammar" not in options:
             options = {**options, "grammar": await self.compile_grammar(params)}
+        if options.get("lora_request") is not None:
+            await self.load_lora(options["lora_request"])  # the engine then finds it loaded
         stream = _Stream(asyncio.get_running_loop())
         try:
             await self._submit_add(_AddCommand(request_id, prompt, params, options, stream,
@@ -189,6 +191,14 @@ class AsyncLLM:
             raise EngineDeadError("the engine loop is not running")
         async with asyncio.timeout(self.submit_timeout_s):
             return await asyncio.to_thread(self.engine.compile_grammar, params)
+
+    async def load_lora(self, request: Any) -> Any:
+        """Engine.load_lora on a worker thread, within submit_timeout_s: reading an adapter
+        from disk must not hold up the engine thread's steps."""
+        if not self.is_running:
+            raise EngineDeadError("the engine loop is not running")
+        async with asyncio.timeout(self.submit_timeout_s):
+            return await asyncio.to_thread(self.engine.load_lora, request)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no-op if it already finished); safe from any thread."""

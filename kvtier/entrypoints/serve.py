@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import json
 import logging
 import os
 import socket
@@ -57,6 +58,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="report usage.prompt_tokens_details.cached_tokens (off by default: "
                             "on a shared server it tells a client how much of its prompt "
                             "matched earlier requests, perhaps another client's)")
+    group.add_argument("--generation-config", default="auto",
+                       help="sampling defaults (temperature, top_p, top_k, min_p, "
+                            "repetition_penalty) for requests that leave them unset: 'auto' "
+                            "(default) reads the model directory's generation_config.json, "
+                            "'vllm' uses none, or a directory holding a generation_config.json")
+    group.add_argument("--max-request-body-bytes", default="8MiB",
+                       help="largest request body accepted, e.g. 8MiB (default) or 1048576; "
+                            "larger ones get a 413 before they are read")
+    group.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests get to finish at shutdown; the engine "
+                            "then stops, writing write-back tiers' chunks out, so keep it "
+                            "below a supervisor's grace period (Kubernetes: 30 s) with room "
+                            "for that")
+    group.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) to load at start-up, with "
+                            "--enable-lora; a request's `model` names one. Also "
+                            '\'{"name": NAME, "path": PATH}\'. With '
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true in the environment, "
+                            "POST /v1/load_lora_adapter and /v1/unload_lora_adapter change "
+                            "them at run time")
+    group.add_argument("--switch-interval", type=float, default=DEFAULT_SWITCH_INTERVAL_S,
+                       help="Python's thread switch interval in seconds for the server process "
+                            f"(default {DEFAULT_SWITCH_INTERVAL_S}; Python's own is 0.005): how "
+                            "long the engine thread can wait for the GIL after a torch op")
+    _add_chat_arguments(parser)
+
+
+def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("chat")
     group.add_argument("--chat-template", default=None,
                        help="a Jinja chat template for /v1/chat/completions, or the path of a "
                             "file holding one (default: the model's)")
@@ -75,31 +106,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "message's `reasoning`, the rest to `content`: deepseek_r1 (the "
                             "output thinks until </think>; DeepSeek-R1, QwQ, Qwen3 thinking "
                             "models) or qwen3 (only when it opens with <think>)")
-    group.add_argument("--generation-config", default="auto",
-                       help="sampling defaults (temperature, top_p, top_k, min_p, "
-                            "repetition_penalty) for requests that leave them unset: 'auto' "
-                            "(default) reads the model directory's generation_config.json, "
-                            "'vllm' uses none, or a directory holding a generation_config.json")
-    group.add_argument("--max-request-body-bytes", default="8MiB",
-                       help="largest request body accepted, e.g. 8MiB (default) or 1048576; "
-                            "larger ones get a 413 before they are read")
-    group.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
-    group.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds in-flight requests get to finish at shutdown; the engine "
-                            "then stops, writing write-back tiers' chunks out, so keep it "
-                            "below a supervisor's grace period (Kubernetes: 30 s) with room "
-                            "for that")
-    group.add_argument("--switch-interval", type=float, default=DEFAULT_SWITCH_INTERVAL_S,
-                       help="Python's thread switch interval in seconds for the server process "
-                            f"(default {DEFAULT_SWITCH_INTERVAL_S}; Python's own is 0.005): how "
-                            "long the engine thread can wait for the GIL after a torch op")
 
 
 def _checked_config(args: argparse.Namespace
-                    ) -> tuple[EngineConfig, int, KVEventsConfig | None]:
-    """The engine config, the request body limit in bytes and the KV events config, every
-    server option checked; imports no torch (unless --device names one), so a bad value fails
-    before the heavy imports."""
+                    ) -> tuple[EngineConfig, int, KVEventsConfig | None, list[tuple[str, str]]]:
+    """The engine config, the request body limit in bytes, the KV events config and the
+    LoRA modules, every server option checked; imports no torch (unless --device names one),
+    so a bad value fails before the heavy imports."""
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     check_positive_seconds(args.shutdown_timeout, "--shutdown-timeout")
@@ -113,6 +126,9 @@ def _checked_config(args: argparse.Namespace
     if max_body <= 0:
         raise ValueError(f"--max-request-body-bytes must be > 0, got {max_body}")
     config = engine_config_from_args(args)
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if lora_modules and not config.lora.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     events_config = None
     if args.kv_events_config is not None:
         from kvtier.engine.kv_events import KVEventsConfig
@@ -122,7 +138,31 @@ def _checked_config(args: argparse.Namespace
             config = dataclasses.replace(config, cache=dataclasses.replace(
                 config.cache, enable_kv_cache_events=True))
     check_listen_address(args.host, args.port)
-    return config, max_body, events_config
+    return config, max_body, events_config, lora_modules
+
+
+def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
+    """--lora-modules entries, each NAME=PATH or a JSON object {"name", "path"} (vLLM also
+    allows "base_model_name"), as (name, path) pairs. ValueError naming the bad entry."""
+    modules: list[tuple[str, str]] = []
+    for value in values or ():
+        if value.lstrip().startswith("{"):
+            try:
+                entry = json.loads(value)
+            except ValueError as exc:
+                raise ValueError(f"--lora-modules {value!r} is not valid JSON ({exc})") from None
+            unknown = set(entry) - {"name", "path", "base_model_name"} \
+                if isinstance(entry, dict) else {"?"}
+            name, path = (entry.get("name"), entry.get("path")) if not unknown else (None, None)
+        else:
+            name, _, path = value.partition("=")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError(f"--lora-modules {value!r}: give NAME=PATH or "
+                             '{"name": NAME, "path": PATH}')
+        if name in (m[0] for m in modules):
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules.append((name, path))
+    return modules
 
 
 def check_listen_address(host: str, port: int) -> None:
@@ -165,7 +205,7 @@ def _kv_events_info(events: KVEventsConfig | None, config: EngineConfig,
 
 
 def run(args: argparse.Namespace) -> int:
-    config, max_body, events_config = _checked_config(args)
+    config, max_body, events_config, lora_modules = _checked_config(args)
     chat_template = None if args.chat_template is None else read_chat_template(args.chat_template)
     import uvicorn
 
@@ -190,13 +230,14 @@ def run(args: argparse.Namespace) -> int:
         publisher.shutdown()  # its thread holds the port until stopped
         raise
     engine = async_llm.engine
-    try:
-        thinking = _set_up_tokenizer(engine.tokenizer, chat_template, args.reasoning_parser)
-    except ValueError:  # a template that does not parse, too
-        async_llm.shutdown(0.0)
-        raise
     model_arg = config.model.model
     names = tuple(args.served_model_name or [model_arg or engine.model_name])
+    try:
+        thinking = _set_up_tokenizer(engine.tokenizer, chat_template, args.reasoning_parser)
+        loras = _load_lora_modules(engine, lora_modules, names)
+    except ValueError:  # a template that does not parse, an adapter that does not load, too
+        async_llm.shutdown(0.0)
+        raise
     ctx = ServerContext(async_llm, names, model_arg, args.api_key,
                         ServerMetrics(engine.metrics),
                         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
@@ -204,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
                         reasoning_parser=args.reasoning_parser,
                         thinking_token_ids=thinking,
                         kv_events_info=_kv_events_info(events_config, config, chat_template),
-                        sampling_defaults=sampling_defaults)
+                        sampling_defaults=sampling_defaults, lora_modules=loras)
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
                     max_request_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(
@@ -230,6 +271,21 @@ def _set_up_tokenizer(tokenizer: Any, chat_template: str | None,
     from kvtier.entrypoints.openai.reasoning import thinking_tokens
 
     return thinking_tokens(tokenizer, reasoning_parser)
+
+
+def _load_lora_modules(engine: Any, modules: list[tuple[str, str]],
+                       served: tuple[str, ...]) -> dict[str, Any]:
+    """--lora-modules loaded into the engine: name -> LoRARequest."""
+    from kvtier.lora import LoRARequest
+
+    loras = {}
+    for index, (name, path) in enumerate(modules):
+        if name in served:
+            raise ValueError(f"--lora-modules {name!r} is also a served model name")
+        loras[name] = LoRARequest(name, index + 1, path)
+        engine.load_lora(loras[name])
+        logger.info("LoRA adapter %s loaded from %s", name, path)
+    return loras
 
 
 def _serve_until_stopped(server: Any, async_llm: Any) -> int:

@@ -121,13 +121,13 @@ class InProcessClient:
             params = chat_sampling_params(chat)
             prompt = chat_prompt(ctx, chat)
             check_context(ctx, prompt, params.max_tokens, "messages", "max_tokens")
-            options = engine_options(chat)
+            options = engine_options(ctx, chat)
         else:
             completion = CompletionRequest.model_validate(body)
             (prompt,) = completion_prompts(ctx, completion.prompt)
             params = completion_sampling_params(completion, 1)
             check_context(ctx, prompt, params.max_tokens, "prompt", "max_tokens")
-            options = engine_options(completion)
+            options = engine_options(ctx, completion)
         ctx.metrics.observe_params(params.n, params.max_tokens)
         return _PreparedTurn(prompt, params, options)
 

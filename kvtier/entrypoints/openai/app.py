@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvtier.entrypoints.openai import chat, completions, system, tokenize
+from kvtier.entrypoints.openai import chat, completions, lora, system, tokenize
 from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import AuthenticationError, install_error_handlers
@@ -39,6 +39,8 @@ def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0,
     install_error_handlers(app)
     for module in (completions, chat, system, tokenize):
         app.include_router(module.router)
+    if lora.runtime_updating_allowed():
+        app.include_router(lora.router)
 
     # Added last runs first: the key check, then metrics (which count 413s), then the limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)

@@ -85,7 +85,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     # With a reasoning parser: whether the prompt already ended the thinking.
     closed = ctx.thinking_token_ids is not None and thinking_closed(prompt.token_ids,
                                                                     *ctx.thinking_token_ids)
-    options = {**engine_options(body), **await _answer_grammar(ctx, params, closed)}
+    options = {**engine_options(ctx, body), **await _answer_grammar(ctx, params, closed)}
     generations = await open_or_none(raw, ctx, [prompt], params, [response_id], options)
     if generations is None:
         return Response(status_code=499)

@@ -68,7 +68,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     request_ids = [response_id] if len(prompts) == 1 else \
         [f"{response_id}-{i}" for i in range(len(prompts))]
     generations = await open_or_none(raw, ctx, prompts, params, request_ids,
-                                     engine_options(body))
+                                     engine_options(ctx, body))
     if generations is None:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it

@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 
 from kvtier.engine.async_llm import AsyncLLM
 from kvtier.entrypoints.openai.errors import NotFoundError
+from kvtier.lora import LoRARequest
 
 T = TypeVar("T")
 # Prompts of more characters than this are tokenized on a worker thread: a long one would stall
@@ -65,6 +66,8 @@ class ServerContext:
     # What GET /v1/kv_events_info answers: where KV events are published and how blocks are
     # hashed; None: the server publishes none.
     kv_events_info: dict[str, Any] | None = None
+    # LoRA adapters clients may name as their `model` (--lora-modules, or loaded at run time).
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     # The tokenizer is safe to share with these threads: encoding and decoding never change it.
     tokenize_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_TOKENIZE_THREADS, thread_name_prefix="kvtier-tokenize"))
@@ -98,11 +101,24 @@ class ServerContext:
                                                                 *args)
 
     def check_model(self, requested: str | None) -> None:
-        """None means the served model (vLLM allows leaving it out)."""
-        if requested is not None and requested not in self.served_model_names:
+        """None means the served model (vLLM allows leaving it out); a LoRA adapter's name is
+        a model too."""
+        if requested is not None and requested not in self.served_model_names \
+                and requested not in self.lora_modules:
+            served = ", ".join([*self.served_model_names, *self.lora_modules])
             raise NotFoundError(f"the model '{requested}' does not exist; this server serves "
-                                f"{', '.join(self.served_model_names)}", param="model",
-                                code="model_not_found")
+                                f"{served}", param="model", code="model_not_found")
+
+    def lora_request(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's (checked) `model` names, None for the base model. Without a
+        path: an adapter unloaded since the check is refused, not loaded again."""
+        lora = self.lora_modules.get(requested) if requested is not None else None
+        return None if lora is None else LoRARequest(lora.lora_name, lora.lora_int_id)
+
+    def new_lora_request(self, name: str, path: str) -> LoRARequest:
+        """A LoRARequest with the next unused lora_int_id."""
+        next_id = max((r.lora_int_id for r in self.lora_modules.values()), default=0) + 1
+        return LoRARequest(name, next_id, path)
 
     def response_model(self, requested: str | None) -> str:
         """The served name a response carries: the one the request used (checked), else the

@@ -67,10 +67,11 @@ def output_error(output: RequestOutput) -> APIError | None:
                                code="request_failed")
 
 
-def engine_options(body: SamplingFields) -> dict[str, Any]:
+def engine_options(ctx: ServerContext, body: SamplingFields) -> dict[str, Any]:
     """The request fields that go to the engine beside the prompt and SamplingParams."""
     return {"priority": body.priority, "cache_salt": body.cache_salt,
-            "kv_transfer_params": body.kv_transfer_params}
+            "kv_transfer_params": body.kv_transfer_params,
+            "lora_request": ctx.lora_request(body.model)}
 
 
 async def open_or_none(raw: Request, ctx: ServerContext, prompts: list[Prompt],

@@ -22,14 +22,19 @@ def _ctx(raw: Request) -> ServerContext:
 
 
 def _card(ctx: ServerContext, name: str) -> ModelCard:
+    lora = ctx.lora_modules.get(name)
+    if lora is not None:
+        return ModelCard(id=name, root=lora.lora_path, parent=ctx.model_name,
+                         max_model_len=ctx.max_model_len)
     return ModelCard(id=name, root=ctx.model_path or ctx.engine.model_name,
                      max_model_len=ctx.max_model_len)
 
 
 @router.get("/v1/models")
 async def list_models(raw: Request) -> JSONResponse:
+    """The served names, then the LoRA adapters."""
     ctx = _ctx(raw)
-    cards = [_card(ctx, name) for name in ctx.served_model_names]
+    cards = [_card(ctx, name) for name in (*ctx.served_model_names, *ctx.lora_modules)]
     return JSONResponse(ModelList(data=cards).model_dump())
 
 

@@ -1,0 +1,122 @@
+"""LoRA adapters through the server: --lora-modules, `model` picking an adapter (completions
+and chat, token for token against PEFT), /v1/models, and loading / unloading at run time."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from kvtier.models.tokenizer import Tokenizer
+
+from ..lora.adapters import make_adapter
+from ..tiny_models import hf_greedy
+from .server_process import ServerProcess
+
+GREEDY = {"temperature": 0.0, "max_tokens": 8,
+          "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("server_lora")
+    base = tiny_model[1]
+    return {"all": (str(root / "all"), make_adapter(base, root / "all", seed=1)),
+            "qv": (str(root / "qv"), make_adapter(base, root / "qv", seed=2,
+                                                  targets=("q_proj", "v_proj"), r=8)),
+            "late": (str(root / "late"), make_adapter(base, root / "late", seed=3))}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, adapters):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+        proc = ServerProcess(tiny_model[0], "--served-model-name", "tiny",
+                             "--num-device-blocks", "64", "--max-model-len", "256",
+                             "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                             "--lora-modules", f"all={adapters['all'][0]}",
+                             f'{{"name": "qv", "path": "{adapters["qv"][0]}"}}')
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                       timeout=60.0) as c:
+        yield c
+
+
+def _expected(model, tiny_model, prompt_ids):
+    return hf_greedy(model, [prompt_ids], GREEDY["max_tokens"])[0]
+
+
+def test_models_lists_the_adapters_with_their_base(client, adapters):
+    cards = {card.id: card for card in client.models.list().data}
+    assert list(cards) == ["tiny", "all", "qv"]
+    assert (cards["all"].parent, cards["all"].root) == ("tiny", adapters["all"][0])
+    assert cards["tiny"].parent is None
+    assert client.models.retrieve("qv").parent == "tiny"
+
+
+def test_each_model_name_generates_with_its_adapter(client, tiny_model, adapters):
+    tokenizer = Tokenizer.from_hf_dir(tiny_model[0])
+    prompt = "Adapters share one base"
+    prompt_ids = tokenizer.encode(prompt)
+    for name, model in (("tiny", tiny_model[1]), ("all", adapters["all"][1]),
+                        ("qv", adapters["qv"][1])):
+        result = client.completions.create(model=name, prompt=prompt, **GREEDY)
+        assert result.model == name
+        assert result.choices[0].token_ids == _expected(model, tiny_model, prompt_ids), name
+    messages = [{"role": "user", "content": "hello"}]
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages,
+                                                              add_generation_prompt=True),
+                                add_special_tokens=False)
+    result = client.chat.completions.create(model="qv", messages=messages, **GREEDY)
+    assert result.choices[0].token_ids == _expected(adapters["qv"][1], tiny_model, chat_ids)
+
+
+def test_unknown_model_is_a_404_naming_the_adapters(client):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="nope", prompt="x", max_tokens=1)
+    assert "tiny, all, qv" in info.value.body["message"]
+
+
+def test_load_and_unload_at_run_time(server, client, tiny_model, adapters):
+    tokenizer = Tokenizer.from_hf_dir(tiny_model[0])
+    prompt_ids = tokenizer.encode("late adapter")
+    path = adapters["late"][0]
+    load = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                      json={"lora_name": "late", "lora_path": path}, timeout=30)
+    assert load.status_code == 200, load.text
+    assert load.text == "Success: LoRA adapter 'late' added successfully."
+    assert [c.id for c in client.models.list().data][-1] == "late"
+    result = client.completions.create(model="late", prompt="late adapter", **GREEDY)
+    assert result.choices[0].token_ids == _expected(adapters["late"][1], tiny_model,
+                                                    prompt_ids)
+    again = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                       json={"lora_name": "late", "lora_path": path}, timeout=30)
+    assert again.status_code == 400 and again.json()["error"]["code"] == "lora_already_loaded"
+    bad = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                     json={"lora_name": "bad", "lora_path": "/nowhere"}, timeout=30)
+    assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+    unload = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"},
+                        timeout=30)
+    assert unload.status_code == 200, unload.text
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="late", prompt="x", max_tokens=1)
+    gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"},
+                      timeout=30)
+    assert gone.status_code == 404
+
+
+def test_bad_lora_options_fail_at_start(tiny_model, tmp_path):
+    """One-line errors before serving: an adapter without --enable-lora, a malformed entry,
+    an adapter that does not load."""
+    for args, message in (
+            (["--lora-modules", "a=/x"], "--lora-modules needs --enable-lora"),
+            (["--enable-lora", "--lora-modules", "a"], "give NAME=PATH"),
+            (["--enable-lora", "--lora-modules", f"a={tmp_path}"], "no adapter_config.json")):
+        with pytest.raises(RuntimeError) as info:
+            ServerProcess(tiny_model[0], "--num-device-blocks", "64", *args)
+        assert message in str(info.value)
