@@ -66,6 +66,7 @@ class Engine:
         if config.lora.enable_lora:
             self.loras = LoRARegistry(loaded.model, max_lora_rank=config.lora.max_lora_rank,
                                       dtype=self.runtime.dtype, device=device)
+            self.stats.describe_loras(config.lora.max_loras)
         self._build_core(loaded.model)
         self._outputs = OutputProcessor(self.tokenizer)
         self._stopped = False

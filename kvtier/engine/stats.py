@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from kvtier.engine.metrics import MetricsRegistry
 from kvtier.engine.output_processor import ProcessedStep
 from kvtier.sched.stats import SchedulerStats
@@ -89,6 +91,9 @@ class EngineStats:
             "Duration of engine steps that computed tokens (schedule, forward, sampling, "
             "bookkeeping): a decoding request waits one step for each token.",
             buckets=STEP_BUCKETS)
+        # Set by describe_loras when the engine serves LoRA adapters.
+        self._lora_info = None
+        self._lora_labels: tuple[str, str, str] | None = None
 
     def describe_cache(self, **config: object) -> None:
         """vLLM's vllm:cache_config_info: 1, the device cache's settings as labels (gateways
@@ -96,6 +101,21 @@ class EngineStats:
         info = self._metrics.gauge("vllm:cache_config_info", "The device KV cache's configuration.",
                                    labelnames=tuple(config))
         info.labels(**{name: str(value) for name, value in config.items()}).set(1)
+
+    def describe_loras(self, max_loras: int) -> None:
+        """vLLM's vllm:lora_requests_info: one series whose labels name the adapters running
+        and waiting, valued at the time it was last set."""
+        self._lora_info = self._metrics.gauge(
+            "vllm:lora_requests_info", "LoRA adapters of running and waiting requests.",
+            labelnames=("max_lora", "waiting_lora_adapters", "running_lora_adapters"))
+        self._max_loras = str(max_loras)
+
+    def _record_loras(self, stats: SchedulerStats) -> None:
+        labels = (self._max_loras, ",".join(stats.waiting_loras), ",".join(stats.running_loras))
+        if labels != self._lora_labels:
+            self._lora_info.clear()  # one series: the adapters now, not every set seen
+            self._lora_labels = labels
+        self._lora_info.labels(*labels).set(time.time())
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
@@ -109,6 +129,8 @@ class EngineStats:
         self.spec_drafts.inc(stats.num_spec_drafts)
         self.spec_draft_tokens.inc(stats.num_spec_draft_tokens)
         self.spec_accepted_tokens.inc(stats.num_spec_accepted_tokens)
+        if self._lora_info is not None and stats.running_loras is not None:
+            self._record_loras(stats)
 
     def record_step(self, step: ProcessedStep, num_new_tokens: int,
                     seconds: float | None) -> None:

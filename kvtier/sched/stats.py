@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from kvtier.kv import Request
     from kvtier.sched.scheduler import Scheduler
 
 
@@ -34,6 +36,9 @@ class SchedulerStats:
     num_spec_drafts: int = 0
     num_spec_draft_tokens: int = 0
     num_spec_accepted_tokens: int = 0
+    # With LoRA on: the adapters of running and of waiting requests, by name (sorted).
+    running_loras: tuple[str, ...] | None = None
+    waiting_loras: tuple[str, ...] | None = None
 
 
 def take_stats(scheduler: Scheduler) -> SchedulerStats:
@@ -52,9 +57,20 @@ def take_stats(scheduler: Scheduler) -> SchedulerStats:
         num_kv_load_timeouts=scheduler.failures.num_load_timeouts,
         num_connector_lookup_timeouts=scheduler.lookups.num_timeouts,
         connector_stats=scheduler.connector_stats, num_spec_drafts=drafts[0],
-        num_spec_draft_tokens=drafts[1], num_spec_accepted_tokens=drafts[2])
+        num_spec_draft_tokens=drafts[1], num_spec_accepted_tokens=drafts[2],
+        **_lora_names(scheduler))
     scheduler.num_preemptions = 0
     scheduler.lookups.num_timeouts = 0
     scheduler.failures.reset_counts()
     scheduler.connector_stats = {}
     return stats
+
+
+def _lora_names(scheduler: Scheduler) -> dict[str, tuple[str, ...]]:
+    if scheduler.config.max_loras is None:
+        return {}
+    return {"running_loras": _names(scheduler.running), "waiting_loras": _names(scheduler.waiting)}
+
+
+def _names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))

@@ -129,3 +129,22 @@ def test_other_architectures(arch, tmp_path):
     llm = LLM(str(tmp_path / "base"), dtype="float32", block_size=4, enable_lora=True)
     requests = {None: None, "a": LoRARequest("a", 1, str(tmp_path / "a"))}
     assert _generate(llm, requests, names, prompts) == _expected(models, names, prompts)
+
+
+def test_lora_requests_info_names_running_and_waiting_adapters(llama):
+    """vLLM's vllm:lora_requests_info: with one seat, "all" runs while "qv" waits; one series."""
+    root, _, requests = llama
+    llm = LLM(str(root / "base"), dtype="float32", block_size=4, enable_lora=True)
+    engine = llm.engine
+    for index, name in enumerate(["all", "qv", None]):
+        engine.add_request(str(index), make_prompts()[index], GREEDY,
+                           lora_request=requests[name])
+    engine.step()
+    series = [key for key in llm.get_metrics() if key.startswith("vllm:lora_requests_info")]
+    assert series == ['vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="qv",'
+                      'running_lora_adapters="all"}']
+    while engine.has_unfinished_requests():
+        engine.step()
+    series = [key for key in llm.get_metrics() if key.startswith("vllm:lora_requests_info")]
+    assert series == ['vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",'
+                      'running_lora_adapters=""}']
