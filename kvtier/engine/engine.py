@@ -25,7 +25,9 @@ from kvtier.engine.runtime import (
 )
 from kvtier.engine.stats import EngineStats
 from kvtier.kv import KVCacheManager, Request, RequestStatus
-from kvtier.lora import LoRAAdapter, LoRAError, LoRARegistry, LoRARequest
+from kvtier.lora import LoRAError, LoRARequest
+from kvtier.lora.adapter import LoRAAdapter
+from kvtier.lora.registry import LoRARegistry
 from kvtier.models.detokenizer import IncrementalDetokenizer
 from kvtier.models.generation_config import load_eos_token_ids
 from kvtier.models.loader import load_model

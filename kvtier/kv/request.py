@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvtier.kv.hashing import BlockHash
-    from kvtier.lora import LoRAAdapter
+    from kvtier.lora.adapter import LoRAAdapter
     from kvtier.sampling_params import SamplingParams
     from kvtier.structured_output import StructuredOutputGrammar
 

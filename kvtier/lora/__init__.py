@@ -1,11 +1,11 @@
 """LoRA adapters: many fine-tunes of one base model served side by side, each request with its
-own (or none), several in one batch; each adapter's KV is cached apart from the others'."""
+own (or none), several in one batch; each adapter's KV is cached apart from the others'.
 
-from kvtier.lora.adapter import LoRAAdapter, load_adapter
-from kvtier.lora.layers import LoRABatch, LoRALinear, attach_lora
-from kvtier.lora.registry import LoRARegistry
+The package itself holds only what needs no torch (the router and the server's HTTP layer import
+it); the modules that load and apply adapters are imported by name: `kvtier.lora.adapter`,
+`.layers`, `.registry`, `.targets`.
+"""
+
 from kvtier.lora.request import LoRAError, LoRARequest
-from kvtier.lora.targets import LoRATarget, find_targets
 
-__all__ = ["LoRAAdapter", "LoRABatch", "LoRAError", "LoRALinear", "LoRARegistry",
-           "LoRARequest", "LoRATarget", "attach_lora", "find_targets", "load_adapter"]
+__all__ = ["LoRAError", "LoRARequest"]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvtier.connector.base import KVConnectorMetadata, KVConnectorOutput
     from kvtier.logprobs import PromptLogprobs, SampleLogprobs
-    from kvtier.lora import LoRAAdapter
+    from kvtier.lora.adapter import LoRAAdapter
     from kvtier.sampling_params import SamplingParams
     from kvtier.structured_output import StructuredOutputGrammar
 

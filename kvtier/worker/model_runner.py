@@ -10,7 +10,7 @@ from torch import nn
 
 from kvtier.connector.base import TRANSFER_POLL_S, KVConnectorOutput, KVConnectorWorker
 from kvtier.kv import KVCacheConfig
-from kvtier.lora import LoRABatch
+from kvtier.lora.layers import LoRABatch
 from kvtier.models import cpu_kernels
 from kvtier.sched.output import ModelRunnerOutput, SchedulerOutput
 from kvtier.worker.draft_check import check_drafts

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.logprobs import Logprob
-from kvtier.lora import LoRAAdapter
+from kvtier.lora.adapter import LoRAAdapter
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.output import SchedulerOutput
 from kvtier.structured_output import StructuredOutputGrammar

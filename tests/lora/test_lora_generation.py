@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier import LLM, LoRARequest, SamplingParams
-from kvtier.lora import LoRABatch
+from kvtier.lora.layers import LoRABatch
 from tests.lora.adapters import make_adapter
 from tests.tiny_models import hf_greedy, make_hf_model, make_lfm2_model, make_prompts
 

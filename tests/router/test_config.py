@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 
 import pytest
 
@@ -44,3 +46,11 @@ def test_bad_flags_name_themselves(argv, message):
 def test_pd_flags_pass_in_pd_mode():
     config = _config([*PD, "--prefill-timeout", "5", "--local-prefill-tokens", "64"])
     assert (config.prefill_timeout_s, config.local_prefill_tokens) == (5.0, 64)
+
+
+def test_the_router_imports_no_torch():
+    """The router loads a tokenizer, never a model: it runs where torch is not installed."""
+    script = "import sys, kvtier.router.app; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=60, check=True)
+    assert result.stdout.strip() == "False"
