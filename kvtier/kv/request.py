@@ -6,13 +6,24 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from kvtier.kv.hashing import BlockHash
-    from kvtier.lora.adapter import LoRAAdapter
     from kvtier.sampling_params import SamplingParams
     from kvtier.structured_output import StructuredOutputGrammar
+
+
+class LoRAIdentity(Protocol):
+    """What the KV cache reads of a LoRA adapter (kvtier.lora.adapter.LoRAAdapter; a router's
+    copy from an instance's kv_events_info): its name, for events, and its content digest, which
+    block hashes carry."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def cache_key(self) -> str: ...
 
 
 class RequestStatus(enum.IntEnum):
@@ -80,7 +91,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         lora_name: str | None = None,
-        lora: LoRAAdapter | None = None,
+        lora: LoRAIdentity | None = None,
         mm_features: list[MultiModalFeature] | None = None,
         skip_reading_prefix_cache: bool = False,
         bad_words_token_ids: tuple[tuple[int, ...], ...] = (),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 # "instance": serves whole requests; in P/D mode "prefill" computes prompts, "decode" answers.
@@ -21,6 +21,8 @@ class EventsInfo:
     model: str
     # The instance's --chat-template, when it overrides the model's.
     chat_template: str | None = None
+    # Its LoRA adapters when it came up: name -> the key their block hashes carry.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Any) -> EventsInfo | None:
@@ -29,11 +31,14 @@ class EventsInfo:
             return None
         try:
             template = data.get("chat_template")
+            adapters = data.get("lora_adapters") or {}
+            if not all(isinstance(v, str) for v in (*adapters, *adapters.values())):
+                raise ValueError("lora_adapters must map names to keys (strings)")
             return cls(str(data["endpoint"]), data.get("replay_endpoint"),
                        str(data.get("topic", "")), int(data["block_size"]),
                        str(data["hash_algo"]), str(data["model"]),
-                       None if template is None else str(template))
-        except (KeyError, TypeError, ValueError) as exc:
+                       None if template is None else str(template), dict(adapters))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"malformed kv_events_info: {exc}") from exc
 
     def hashing(self) -> tuple[str, int, str]:

@@ -51,11 +51,26 @@ def load_tokenizer(model: str) -> Tokenizer | None:
     return Tokenizer.from_hf_dir(model)
 
 
+@dataclass(frozen=True)
+class AdapterKey:
+    """A LoRA adapter as an instance's kv_events_info names it (kvtier.kv.request.LoRAIdentity)."""
+
+    name: str
+    cache_key: str
+
+
 class PromptHasher:
     def __init__(self, tokenizer: Tokenizer | None, block_size: int, hash_algo: str) -> None:
         self.block_size = block_size
         self._context = _TokenizeContext(tokenizer)
         self._hasher = make_block_hasher(block_size, hash_algo)
+        # The instances' LoRA adapters by name: a request whose `model` names one hashes its
+        # blocks with the adapter's key, as the engine does.
+        self._adapters: dict[str, AdapterKey] = {}
+
+    def add_adapters(self, adapters: dict[str, str]) -> None:
+        """name -> cache_key, from an instance's kv_events_info."""
+        self._adapters.update((name, AdapterKey(name, key)) for name, key in adapters.items())
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids as the instance will see them; None when the body is not a
@@ -69,9 +84,12 @@ class PromptHasher:
         except (BadRequestError, ValidationError, ChatTemplateError, TypeError):
             return None
 
-    def block_hashes_of(self, token_ids: list[int], cache_salt: Any = None) -> list[int]:
-        """The 64-bit hashes of the full blocks of a prompt with these token ids."""
+    def block_hashes_of(self, token_ids: list[int], cache_salt: Any = None,
+                        model: Any = None) -> list[int]:
+        """The 64-bit hashes of the full blocks of a prompt with these token ids, for the
+        request's `model` (a LoRA adapter's name, or the base model's)."""
         request = Request("router", token_ids,
                           cache_salt=cache_salt if isinstance(cache_salt, str) else None,
+                          lora=self._adapters.get(model) if isinstance(model, str) else None,
                           block_hasher=self._hasher)
         return [external_block_hash(h) for h in request.block_hashes]

@@ -186,7 +186,8 @@ async def _hash_prompt(service: RouterService, path: str, body: dict[str, Any],
         token_ids = hasher.token_ids(path, body)
     if not token_ids:
         return _Prompt(0, [])
-    return _Prompt(len(token_ids), hasher.block_hashes_of(token_ids, body.get("cache_salt")))
+    return _Prompt(len(token_ids), hasher.block_hashes_of(token_ids, body.get("cache_salt"),
+                                                          body.get("model")))
 
 
 async def _forward(service: RouterService, decision: Decision, path: str, content: bytes,

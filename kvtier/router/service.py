@@ -173,6 +173,7 @@ class RouterService:
             logger.error("instance %s hashes blocks with block_size=%d hash_algo=%s, not %s: "
                          "its KV events are ignored", instance.url, *hashing, self._hashing)
             return False
+        self.hasher.add_adapters(events.lora_adapters)
         return True
 
     async def _load_hasher(self, events: EventsInfo) -> None:

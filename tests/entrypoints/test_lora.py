@@ -3,15 +3,21 @@ and chat, token for token against PEFT), /v1/models, and loading / unloading at 
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import openai
 import pytest
+import zmq
 
+from kvtier.events import BlockStored, decode_batch
 from kvtier.models.tokenizer import Tokenizer
+from kvtier.router.prompts import PromptHasher, load_tokenizer
 
 from ..lora.adapters import make_adapter
 from ..tiny_models import hf_greedy
-from .server_process import ServerProcess
+from .server_process import ServerProcess, free_port
 
 GREEDY = {"temperature": 0.0, "max_tokens": 8,
           "extra_body": {"ignore_eos": True, "return_token_ids": True}}
@@ -31,8 +37,11 @@ def adapters(tiny_model, tmp_path_factory):
 def server(tiny_model, adapters):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://127.0.0.1:{free_port()}"}
         proc = ServerProcess(tiny_model[0], "--served-model-name", "tiny",
                              "--num-device-blocks", "64", "--max-model-len", "256",
+                             "--block-size", "16", "--kv-events-config", json.dumps(events),
                              "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                              "--lora-modules", f"all={adapters['all'][0]}",
                              f'{{"name": "qv", "path": "{adapters["qv"][0]}"}}')
@@ -120,3 +129,40 @@ def test_bad_lora_options_fail_at_start(tiny_model, tmp_path):
         with pytest.raises(RuntimeError) as info:
             ServerProcess(tiny_model[0], "--num-device-blocks", "64", *args)
         assert message in str(info.value)
+
+
+def test_a_router_hashes_adapter_prompts_as_the_engine_does(server):
+    """kv_events_info gives each adapter's key; a router's PromptHasher that learned them
+    names the blocks of an adapter's request as the engine's BlockStored events do, and
+    differently from the same prompt on the base model."""
+    info = httpx.get(f"{server.url}/v1/kv_events_info", timeout=5.0).json()
+    assert set(info["lora_adapters"]) >= {"all", "qv"}
+    hasher = PromptHasher(load_tokenizer(info["model"]), info["block_size"], info["hash_algo"])
+    hasher.add_adapters(info["lora_adapters"])
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(info["endpoint"])
+    time.sleep(0.5)  # let the subscription reach the PUB socket
+    try:
+        stored = {}
+        for model in ("qv", "tiny"):
+            body = {"model": model, "prompt": "route me by my adapter " * 4, "max_tokens": 1}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            stored[model] = _stored_device_hashes(sub)
+            token_ids = hasher.token_ids("/v1/completions", body)
+            expected = hasher.block_hashes_of(token_ids, None, model)
+            assert len(expected) >= 4 and stored[model][:len(expected)] == expected, model
+        assert not set(stored["qv"]) & set(stored["tiny"])
+    finally:
+        sub.close(linger=0)
+
+
+def _stored_device_hashes(sub) -> list[int]:
+    assert sub.poll(10_000), "no KV events arrived"
+    hashes: list[int] = []
+    while sub.poll(300):
+        for event in decode_batch(sub.recv_multipart()[2]).events:
+            if isinstance(event, BlockStored) and event.medium == "GPU":
+                hashes.extend(event.block_hashes)
+    return hashes

@@ -94,3 +94,16 @@ def test_host_evictions_go_out_as_removals_by_block_hash(tmp_path):
             sorted(hasher.block_hashes_of(first))
     finally:
         llm.engine.shutdown()
+
+
+def test_kv_events_info_lora_adapters_are_read_and_checked():
+    from kvtier.router.instances import EventsInfo
+
+    base = {"publishing": True, "endpoint": "tcp://127.0.0.1:1", "block_size": 16,
+            "hash_algo": "sha256_cbor", "model": "/m"}
+    assert EventsInfo.from_json(base).lora_adapters == {}
+    info = EventsInfo.from_json({**base, "lora_adapters": {"a": "k1"}})
+    assert info.lora_adapters == {"a": "k1"}
+    for bad in ({"a": 1}, ["a"], "a"):
+        with pytest.raises(ValueError, match="malformed kv_events_info"):
+            EventsInfo.from_json({**base, "lora_adapters": bad})

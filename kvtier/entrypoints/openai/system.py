@@ -47,10 +47,14 @@ async def retrieve_model(model: str, raw: Request) -> JSONResponse:
 
 @router.get("/v1/kv_events_info")
 async def kv_events_info(raw: Request) -> JSONResponse:
-    """Where this server publishes its KV events and how it names blocks (for a router):
-    {"publishing": false} when it publishes none."""
-    info = _ctx(raw).kv_events_info
-    return JSONResponse(info if info is not None else {"publishing": False})
+    """Where this server publishes its KV events and how it names blocks (for a router; with
+    its LoRA adapters' keys): {"publishing": false} when it publishes none."""
+    ctx = _ctx(raw)
+    if ctx.kv_events_info is None:
+        return JSONResponse({"publishing": False})
+    loras = ctx.engine.loras
+    adapters = {} if loras is None else {a.name: a.cache_key for a in loras.adapters()}
+    return JSONResponse({**ctx.kv_events_info, "lora_adapters": adapters})
 
 
 @router.get("/v1/kv_transfer_info")
