@@ -29,11 +29,12 @@ class LoRABatch:
                    query_start: Sequence[int]) -> None:
         """`adapters[i]`: request i's adapter, whose tokens are rows
         [query_start[i], query_start[i + 1])."""
-        ranges: dict[int, tuple[LoRAAdapter, list[range]]] = {}
+        # By content: one adapter loaded under two names runs once over both names' rows.
+        ranges: dict[str, tuple[LoRAAdapter, list[range]]] = {}
         for index, adapter in enumerate(adapters):
             if adapter is not None:
                 rows = range(query_start[index], query_start[index + 1])
-                ranges.setdefault(id(adapter), (adapter, []))[1].append(rows)
+                ranges.setdefault(adapter.cache_key, (adapter, []))[1].append(rows)
         self.groups = []
         total = query_start[len(adapters)]
         for adapter, pieces in ranges.values():

@@ -29,22 +29,30 @@ class StepBatch:
     # LoRA adapter seats: the adapters of running requests, at most `max_loras` (None: any).
     max_loras: int | None = None
     loras: set[str] = field(default_factory=set)
+    # A request waited for a seat this step: later adapter requests wait behind it (else new
+    # requests of the seated adapters would keep their seats taken and it would never start).
+    seat_blocked: bool = False
 
     def hold_loras(self, running: list[Request]) -> None:
         """Running requests keep their adapters' seats (scheduled this step or not), so no
         later step runs more than max_loras adapters."""
-        self.loras.update(r.lora_name for r in running if r.lora_name is not None)
+        self.loras.update(seat for seat in map(_seat, running) if seat is not None)
 
     def may_add_lora(self, request: Request) -> bool:
-        """Whether `request` may start: no adapter, one that holds a seat, or a free seat."""
-        name = request.lora_name
-        return (name is None or self.max_loras is None or name in self.loras
-                or len(self.loras) < self.max_loras)
+        """Whether `request` may start: no adapter, or a seat for it and no request of an
+        adapter left waiting before it."""
+        seat = _seat(request)
+        if seat is None or self.max_loras is None:
+            return True
+        if not self.seat_blocked and (seat in self.loras or len(self.loras) < self.max_loras):
+            return True
+        self.seat_blocked = True
+        return False
 
     def add_new(self, request: Request, num_tokens: int) -> None:
         self.new_reqs.append(request)
-        if request.lora_name is not None:
-            self.loras.add(request.lora_name)
+        if _seat(request) is not None:
+            self.loras.add(_seat(request))
         self._charge(request, num_tokens)
 
     def add_cached(self, request: Request, num_tokens: int,
@@ -87,6 +95,12 @@ class StepBatch:
     def _charge(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
         self.token_budget -= num_tokens
+
+
+def _seat(request: Request) -> str | None:
+    """The seat a request's adapter takes: by content, so two names of one adapter share one,
+    and a name unloaded and loaded again from another path takes another."""
+    return request.lora.cache_key if request.lora is not None else request.lora_name
 
 
 def _new_request_data(request: Request,

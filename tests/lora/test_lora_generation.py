@@ -148,3 +148,23 @@ def test_lora_requests_info_names_running_and_waiting_adapters(llama):
     series = [key for key in llm.get_metrics() if key.startswith("vllm:lora_requests_info")]
     assert series == ['vllm:lora_requests_info{max_lora="1",waiting_lora_adapters="",'
                       'running_lora_adapters=""}']
+
+
+def test_a_request_waiting_for_a_seat_is_not_overtaken(llama):
+    """One seat, "all" holding it, a "qv" request waiting, and a new "all" request every step:
+    the later "all" requests wait behind the "qv" one, so the seat frees and it runs."""
+    root, _, requests = llama
+    llm = LLM(str(root / "base"), dtype="float32", block_size=4, enable_lora=True)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("first", make_prompts()[0], params, lora_request=requests["all"])
+    engine.add_request("waiting", make_prompts()[1], params, lora_request=requests["qv"])
+    finished: list[str] = []
+    for step in range(30):
+        engine.add_request(f"later{step}", make_prompts()[2], params,
+                           lora_request=requests["all"])
+        finished += [o.request_id for o in engine.step() if o.finished]
+        if "waiting" in finished:
+            break
+    assert "waiting" in finished and finished.index("waiting") <= 2, finished
+    engine.abort_request([f"later{s}" for s in range(30)])
