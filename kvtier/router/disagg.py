@@ -3,8 +3,8 @@ instance chosen for the request; the decode instance loads it and only decodes.
 
     router -> prefill  the client's body, max_tokens=1, stream off,
                        kv_transfer_params={"transfer_id": T, "consumer_address": A}
-    prefill -> router  kv_transfer_params={"transfer_id": T, "num_tokens": N}
-    router -> decode   the client's body, kv_transfer_params={"transfer_id": T, "num_tokens": N}
+    prefill -> router  kv_transfer_params={"transfer_id": T, "num_tokens": N, "block_hash": H}
+    router -> decode   the client's body, kv_transfer_params as the prefill instance returned
 
 A is the decode instance's transfer engine address (its GET /v1/kv_transfer_info), T is fresh
 for every prefill. When no prefill instance does its part (none healthy, unreachable, an error
@@ -120,4 +120,7 @@ def _returned_params(response: httpx.Response, transfer_id: str) -> dict[str, An
     if not isinstance(params, dict) or params.get("transfer_id") != transfer_id \
             or type(params.get("num_tokens")) is not int:
         return None
-    return {"transfer_id": transfer_id, "num_tokens": params["num_tokens"]}
+    passed = {"transfer_id": transfer_id, "num_tokens": params["num_tokens"]}
+    if isinstance(params.get("block_hash"), str):  # the decode instance checks its prefix
+        passed["block_hash"] = params["block_hash"]
+    return passed

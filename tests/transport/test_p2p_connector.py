@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from kvtier import LLM
+from kvtier.kv import Request
+from kvtier.kv.hashing import make_block_hasher
 from kvtier.transport import TransportError
 from tests.transport.p2p_helpers import (
     BLOCK_SIZE,
@@ -20,6 +22,7 @@ from tests.transport.p2p_helpers import (
     engine_pair,
     hand_over,
     loaded_tokens,
+    stepping,
 )
 from tests.transport.p2p_helpers import run_request as _run
 from tests.transport.transport_helpers import UNAVAILABLE
@@ -51,9 +54,15 @@ def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
     _, prompts, expected = model
     producer, consumer = engines
     prefills, decodes = hand_over(producer, consumer, prompts)
-    assert [p.kv_transfer_params for p in prefills] == [
+    assert [{k: v for k, v in p.kv_transfer_params.items() if k != "block_hash"}
+            for p in prefills] == [
         {"transfer_id": f"t{i}", "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
         for i, prompt in enumerate(prompts)]
+    # The hash of the last block sent, which the consumer checks against its own.
+    hasher = make_block_hasher(BLOCK_SIZE)
+    assert [p.kv_transfer_params["block_hash"] for p in prefills] == [
+        Request("r", prompt, block_hasher=hasher).block_hashes[len(prompt) // BLOCK_SIZE - 1]
+        .hex() for prompt in prompts]
     start = time.monotonic()
     _drain(producer)
     # Every send ended well before send_timeout_s (5 s), the one of the prompt the consumer
@@ -68,6 +77,25 @@ def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
     # shares its first blocks with an earlier one, from the consumer's own prefix cache).
     assert [d.num_cached_tokens for d in decodes] == [loaded_tokens(p) for p in prompts]
     assert producer.engine.kv_cache_manager.block_pool.get_num_free_blocks() == 63
+
+
+def test_a_transfer_of_another_prefix_is_not_taken(model, engines):
+    """A consumer request whose prompt differs from the producer's within the sent blocks
+    (as a LoRA adapter of the same name but other weights, or another cache_salt, would make
+    its blocks differ) takes no transfer: it would otherwise cache the producer's KV as its
+    own. It computes its prompt, as the producer computes it alone."""
+    _, prompts, _ = model
+    producer, consumer = engines
+    other = [4 if prompts[3][0] == 3 else 3, *prompts[3][1:]]
+    expected = _run(producer, "alone", other, GREEDY, None).outputs[0].token_ids
+    address = consumer.engine.runner.connector.address
+    prefill = _run(producer, "p0", prompts[3], PREFILL,
+                   {"transfer_id": "t0", "consumer_address": address})
+    with stepping(producer):
+        decode = _run(consumer, "c0", other, GREEDY, prefill.kv_transfer_params)
+    assert decode.outputs[0].token_ids == expected
+    assert decode.num_cached_tokens == 0
+    assert consumer.get_metrics().get("kvtier:p2p_connector_blocks_loaded", 0.0) == 0
 
 
 def test_lost_transfer_is_recomputed_and_frees_the_producer(model, engines):
@@ -124,6 +152,10 @@ def test_kv_transfer_params_and_options_are_checked():
 
     assert SendParams.parse(None) is None and LoadParams.parse({"other": 1}) is None
     assert LoadParams.parse({"transfer_id": "t", "num_tokens": 8}) == LoadParams("t", 8)
+    assert LoadParams.parse({"transfer_id": "t", "num_tokens": 8, "block_hash": "ab"}) == \
+        LoadParams("t", 8, "ab")
+    with pytest.raises(ValueError, match="block_hash must be a hex string"):
+        LoadParams.parse({"transfer_id": "t", "num_tokens": 8, "block_hash": 5})
     with pytest.raises(ValueError, match="num_tokens"):
         LoadParams.parse({"transfer_id": "t", "num_tokens": "8"})
     with pytest.raises(ValueError, match="consumer_address"):

@@ -12,8 +12,12 @@ and computes only the rest; a load that fails or misses `kv_load_timeout_s` is r
 `kv_load_failure_policy`.
 
     producer request  kv_transfer_params={"transfer_id": T, "consumer_address": A}
-    producer returns  kv_transfer_params={"transfer_id": T, "num_tokens": N}
-    consumer request  kv_transfer_params={"transfer_id": T, "num_tokens": N}
+    producer returns  kv_transfer_params={"transfer_id": T, "num_tokens": N, "block_hash": H}
+    consumer request  kv_transfer_params={"transfer_id": T, "num_tokens": N, "block_hash": H}
+
+H (hex; absent when N is 0) is the producer's hash of its last sent block: a consumer whose own
+hash there differs (another LoRA adapter under the same name, another cache_salt or prompt)
+takes no transfer and computes the prompt itself, rather than cache KV that is not its own.
 
 A is the consumer's transfer engine address (`tcp://host:port`, its extra config `bind_host`
 and `port`); T is unique per consumer (the router picks it). Both engines must have the same

@@ -66,10 +66,13 @@ class SendParams:
 @dataclass(frozen=True)
 class LoadParams:
     """A consumer request's kv_transfer_params, as the producer returned them: the transfer
-    that carries the KV of the prompt's first `num_tokens` tokens."""
+    that carries the KV of the prompt's first `num_tokens` tokens, and the hex hash of the last
+    of those blocks as the producer computed it (it chains over the tokens and whatever else
+    shaped the KV: a LoRA adapter, a cache_salt), which the consumer's own hash must equal."""
 
     transfer_id: str
     num_tokens: int
+    block_hash: str | None = None
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> LoadParams | None:
@@ -79,7 +82,11 @@ class LoadParams:
                 and params["num_tokens"] >= 0):
             raise ValueError("kv_transfer_params: transfer_id must be a string and num_tokens "
                              f"a count >= 0, got {params!r}")
-        return cls(params["transfer_id"], params["num_tokens"])
+        block_hash = params.get("block_hash")
+        if block_hash is not None and not isinstance(block_hash, str):
+            raise ValueError(f"kv_transfer_params: block_hash must be a hex string, got "
+                             f"{block_hash!r}")
+        return cls(params["transfer_id"], params["num_tokens"], block_hash)
 
 
 @dataclass(frozen=True)

@@ -68,7 +68,20 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                            "tokens; no KV transfer for it", request.request_id,
                            params.num_tokens, request.num_prompt_tokens)
             return None
+        if params is not None and not self._same_prefix(request, params):
+            logger.warning("request %s: the producer computed another prefix (another LoRA "
+                           "adapter, cache_salt or prompt: its block hash differs); no KV "
+                           "transfer for it", request.request_id)
+            return None
         return params
+
+    def _same_prefix(self, request: Request, params: LoadParams) -> bool:
+        """Whether the producer's last sent block is this request's block there."""
+        num_blocks = params.num_tokens // self.context.block_size
+        if params.block_hash is None or num_blocks == 0:
+            return True
+        hashes = request.block_hashes
+        return len(hashes) >= num_blocks and hashes[num_blocks - 1].hex() == params.block_hash
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -158,7 +171,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         self._taken.discard(request.request_id)
         push = self._pushes.pop(request.request_id, None)
         if push is not None:
-            return self._finish_push(request.request_id, push)
+            return self._finish_push(request, push)
         params = self._params(SendParams.parse, request) if self.config.is_producer else None
         if params is None:
             return False, None
@@ -168,8 +181,8 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         # Only blocks whose KV was computed: an aborted prefill leaves the rest unwritten.
         num_computed = min(request.num_prompt_tokens, request.num_computed_tokens)
         num_blocks = min(len(block_ids), num_computed // self.context.block_size)
-        result = {"transfer_id": params.transfer_id,
-                  "num_tokens": num_blocks * self.context.block_size}
+        result = _load_params_for(request, params.transfer_id, num_blocks,
+                                  self.context.block_size)
         if num_blocks == 0:
             return False, result
         # The worker sends from these blocks: they stay allocated until it reports the send.
@@ -177,14 +190,25 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                                      params.consumer_address, list(block_ids[:num_blocks])))
         return True, result
 
-    def _finish_push(self, req_id: str, push: _Push) -> tuple[bool, dict[str, Any]]:
+    def _finish_push(self, request: Request, push: _Push) -> tuple[bool, dict[str, Any]]:
         """A layer-wise push's (delay_free, kv_transfer_params). Its KV is on the host already,
         but its blocks stay allocated until its sends end: the engine keeps stepping only while
         a finished request holds blocks, and those steps collect the sends' results."""
+        req_id = request.request_id
         if push.num_copied == push.num_blocks:
-            return True, {"transfer_id": push.params.transfer_id,
-                          "num_tokens": push.num_blocks * self.context.block_size}
+            return True, _load_params_for(request, push.params.transfer_id, push.num_blocks,
+                                          self.context.block_size)
         # The prompt was not computed to its end (aborted): nothing was sent.
         if push.num_copied > 0:
             self._dropped.append(req_id)
         return False, {"transfer_id": push.params.transfer_id, "num_tokens": 0}
+
+
+def _load_params_for(request: Request, transfer_id: str, num_blocks: int,
+                     block_size: int) -> dict[str, Any]:
+    """The kv_transfer_params a producer returns for a transfer of the prompt's first
+    `num_blocks` blocks (LoadParams, the consumer's side)."""
+    params: dict[str, Any] = {"transfer_id": transfer_id, "num_tokens": num_blocks * block_size}
+    if num_blocks > 0:
+        params["block_hash"] = request.block_hashes[num_blocks - 1].hex()
+    return params
