@@ -31,13 +31,14 @@ _UNSUPPORTED = ("use_dora", "lora_bias", "modules_to_save", "fan_in_fan_out", "a
 
 
 @dataclass(frozen=True)
-class LoRAPiece:
-    """One adapted projection: rows [row_start, row_end) of a (fused) module's output."""
+class LoRAWeights:
+    """An adapter of one (fused) module: its output gains `scaling * B(A(x))`. A stacks the
+    adapted pieces' A matrices; B holds each piece's B in that piece's output rows and its own
+    A rows, zeros elsewhere, so one product pair serves q, k and v (or gate and up) at once."""
 
-    row_start: int
-    row_end: int
-    lora_a: torch.Tensor  # (r, in_features)
-    lora_b: torch.Tensor  # (out_features, r)
+    lora_a: torch.Tensor  # (R, in_features), R the sum of the pieces' ranks
+    lora_b: torch.Tensor  # (out_features, R)
+    # The pieces' common scaling; 1.0 when theirs differ (rank_pattern) and B carries them.
     scaling: float
 
 
@@ -51,39 +52,67 @@ class LoRAAdapter:
     # hashes carry it (not the name), so an adapter's KV is shared by every instance that runs
     # the same adapter and never served for another one of the same name.
     cache_key: str
-    weights: dict[str, list[LoRAPiece]]  # our module path -> its pieces
+    weights: dict[str, LoRAWeights]  # our module path -> its adapter
+
+
+@dataclass(frozen=True)
+class _Piece:
+    target: LoRATarget
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    scaling: float
 
 
 def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
                  renames: tuple[tuple[str, str], ...], max_rank: int, dtype: torch.dtype,
                  device: torch.device) -> LoRAAdapter:
-    """LoRAError naming the directory and the problem for anything kvtier cannot apply."""
+    """LoRAError naming the directory and the problem for anything kvtier cannot apply. Every
+    tensor's shape is checked before any is read."""
     path = os.path.expanduser(request.lora_path)
     config = _read_config(path)
     alpha, rslora = config["lora_alpha"], bool(config.get("use_rslora"))
     digest = hashlib.sha256(json.dumps([alpha, rslora]).encode())
-    weights: dict[str, list[LoRAPiece]] = {}
-    max_seen = 0
-    for module, (lora_a, lora_b) in sorted(_read_pairs(path).items()):
-        target = targets.get(_rename(module, renames))
-        if target is None:
-            raise LoRAError(f"LoRA adapter {path}: it adapts {module!r}; kvtier applies "
-                            "adapters to the attention (q/k/v/o_proj) and MLP "
-                            "(gate/up/down_proj) projections of this model only")
-        rank = _check_shapes(path, module, lora_a, lora_b, target, max_rank)
-        max_seen = max(max_seen, rank)
+    pieces: dict[str, list[_Piece]] = {}
+    for module, (lora_a, lora_b) in sorted(_read_pairs(path, targets, renames,
+                                                       max_rank).items()):
         for tensor in (lora_a, lora_b):
             digest.update(f"{module}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
             digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-        weights.setdefault(target.module, []).append(LoRAPiece(
-            target.row_start, target.row_start + target.out_features,
-            lora_a.to(device=device, dtype=dtype), lora_b.to(device=device, dtype=dtype),
-            alpha / (math.sqrt(rank) if rslora else rank)))
-    if not weights:
+        target = targets[_rename(module, renames)]
+        rank = lora_a.shape[0]
+        pieces.setdefault(target.module, []).append(_Piece(
+            target, lora_a, lora_b, alpha / (math.sqrt(rank) if rslora else rank)))
+    if not pieces:
         raise LoRAError(f"LoRA adapter {path}: {ADAPTER_WEIGHTS} holds no lora_A/lora_B "
                         "weights")
-    return LoRAAdapter(request.lora_name, path, request.lora_int_id, max_seen,
-                       digest.hexdigest(), weights)
+    out_features = {}
+    for target in targets.values():
+        end = target.row_start + target.out_features
+        out_features[target.module] = max(out_features.get(target.module, 0), end)
+    weights = {module: _fuse(group, out_features[module], dtype, device)
+               for module, group in pieces.items()}
+    rank = max(p.lora_a.shape[0] for group in pieces.values() for p in group)
+    return LoRAAdapter(request.lora_name, path, request.lora_int_id, rank, digest.hexdigest(),
+                       weights)
+
+
+def _fuse(pieces: list[_Piece], out_features: int, dtype: torch.dtype,
+          device: torch.device) -> LoRAWeights:
+    """One module's pieces as one A and one block-placed B (see LoRAWeights)."""
+    scalings = {piece.scaling for piece in pieces}
+    common = scalings.pop() if len(scalings) == 1 else None
+    total_rank = sum(piece.lora_a.shape[0] for piece in pieces)
+    lora_b = torch.zeros(out_features, total_rank, dtype=torch.float32)
+    column = 0
+    for piece in pieces:
+        rank, start = piece.lora_a.shape[0], piece.target.row_start
+        block = piece.lora_b.float() * (1.0 if common is not None else piece.scaling)
+        lora_b[start:start + piece.target.out_features, column:column + rank] = block
+        column += rank
+    lora_a = torch.cat([piece.lora_a.float() for piece in pieces])
+    return LoRAWeights(lora_a.to(device=device, dtype=dtype),
+                       lora_b.to(device=device, dtype=dtype),
+                       common if common is not None else 1.0)
 
 
 def _read_config(path: str) -> dict:
@@ -113,27 +142,41 @@ def _read_config(path: str) -> dict:
     return config
 
 
-def _read_pairs(path: str) -> dict[str, list[torch.Tensor]]:
-    """HF module name -> [lora_A weight, lora_B weight]."""
+def _read_pairs(path: str, targets: dict[str, LoRATarget],
+                renames: tuple[tuple[str, str], ...],
+                max_rank: int) -> dict[str, list[torch.Tensor]]:
+    """HF module name -> [lora_A weight, lora_B weight], each pair's shapes checked against
+    its target and `max_rank` before any tensor is read."""
     file = os.path.join(path, ADAPTER_WEIGHTS)
     if not os.path.isfile(file):
         hint = (" (adapter_model.bin is a pickle, which kvtier never loads: save the adapter "
                 "with safe_serialization=True)") \
             if os.path.isfile(os.path.join(path, "adapter_model.bin")) else ""
         raise LoRAError(f"LoRA adapter {path}: no {ADAPTER_WEIGHTS} there{hint}")
-    pairs: dict[str, list[torch.Tensor]] = {}
     try:
         with safe_open(file, framework="pt") as f:
+            names: dict[str, list[str | None]] = {}
             for name in f.keys():
                 module, index = _split_name(path, name)
-                pairs.setdefault(module, [None, None])[index] = f.get_tensor(name)
+                names.setdefault(module, [None, None])[index] = name
+            for module, pair in names.items():
+                if pair[0] is None or pair[1] is None:
+                    raise LoRAError(f"LoRA adapter {path}: {module!r} has only one of lora_A "
+                                    "and lora_B")
+                target = targets.get(_rename(module, renames))
+                if target is None:
+                    raise LoRAError(f"LoRA adapter {path}: it adapts {module!r}; kvtier "
+                                    "applies adapters to the attention (q/k/v/o_proj) and MLP "
+                                    "(gate/up/down_proj) projections of this model only")
+                _check_shapes(path, module, *(f.get_slice(n).get_shape() for n in pair),
+                              target, max_rank)
+            pairs = {module: [f.get_tensor(n) for n in pair] for module, pair in names.items()}
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise LoRAError(f"LoRA adapter {path}: corrupt or truncated {ADAPTER_WEIGHTS} "
                         f"({exc})") from exc
-    for module, pair in pairs.items():
-        if pair[0] is None or pair[1] is None:
-            raise LoRAError(f"LoRA adapter {path}: {module!r} has only one of lora_A and "
-                            "lora_B")
+    for module, (lora_a, lora_b) in pairs.items():
+        if not lora_a.is_floating_point() or not lora_b.is_floating_point():
+            raise LoRAError(f"LoRA adapter {path}: {module!r} weights must be floating point")
     return pairs
 
 
@@ -153,19 +196,14 @@ def _rename(module: str, renames: tuple[tuple[str, str], ...]) -> str:
     return name[:-1]
 
 
-def _check_shapes(path: str, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                  target: LoRATarget, max_rank: int) -> int:
-    """The pair's rank, after checking it against the model and `max_rank`."""
-    rank = lora_a.shape[0] if lora_a.dim() == 2 else -1
+def _check_shapes(path: str, module: str, shape_a: list[int], shape_b: list[int],
+                  target: LoRATarget, max_rank: int) -> None:
+    rank = shape_a[0] if len(shape_a) == 2 else -1
     expected = ((rank, target.in_features), (target.out_features, rank))
-    if rank < 1 or (tuple(lora_a.shape), tuple(lora_b.shape)) != expected:
-        raise LoRAError(f"LoRA adapter {path}: {module!r} has lora_A {tuple(lora_a.shape)} "
-                        f"and lora_B {tuple(lora_b.shape)}; this model needs (r, "
-                        f"{target.in_features}) and ({target.out_features}, r): an adapter "
-                        "for another base model?")
-    if not lora_a.is_floating_point() or not lora_b.is_floating_point():
-        raise LoRAError(f"LoRA adapter {path}: {module!r} weights must be floating point")
+    if rank < 1 or (tuple(shape_a), tuple(shape_b)) != expected:
+        raise LoRAError(f"LoRA adapter {path}: {module!r} has lora_A {tuple(shape_a)} and "
+                        f"lora_B {tuple(shape_b)}; this model needs (r, {target.in_features}) "
+                        f"and ({target.out_features}, r): an adapter for another base model?")
     if rank > max_rank:
         raise LoRAError(f"LoRA adapter {path}: rank {rank} is greater than max_lora_rank "
                         f"{max_rank}; raise max_lora_rank (--max-lora-rank)")
-    return rank

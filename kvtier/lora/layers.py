@@ -61,16 +61,16 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)  # (T, out_features)
         for adapter, rows in self.batch.groups:
-            pieces = adapter.weights.get(self.path)
-            if not pieces:
+            weights = adapter.weights.get(self.path)
+            if weights is None:
                 continue
-            inputs = x if rows is None else x[rows]  # (R, in_features)
-            for piece in pieces:
-                delta = F.linear(F.linear(inputs, piece.lora_a), piece.lora_b) * piece.scaling
-                if rows is None:
-                    out[:, piece.row_start:piece.row_end] += delta
-                else:
-                    out[rows, piece.row_start:piece.row_end] += delta
+            if rows is None:
+                # out += scaling * (x A^T) B^T, accumulated in place.
+                out.addmm_(F.linear(x, weights.lora_a), weights.lora_b.t(),
+                           alpha=weights.scaling)
+            else:
+                delta = F.linear(F.linear(x[rows], weights.lora_a), weights.lora_b)  # (R, out)
+                out.index_add_(0, rows, delta, alpha=weights.scaling)
         return out
 
 

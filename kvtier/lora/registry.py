@@ -52,7 +52,7 @@ class LoRARegistry:
         if known is None:
             return None
         path = os.path.expanduser(request.lora_path)
-        if request.lora_path and path != known.path:
+        if request.lora_path and os.path.realpath(path) != os.path.realpath(known.path):
             raise LoRAError(f"LoRA adapter {request.lora_name!r} is already loaded from "
                             f"{known.path}; unload it first to load {path} under that name")
         return known

@@ -109,6 +109,9 @@ def test_load_and_unload_at_run_time(server, client, tiny_model, adapters):
     bad = httpx.post(f"{server.url}/v1/load_lora_adapter",
                      json={"lora_name": "bad", "lora_path": "/nowhere"}, timeout=30)
     assert bad.status_code == 400 and "no adapter_config.json" in bad.json()["error"]["message"]
+    empty = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                       json={"lora_name": "", "lora_path": path}, timeout=30)
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "lora_name"
     unload = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"},
                         timeout=30)
     assert unload.status_code == 200, unload.text
@@ -166,3 +169,25 @@ def _stored_device_hashes(sub) -> list[int]:
             if isinstance(event, BlockStored) and event.medium == "GPU":
                 hashes.extend(event.block_hashes)
     return hashes
+
+
+def test_an_adapter_unloaded_after_the_model_check_is_a_404():
+    """Between a request's model check and its start (a long prompt is tokenized on a
+    thread) its adapter may be unloaded: the request is refused, never run on the base
+    model."""
+    from kvtier.entrypoints.openai.context import ServerContext
+    from kvtier.entrypoints.openai.errors import NotFoundError
+    from kvtier.entrypoints.openai.generation import to_api_error
+    from kvtier.lora import LoRAError, LoRARequest
+
+    ctx = ServerContext(None, ("tiny",), None, None, None,
+                        lora_modules={"a": LoRARequest("a", 1, "/a")})
+    ctx.check_model("a")
+    assert ctx.lora_request("a") == LoRARequest("a", 1)
+    assert ctx.lora_request("tiny") is None and ctx.lora_request(None) is None
+    del ctx.lora_modules["a"]
+    with pytest.raises(NotFoundError, match="the model 'a' does not exist"):
+        ctx.lora_request("a")
+    # Unloaded after the server's last check: the engine's refusal is a 404 too.
+    error = to_api_error(LoRAError("LoRA adapter 'a' is not loaded"))
+    assert (error.status_code, error.code, error.param) == (404, "model_not_found", "model")

@@ -17,16 +17,20 @@ GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    """The base model and two adapters: every projection at rank 4, and q/v only at rank 8
-    with rsLoRA scaling."""
+    """The base model and three adapters: every projection at rank 4; q/v only at rank 8
+    with rsLoRA scaling; and ranks that differ within fused modules (rank_pattern: q and
+    gate at 8, the rest at 2, so their scalings differ too)."""
     root = tmp_path_factory.mktemp("lora")
     base = make_hf_model("llama", root / "base")
     models = {None: base,
               "all": make_adapter(base, root / "all", seed=1),
               "qv": make_adapter(base, root / "qv", seed=2, targets=("q_proj", "v_proj"), r=8,
-                                 use_rslora=True)}
-    requests = {None: None, "all": LoRARequest("all", 1, str(root / "all")),
-                "qv": LoRARequest("qv", 2, str(root / "qv"))}
+                                 use_rslora=True),
+              "ranks": make_adapter(base, root / "ranks", seed=4, r=2,
+                                    rank_pattern={"q_proj": 8, "gate_proj": 8})}
+    requests = {name: LoRARequest(name, index + 1, str(root / name))
+                for index, name in enumerate(["all", "qv", "ranks"])}
+    requests[None] = None
     return root, models, requests
 
 
@@ -46,8 +50,8 @@ def test_adapters_and_base_in_one_batch_match_peft(llama, max_loras, monkeypatch
     root, models, requests = llama
     # Every prompt with each adapter and without: the shared prefixes of make_prompts would
     # hit another adapter's blocks if the prefix cache mixed them up.
-    prompts = [p for p in make_prompts() for _ in range(3)]
-    names = [None, "all", "qv"] * (len(prompts) // 3)
+    prompts = [p for p in make_prompts() for _ in range(4)]
+    names = [None, "all", "qv", "ranks"] * (len(prompts) // 4)
     seen: list[int] = []
     begin = LoRABatch.begin_step
 

@@ -110,10 +110,15 @@ class ServerContext:
                                 f"{served}", param="model", code="model_not_found")
 
     def lora_request(self, requested: str | None) -> LoRARequest | None:
-        """The adapter a request's (checked) `model` names, None for the base model. Without a
-        path: an adapter unloaded since the check is refused, not loaded again."""
-        lora = self.lora_modules.get(requested) if requested is not None else None
-        return None if lora is None else LoRARequest(lora.lora_name, lora.lora_int_id)
+        """The adapter a request's `model` names, None for the base model; NotFoundError for
+        an adapter unloaded since the request's model was checked. Without a path, so the
+        engine refuses one unloaded after this, rather than load it again."""
+        if requested is None or requested in self.served_model_names:
+            return None
+        lora = self.lora_modules.get(requested)
+        if lora is None:
+            self.check_model(requested)  # raises: it is gone
+        return LoRARequest(lora.lora_name, lora.lora_int_id)
 
     def new_lora_request(self, name: str, path: str) -> LoRARequest:
         """A LoRARequest with the next unused lora_int_id."""

@@ -25,10 +25,12 @@ from kvtier.entrypoints.openai.errors import (
     APIError,
     BadRequestError,
     InternalServerError,
+    NotFoundError,
     ServiceUnavailableError,
 )
 from kvtier.entrypoints.openai.prompts import Prompt
 from kvtier.entrypoints.openai.protocol import SamplingFields
+from kvtier.lora import LoRAError
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.errors import SchedulerQueueFullError
 
@@ -51,6 +53,9 @@ def to_api_error(exc: BaseException) -> APIError:
                                        code="timeout")
     if isinstance(exc, EngineStepError):
         return InternalServerError(str(exc), code="engine_step_failed")
+    if isinstance(exc, LoRAError):
+        # A request's adapter was unloaded after its model name was checked.
+        return NotFoundError(str(exc), param="model", code="model_not_found")
     if isinstance(exc, ValueError):
         # The engine's checks name the SamplingParams field, as the request names it.
         field = re.search(r"SamplingParams\.(\w+)", str(exc))

@@ -7,6 +7,7 @@ POST /v1/unload_lora_adapter {"lora_name"}; both answer plain text, as vLLM does
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 from fastapi import APIRouter, Request
@@ -15,7 +16,8 @@ from pydantic import BaseModel, ConfigDict
 
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import BadRequestError, NotFoundError
-from kvtier.lora import LoRAError
+from kvtier.entrypoints.openai.generation import to_api_error
+from kvtier.lora import LoRAError, LoRARequest
 
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
@@ -45,13 +47,22 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> Plain
     if name in ctx.lora_modules or name in ctx.served_model_names:
         raise BadRequestError(f"the model name {name!r} is already served; unload it first",
                               param="lora_name", code="lora_already_loaded")
-    request = ctx.new_lora_request(name, body.lora_path)
     try:
-        await ctx.async_llm.load_lora(request)
+        request = ctx.new_lora_request(name, body.lora_path)
+        # Shielded: a load that outlives the client's wait still ends served, not loaded in
+        # the engine under a name the server does not know (which could then not be unloaded).
+        await asyncio.shield(_load(ctx, request))
     except LoRAError as exc:
-        raise BadRequestError(str(exc), param="lora_path") from exc
-    ctx.lora_modules[name] = request
+        raise BadRequestError(str(exc), param="lora_name" if not name else "lora_path") \
+            from exc
+    except Exception as exc:
+        raise to_api_error(exc) from exc
     return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _load(ctx: ServerContext, request: LoRARequest) -> None:
+    await ctx.async_llm.load_lora(request)
+    ctx.lora_modules[request.lora_name] = request
 
 
 @router.post("/v1/unload_lora_adapter")
@@ -59,9 +70,10 @@ async def unload_lora_adapter(body: UnloadLoRAAdapterRequest,
                               raw: Request) -> PlainTextResponse:
     ctx: ServerContext = raw.app.state.ctx
     name = body.lora_name
-    if ctx.lora_modules.pop(name, None) is None:
+    served = ctx.lora_modules.pop(name, None) is not None
+    loras = ctx.engine.loras
+    # Requests running with it keep it until they end; new ones cannot name it.
+    if not (loras is not None and loras.remove(name)) and not served:
         raise NotFoundError(f"no LoRA adapter named {name!r} is loaded", param="lora_name",
                             code="lora_not_found")
-    # Requests running with it keep it until they end; new ones cannot name it.
-    ctx.engine.loras.remove(name)
     return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
