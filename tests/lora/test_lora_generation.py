@@ -53,17 +53,21 @@ def test_adapters_and_base_in_one_batch_match_peft(llama, max_loras, monkeypatch
     prompts = [p for p in make_prompts() for _ in range(4)]
     names = [None, "all", "qv", "ranks"] * (len(prompts) // 4)
     seen: list[int] = []
+    stacked: list[bool] = []
     begin = LoRABatch.begin_step
 
     def record(self, adapters, query_start):
         seen.append(len({a.name for a in adapters if a is not None}))
         begin(self, adapters, query_start)
+        stacked.append(self.stacked is not None)
 
     monkeypatch.setattr(LoRABatch, "begin_step", record)
     llm = LLM(str(root / "base"), dtype="float32", block_size=4, enable_lora=True,
               max_loras=max_loras, max_num_batched_tokens=64)
     assert _generate(llm, requests, names, prompts) == _expected(models, names, prompts)
     assert max(seen) == max_loras  # the seat limit binds, and is never passed
+    # Two adapters: decode steps stack them, prefill steps with uneven rows do not.
+    assert set(stacked) == ({False} if max_loras == 1 else {True, False})
     llm.engine.check_invariants()
 
 
