@@ -141,7 +141,9 @@ class Sampler:
         inverse = torch.tensor([1.0 if r.params.is_greedy else 1.0 / r.params.temperature
                                 for r in rows],
                                dtype=logits.dtype, device=device)
-        logits = logits * inverse[:, None]
+        # An overflow to +inf (a huge bias or 1 / repetition_penalty, then the temperature)
+        # stays the largest finite logit: softmax over an inf is NaN.
+        logits = (logits * inverse[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
         logits = apply_top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)
         min_p = [r.params.min_p for r in rows]
@@ -180,9 +182,9 @@ def inverse_cdf_sample(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor
     block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)  # (N, blocks)
     total = block_cdf[:, -1:]
     if not bool(torch.isfinite(total).all()):
-        # (N values to check: an inf logit from a huge logit_bias turns its row to NaN)
-        raise ValueError("the sampling distribution is not finite: a logit_bias too large "
-                         "for float32 logits?")
+        # (N values to check.) The processing keeps logits below +inf, so only NaN logits
+        # from the model itself get here.
+        raise ValueError("the sampling distribution is not finite (NaN logits)")
     # Below the total even where draw x total rounds up to it.
     point = torch.minimum(draws * total, torch.nextafter(total, torch.zeros_like(total)))
     block = torch.searchsorted(block_cdf, point, right=True).clamp_(max=num_blocks - 1)
@@ -250,10 +252,14 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     if not biased:
         return logits
     logits = logits.clone()
+    largest = torch.finfo(logits.dtype).max
     for i, bias in biased:
         ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-        logits[i, ids] += torch.tensor(list(bias.values()), dtype=logits.dtype,
-                                       device=logits.device)
+        # A bias past float32's range (the offline API takes any finite number) acts as the
+        # largest one; -inf (a banned token) plus a finite bias stays -inf.
+        values = torch.tensor(list(bias.values()), dtype=torch.float64).clamp_(-largest, largest)
+        values = values.to(device=logits.device, dtype=logits.dtype)
+        logits[i, ids] = (logits[i, ids] + values).clamp_(max=largest)
     return logits
 
 
@@ -274,9 +280,12 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     if repeat:
         at = _token_positions({i: _seen_ids(rows[i], device) for i in repeat}, device)
         values = logits[at]
+        # Within float32's positive finite range: 1e-300 rounds to 0, 1e39 to inf.
+        finfo = torch.finfo(dtype)
         penalty = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dtype,
-                               device=device)[at[0]]
-        logits[at] = torch.where(values > 0, values / penalty, values * penalty)
+                               device=device)[at[0]].clamp_(min=finfo.tiny, max=finfo.max)
+        logits[at] = torch.where(values > 0, values / penalty,
+                                 values * penalty).clamp_(max=finfo.max)
     counted = [i for i in penalized if rows[i].params.frequency_penalty != 0.0
                or rows[i].params.presence_penalty != 0.0]
     if counted:
@@ -338,8 +347,10 @@ def apply_top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
                         logits.logsumexp(dim=-1, keepdim=True))
     probs = (kept - total).exp()
     mass_before = probs.cumsum(dim=-1) - probs
+    # At least the smallest positive float: top_p 1e-300 rounds to 0, which would drop even
+    # the first token (its mass before is 0).
     cutoff = torch.tensor([p if p < 1.0 else float("inf") for p in top_p], dtype=dtype,
-                          device=device)[:, None]
+                          device=device)[:, None].clamp_(min=torch.finfo(dtype).tiny)
     kept = kept.masked_fill(mass_before >= cutoff, float("-inf"))
     cut = torch.full_like(logits, float("-inf")).scatter_(-1, order, kept)
     # A row without a top-k that keeps all of its top_p candidates may need more: the
@@ -366,7 +377,8 @@ def top_k_top_p_sorted(logits: torch.Tensor, top_k: list[int],
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     # top_p == 1 keeps everything, even where rounding pushes the running sum past 1.
     cutoff = [p if p < 1.0 else float("inf") for p in top_p]
-    drop |= mass_before >= torch.tensor(cutoff, dtype=logits.dtype, device=device)[:, None]
+    drop |= mass_before >= torch.tensor(cutoff, dtype=logits.dtype, device=device)[:, None] \
+        .clamp_(min=torch.finfo(logits.dtype).tiny)  # see apply_top_k_top_p
     masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
 

@@ -212,12 +212,28 @@ def test_a_temperature_too_small_to_divide_by_is_greedy():
     assert mixed.token_ids[0] == 1 and not mixed.errors
 
 
-def test_a_distribution_made_infinite_fails_its_row_alone():
-    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]]).repeat(2, 1)
-    overflowing = SamplingParams(temperature=1.0, logit_bias={0: 1e39, 2: 1e39})
-    out = Sampler(CPU, 0).sample(logits, [row(overflowing), row(SamplingParams(seed=3))])
-    assert out.token_ids[0] is None and "not finite" in out.errors[0]
-    assert out.token_ids[1] is not None and 1 not in out.errors
+def test_values_past_float32_range_act_as_its_limits():
+    """A bias or repetition penalty past float32's range, a top_p that rounds to 0, and a
+    temperature just above greedy's scaling the overflowed logits: each draws what its limit
+    means, never a NaN distribution (a fuzzed request found the last three failing)."""
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
+    cases = [
+        (SamplingParams(logit_bias={0: 1e39, 2: 1e39}), {0, 2}),
+        (SamplingParams(logit_bias={0: 1e39}, temperature=1.1e-5), {0}),
+        (SamplingParams(top_p=1e-300), {1}),
+        (SamplingParams(top_p=1e-300, top_k=3), {1}),
+        # 1e-300 rounds to 0, taken as the smallest positive float: the seen positive logits
+        # (0.1, 1.9) grow to ~1e37 and ~1.6e38, and the larger one takes every draw.
+        (SamplingParams(repetition_penalty=1e-300), {3}),
+        # 1e39 rounds to inf: seen tokens with positive logits go to 0, the negative one to
+        # -inf.
+        (SamplingParams(repetition_penalty=1e39), {0, 1, 3}),
+    ]
+    for params, expected in cases:
+        sampler = Sampler(CPU, 0)
+        rows = [row(params, prompt=[0, 3, 2] if params.repetition_penalty != 1.0 else ())] * 300
+        out = sampler.sample(logits.repeat(300, 1), rows)
+        assert not out.errors and set(out.token_ids) == expected, params
 
 
 def test_allowed_token_ids_keep_only_those_tokens_greedy_and_sampled():
