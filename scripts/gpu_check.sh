@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one run: the `-m gpu` tests (model parity on CUDA, the offloading connector's
-# and the P2P connector's copies between CUDA blocks and host memory, end to end against HF).
+# and the P2P connector's copies between CUDA blocks and host memory, end to end against HF;
+# LoRA adapters on CUDA against the CPU).
 #
 #   bash scripts/gpu_check.sh --fetch-wheels   # on a machine with PyPI: the packages a CUDA
 #                                              # machine's image lacks, as wheels into .whl/
@@ -11,8 +12,10 @@
 # The log goes to standard output and, when $OUT is set, to $OUT/gpu_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-# What kvtier and its gpu tests import that a CUDA image with PyTorch and transformers lacks.
-WHEELS=(cbor2 pyzmq)
+# What kvtier and its gpu tests import that a CUDA image with PyTorch and transformers lacks
+# (and pytest with its timeout plugin, in case the image has no pytest).
+WHEELS=(cbor2 xxhash msgpack pyzmq prometheus_client llguidance pytest pluggy iniconfig
+        pytest-timeout)
 PYTHON_VERSION=${GPU_PYTHON_VERSION:-3.12}
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
