@@ -111,6 +111,27 @@ def test_the_template_sees_the_tools_and_earlier_calls(server):
                     "assistant:CALL get_weather(Oslo)\ntool:sunny\nassistant:")
 
 
+@pytest.mark.parametrize("tool_calls, param, fragment", [
+    ({"id": "c"}, "messages[1].tool_calls", "must be an array"),
+    ([{"id": "c", "type": "function"}], "messages[1].tool_calls[0]", '"function" object'),
+    ([{"function": {"arguments": "{}"}}], "messages[1].tool_calls[0]", "function.name"),
+    ([{"function": {"name": "f", "arguments": {"city": "Oslo"}}}], "messages[1].tool_calls[0]",
+     "as a JSON string"),
+    ([{"type": "code", "function": {"name": "f", "arguments": "{}"}}],
+     "messages[1].tool_calls[0]", "only \"function\" calls"),
+])
+def test_a_malformed_earlier_tool_call_is_a_400(server, tool_calls, param, fragment):
+    """As OpenAI: not passed to the template as it came, nor dropped."""
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": None, "tool_calls": tool_calls}]
+    for path in ("/v1/chat/completions", "/tokenize"):
+        response = httpx.post(f"{server.url}{path}", timeout=30.0, json={
+            "model": MODEL, "messages": messages, "max_tokens": 1})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and fragment in error["message"]
+
+
 def test_no_tools_means_plain_content(client):
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,

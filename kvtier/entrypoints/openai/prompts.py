@@ -117,7 +117,7 @@ def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> Prompt:
     if ctx.tokenizer is None:
         raise BadRequestError("this model has no tokenizer, so it cannot take chat messages",
                               param="messages", code="invalid_value")
-    messages = [_message_dict(m) for m in request.messages]
+    messages = [_message_dict(m, i) for i, m in enumerate(request.messages)]
     try:
         text = render_chat(ctx.tokenizer, messages,
                            add_generation_prompt=request.add_generation_prompt,
@@ -133,17 +133,42 @@ def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> Prompt:
     return Prompt(text, token_ids)
 
 
-def _message_dict(message: Any) -> dict[str, Any]:
+def _message_dict(message: Any, index: int) -> dict[str, Any]:
     """The message as the template takes it (render_chat joins text parts); extra fields only
-    when they are strings, and an assistant's tool_calls."""
+    when they are strings, and an assistant's tool_calls (checked: 400 for a malformed one)."""
     content = message.content
     if isinstance(content, list):
         content = [part.model_dump() for part in content]
     extra = {k: v for k, v in (message.model_extra or {}).items() if isinstance(v, str)}
     tool_calls = (message.model_extra or {}).get("tool_calls")
-    if isinstance(tool_calls, list):
+    if tool_calls is not None:
+        _check_tool_calls(tool_calls, f"messages[{index}].tool_calls")
         extra["tool_calls"] = [_template_tool_call(call) for call in tool_calls]
     return {**extra, "role": message.role, "content": content}
+
+
+def _check_tool_calls(tool_calls: Any, where: str) -> None:
+    """OpenAI's shape: [{"id", "type": "function", "function": {"name", "arguments"}}], the
+    arguments JSON text; a template would print anything else as it came, or fail on it."""
+    if not isinstance(tool_calls, list):
+        raise BadRequestError(f"{where} must be an array of tool calls", param=where,
+                              code="invalid_type")
+    for j, call in enumerate(tool_calls):
+        at = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        problem = None
+        if not isinstance(function, dict):
+            problem = "must be an object with a \"function\" object"
+        elif not isinstance(function.get("name"), str):
+            problem = "needs function.name, a string"
+        elif not isinstance(function.get("arguments"), str):
+            problem = "needs function.arguments, the arguments as a JSON string"
+        elif call.get("type", "function") != "function":
+            problem = f"has type {call.get('type')!r}; only \"function\" calls exist"
+        elif not isinstance(call.get("id", ""), str):
+            problem = "has an id that is not a string"
+        if problem is not None:
+            raise BadRequestError(f"{at} {problem}", param=at, code="invalid_value")
 
 
 def _template_tool_call(call: Any) -> Any:
