@@ -152,6 +152,9 @@ class LoRAConfig:
     max_loras: int = 1
     # Largest adapter rank accepted.
     max_lora_rank: int = 16
+    # Most adapters kept loaded (least recently used dropped, loaded again from its path when
+    # asked); None: every adapter loaded stays until unloaded.
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.enable_lora, bool),
@@ -159,6 +162,9 @@ class LoRAConfig:
         _require(self.max_loras >= 1, f"max_loras must be >= 1, got {self.max_loras}")
         _require(self.max_lora_rank >= 1,
                  f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        _require(self.max_cpu_loras is None or self.max_cpu_loras >= self.max_loras,
+                 f"max_cpu_loras must be >= max_loras ({self.max_loras}) or None, got "
+                 f"{self.max_cpu_loras}")
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,9 @@ def _add_lora_args(parser: argparse.ArgumentParser) -> None:
                             "adapter wait for a seat")
     group.add_argument("--max-lora-rank", type=int, default=16,
                        help="largest LoRA rank accepted (default 16)")
+    group.add_argument("--max-cpu-loras", type=int, default=None,
+                       help="most LoRA adapters kept loaded (default: no limit); past it the "
+                            "least recently used is dropped and loaded again when asked")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -117,5 +120,6 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_waiting_requests=args.max_waiting_requests,
         kv_transfer_config=transfer, enable_lora=args.enable_lora,
         max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
         speculative_config=SpeculativeConfig.parse(args.speculative_config,
                                                    "--speculative-config"))

@@ -67,7 +67,8 @@ class Engine:
         self.loras: LoRARegistry | None = None
         if config.lora.enable_lora:
             self.loras = LoRARegistry(loaded.model, max_lora_rank=config.lora.max_lora_rank,
-                                      dtype=self.runtime.dtype, device=device)
+                                      dtype=self.runtime.dtype, device=device,
+                                      max_cpu_loras=config.lora.max_cpu_loras)
             self.stats.describe_loras(config.lora.max_loras)
         self._build_core(loaded.model)
         self._outputs = OutputProcessor(self.tokenizer)

@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true in the environment, "
                             "POST /v1/load_lora_adapter and /v1/unload_lora_adapter change "
                             "them at run time")
+    group.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                       help="with --enable-lora: a directory of LoRA adapters, one per "
+                            "subdirectory; a request whose model names one loads it (as vLLM's "
+                            "filesystem resolver); see --max-cpu-loras to bound how many stay "
+                            "loaded")
     group.add_argument("--switch-interval", type=float, default=DEFAULT_SWITCH_INTERVAL_S,
                        help="Python's thread switch interval in seconds for the server process "
                             f"(default {DEFAULT_SWITCH_INTERVAL_S}; Python's own is 0.005): how "
@@ -127,8 +132,12 @@ def _checked_config(args: argparse.Namespace
         raise ValueError(f"--max-request-body-bytes must be > 0, got {max_body}")
     config = engine_config_from_args(args)
     lora_modules = parse_lora_modules(args.lora_modules)
-    if lora_modules and not config.lora.enable_lora:
-        raise ValueError("--lora-modules needs --enable-lora")
+    for flag, given in (("--lora-modules", lora_modules),
+                        ("--lora-resolver-dir", args.lora_resolver_dir)):
+        if given and not config.lora.enable_lora:
+            raise ValueError(f"{flag} needs --enable-lora")
+    if args.lora_resolver_dir is not None and not os.path.isdir(args.lora_resolver_dir):
+        raise ValueError(f"--lora-resolver-dir {args.lora_resolver_dir}: no such directory")
     events_config = None
     if args.kv_events_config is not None:
         from kvtier.engine.kv_events import KVEventsConfig
@@ -245,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
                         reasoning_parser=args.reasoning_parser,
                         thinking_token_ids=thinking,
                         kv_events_info=_kv_events_info(events_config, config, chat_template),
-                        sampling_defaults=sampling_defaults, lora_modules=loras)
+                        sampling_defaults=sampling_defaults, lora_modules=loras,
+                        lora_resolver_dir=args.lora_resolver_dir)
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
                     max_request_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(

@@ -6,6 +6,6 @@ it); the modules that load and apply adapters are imported by name: `kvtier.lora
 `.layers`, `.registry`, `.targets`.
 """
 
-from kvtier.lora.request import LoRAError, LoRARequest
+from kvtier.lora.request import LoRAError, LoRANotLoadedError, LoRARequest
 
-__all__ = ["LoRAError", "LoRARequest"]
+__all__ = ["LoRAError", "LoRANotLoadedError", "LoRARequest"]

@@ -9,6 +9,10 @@ class LoRAError(ValueError):
     """An adapter that cannot be loaded or used: the message names it and what is wrong."""
 
 
+class LoRANotLoadedError(LoRAError):
+    """A request names an adapter that is not loaded and gives no path to load it from."""
+
+
 @dataclass(frozen=True)
 class LoRARequest:
     """`lora_name` identifies the adapter to clients (the API's `model`); `lora_path` is a PEFT

@@ -178,16 +178,52 @@ def test_an_adapter_unloaded_after_the_model_check_is_a_404():
     from kvtier.entrypoints.openai.context import ServerContext
     from kvtier.entrypoints.openai.errors import NotFoundError
     from kvtier.entrypoints.openai.generation import to_api_error
-    from kvtier.lora import LoRAError, LoRARequest
+    from kvtier.lora import LoRAError, LoRANotLoadedError, LoRARequest
 
     ctx = ServerContext(None, ("tiny",), None, None, None,
                         lora_modules={"a": LoRARequest("a", 1, "/a")})
     ctx.check_model("a")
-    assert ctx.lora_request("a") == LoRARequest("a", 1)
+    assert ctx.lora_request("a") == LoRARequest("a", 1, "/a")
     assert ctx.lora_request("tiny") is None and ctx.lora_request(None) is None
     del ctx.lora_modules["a"]
     with pytest.raises(NotFoundError, match="the model 'a' does not exist"):
         ctx.lora_request("a")
-    # Unloaded after the server's last check: the engine's refusal is a 404 too.
-    error = to_api_error(LoRAError("LoRA adapter 'a' is not loaded"))
+    # Unloaded after the server's last check: the engine's refusal is a 404 too; an adapter
+    # that does not load is a 400.
+    error = to_api_error(LoRANotLoadedError("LoRA adapter 'a' is not loaded"))
     assert (error.status_code, error.code, error.param) == (404, "model_not_found", "model")
+    assert to_api_error(LoRAError("LoRA adapter /a: no adapter_config.json")).status_code == 400
+
+
+def test_adapters_found_in_the_resolver_dir_load_on_demand(tiny_model, adapters, tmp_path):
+    """--lora-resolver-dir: a request naming a subdirectory loads it; with --max-cpu-loras 1
+    the adapters take turns in memory and each still answers with its own weights; names
+    that are not one directory of it are 404s, a directory that is no adapter a 400."""
+    root = tmp_path / "resolver"
+    root.mkdir()
+    for name in ("all", "qv"):
+        (root / name).symlink_to(adapters[name][0])
+    (root / "broken").mkdir()
+    (root / "broken" / "adapter_config.json").write_text("{}")
+    server = ServerProcess(tiny_model[0], "--served-model-name", "tiny",
+                           "--num-device-blocks", "64", "--max-model-len", "256",
+                           "--enable-lora", "--max-lora-rank", "8", "--max-cpu-loras", "1",
+                           "--lora-resolver-dir", str(root))
+    try:
+        tokenizer = Tokenizer.from_hf_dir(tiny_model[0])
+        prompt_ids = tokenizer.encode("found on demand")
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                           timeout=60.0) as client:
+            for name in ("all", "qv", "all"):
+                result = client.completions.create(model=name, prompt="found on demand",
+                                                   **GREEDY)
+                assert result.choices[0].token_ids == _expected(adapters[name][1], tiny_model,
+                                                                prompt_ids), name
+            assert [c.id for c in client.models.list().data] == ["tiny", "all", "qv"]
+            for name in ("../resolver", "all/..", "missing"):
+                with pytest.raises(openai.NotFoundError):
+                    client.completions.create(model=name, prompt="x", max_tokens=1)
+            with pytest.raises(openai.BadRequestError, match='"peft_type": "LORA"'):
+                client.completions.create(model="broken", prompt="x", max_tokens=1)
+    finally:
+        server.stop()

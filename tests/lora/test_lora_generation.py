@@ -176,3 +176,16 @@ def test_a_request_waiting_for_a_seat_is_not_overtaken(llama):
             break
     assert "waiting" in finished and finished.index("waiting") <= 2, finished
     engine.abort_request([f"later{s}" for s in range(30)])
+
+
+def test_max_cpu_loras_drops_the_least_recently_used_and_loads_it_again(llama):
+    root, models, requests = llama
+    llm = LLM(str(root / "base"), dtype="float32", block_size=4, enable_lora=True,
+              max_cpu_loras=1)
+    prompt = make_prompts()[0]
+    for name in ("all", "qv", "all", "ranks"):
+        assert _generate(llm, requests, [name], [prompt]) == \
+            _expected(models, [name], [prompt]), name
+        assert [a.name for a in llm.engine.loras.adapters()] == [name]
+    with pytest.raises(ValueError, match="max_cpu_loras must be >= max_loras"):
+        LLM(str(root / "base"), enable_lora=True, max_loras=2, max_cpu_loras=1)

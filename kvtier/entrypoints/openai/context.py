@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,8 +67,12 @@ class ServerContext:
     # What GET /v1/kv_events_info answers: where KV events are published and how blocks are
     # hashed; None: the server publishes none.
     kv_events_info: dict[str, Any] | None = None
-    # LoRA adapters clients may name as their `model` (--lora-modules, or loaded at run time).
+    # LoRA adapters clients may name as their `model` (--lora-modules, loaded at run time, or
+    # found in --lora-resolver-dir).
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    # A directory of adapters, one per subdirectory: a `model` naming one that is not known
+    # yet becomes known, and loads with its first request.
+    lora_resolver_dir: str | None = None
     # The tokenizer is safe to share with these threads: encoding and decoding never change it.
     tokenize_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_TOKENIZE_THREADS, thread_name_prefix="kvtier-tokenize"))
@@ -104,21 +109,33 @@ class ServerContext:
         """None means the served model (vLLM allows leaving it out); a LoRA adapter's name is
         a model too."""
         if requested is not None and requested not in self.served_model_names \
-                and requested not in self.lora_modules:
+                and requested not in self.lora_modules and not self._resolve_lora(requested):
             served = ", ".join([*self.served_model_names, *self.lora_modules])
             raise NotFoundError(f"the model '{requested}' does not exist; this server serves "
                                 f"{served}", param="model", code="model_not_found")
 
+    def _resolve_lora(self, name: str) -> bool:
+        """Whether --lora-resolver-dir has an adapter directory called `name` (one path
+        component); it then joins the known adapters."""
+        if self.lora_resolver_dir is None or not name or name in (".", "..") \
+                or any(c in name for c in "/\\\0"):
+            return False
+        path = os.path.join(self.lora_resolver_dir, name)
+        if not os.path.isfile(os.path.join(path, "adapter_config.json")):
+            return False
+        self.lora_modules.setdefault(name, self.new_lora_request(name, path))
+        return True
+
     def lora_request(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names, None for the base model; NotFoundError for
-        an adapter unloaded since the request's model was checked. Without a path, so the
-        engine refuses one unloaded after this, rather than load it again."""
+        an adapter unloaded since the request's model was checked. With its path: an adapter
+        the engine dropped to make room (--max-cpu-loras) loads again."""
         if requested is None or requested in self.served_model_names:
             return None
         lora = self.lora_modules.get(requested)
         if lora is None:
             self.check_model(requested)  # raises: it is gone
-        return LoRARequest(lora.lora_name, lora.lora_int_id)
+        return lora
 
     def new_lora_request(self, name: str, path: str) -> LoRARequest:
         """A LoRARequest with the next unused lora_int_id."""

@@ -30,7 +30,7 @@ from kvtier.entrypoints.openai.errors import (
 )
 from kvtier.entrypoints.openai.prompts import Prompt
 from kvtier.entrypoints.openai.protocol import SamplingFields
-from kvtier.lora import LoRAError
+from kvtier.lora import LoRAError, LoRANotLoadedError
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.errors import SchedulerQueueFullError
 
@@ -53,9 +53,11 @@ def to_api_error(exc: BaseException) -> APIError:
                                        code="timeout")
     if isinstance(exc, EngineStepError):
         return InternalServerError(str(exc), code="engine_step_failed")
-    if isinstance(exc, LoRAError):
+    if isinstance(exc, LoRANotLoadedError):
         # A request's adapter was unloaded after its model name was checked.
         return NotFoundError(str(exc), param="model", code="model_not_found")
+    if isinstance(exc, LoRAError):  # the adapter its model names cannot be loaded
+        return BadRequestError(str(exc), param="model", code="invalid_value")
     if isinstance(exc, ValueError):
         # The engine's checks name the SamplingParams field, as the request names it.
         field = re.search(r"SamplingParams\.(\w+)", str(exc))
