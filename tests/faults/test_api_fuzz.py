@@ -4,6 +4,8 @@ request gives the same tokens before and after the fuzzing (no request changes a
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 import schemathesis
@@ -12,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from ..entrypoints.server_process import ServerProcess
 from ..tiny_models import make_hf_model
 
-# Cases per operation: enough to reach the edge of every field, small enough for CI (~2 min).
-MAX_EXAMPLES = 120
+# Cases per operation: enough to reach the edge of every field, small enough for CI (~2 min);
+# KVTIER_FUZZ_EXAMPLES=2000 for a longer hunt.
+MAX_EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "120"))
 CANARY = {"prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}
 
 
