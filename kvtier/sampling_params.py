@@ -15,7 +15,7 @@ _REALS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalt
 _BOOLS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # torch's generators take seeds in [-2**63, 2**64); completion i of n uses seed + i.
 SEED_RANGE = (-(2 ** 63), 2 ** 64)
-_GREEDY_BELOW = 1e-5
+GREEDY_BELOW = 1e-5
 
 
 def _is_int(value: object) -> bool:
@@ -209,7 +209,7 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         # As vLLM: a temperature this small is greedy (dividing by it overflows the logits).
-        return self.temperature < _GREEDY_BELOW
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -91,6 +91,8 @@ class ConnectorContext:
     # The engine publishes KV events (`take_events` is read): a connector that makes events
     # only for publishing skips that work when False (the engine then drops what it returns).
     kv_events: bool = False
+    # How the engine hashes blocks (kvtier.kv.hashing): `Request.block_hashes` are of this kind.
+    hash_algo: str = "sha256_cbor"
 
     @property
     def namespace(self) -> bytes:

@@ -156,8 +156,10 @@ class AsyncLLM:
         """
         if params.structured_outputs is not None and "grammar" not in options:
             options = {**options, "grammar": await self.compile_grammar(params)}
-        if options.get("lora_request") is not None:
-            await self.load_lora(options["lora_request"])  # the engine then finds it loaded
+        if options.get("lora_request") is not None and "lora_adapter" not in options:
+            # Handed over loaded: with --max-cpu-loras the engine might have dropped it again
+            # by the time the engine thread adds the request.
+            options = {**options, "lora_adapter": await self.load_lora(options["lora_request"])}
         stream = _Stream(asyncio.get_running_loop())
         try:
             await self._submit_add(_AddCommand(request_id, prompt, params, options, stream,

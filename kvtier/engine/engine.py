@@ -83,7 +83,8 @@ class Engine:
                                    kv_identity=runtime.kv_identity, metrics=self.metrics,
                                    kv_cache_config=runtime.kv_cache_config,
                                    kv_events=config.cache.enable_kv_cache_events,
-                                   max_model_len=runtime.max_model_len)
+                                   max_model_len=runtime.max_model_len,
+                                   hash_algo=config.cache.hash_algo)
         transfer = config.kv_transfer_config
         scheduler_connector, worker_connector = build_connectors(transfer, context)
         self.kv_cache_manager = KVCacheManager(
@@ -149,11 +150,13 @@ class Engine:
                     kv_transfer_params: dict[str, Any] | None = None,
                     arrival_time: float | None = None,
                     grammar: StructuredOutputGrammar | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None,
+                    lora_adapter: LoRAAdapter | None = None) -> None:
         """Queue a request. ValueError for a bad prompt or a duplicate id; EngineQueueFullError
         when the waiting queue is full. `grammar`: params.structured_outputs compiled already
         (compile_grammar, off the engine thread); compiled here if not given. `lora_request`:
-        its adapter, loaded here if it is not yet (load_lora, off the engine thread)."""
+        its adapter, loaded here unless `lora_adapter` is that adapter loaded already
+        (load_lora, off the engine thread)."""
         if self._outputs.has(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         if priority != 0 and self.config.scheduler.policy != "priority":
@@ -161,7 +164,9 @@ class Engine:
                              "(--scheduling-policy priority); this engine serves in arrival "
                              "order")
         self._check_params(params)
-        lora = None if lora_request is None else self.load_lora(lora_request)
+        lora = lora_adapter
+        if lora is None and lora_request is not None:
+            lora = self.load_lora(lora_request)
         prompt_text, token_ids = self._tokenize(prompt)
         if grammar is None:
             grammar = self.compile_grammar(params)

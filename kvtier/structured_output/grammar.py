@@ -130,6 +130,8 @@ class GrammarCompiler:
         # properties): here, off the engine thread, whose first mask then takes under 1 ms.
         # Computing a mask leaves the matcher where it is.
         matcher.compute_bitmask()
+        if matcher.is_error():  # some grammars fail only at their first mask
+            raise GrammarError(f"{where} is invalid: {matcher.get_error().strip()}")
         return StructuredOutputGrammar(matcher)
 
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtier.logprobs import Logprob
-from kvtier.sampling_params import SamplingParams
+from kvtier.sampling_params import GREEDY_BELOW, SamplingParams
 from kvtier.structured_output import StructuredOutputGrammar, apply_grammar_masks
 from kvtier.worker.logprobs import token_logprobs
 
@@ -141,9 +141,8 @@ class Sampler:
         inverse = torch.tensor([1.0 if r.params.is_greedy else 1.0 / r.params.temperature
                                 for r in rows],
                                dtype=logits.dtype, device=device)
-        # An overflow to +inf (a huge bias or 1 / repetition_penalty, then the temperature)
-        # stays the largest finite logit: softmax over an inf is NaN.
-        logits = (logits * inverse[:, None]).clamp_(max=torch.finfo(logits.dtype).max)
+        # No overflow: the processing kept finite logits within _logit_limit.
+        logits = logits * inverse[:, None]
         logits = apply_top_k_top_p(logits, rows)
         probs = torch.softmax(logits, dim=-1)
         min_p = [r.params.min_p for r in rows]
@@ -252,15 +251,28 @@ def _apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     if not biased:
         return logits
     logits = logits.clone()
-    largest = torch.finfo(logits.dtype).max
+    limit = _logit_limit(logits.dtype)
     for i, bias in biased:
         ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
-        # A bias past float32's range (the offline API takes any finite number) acts as the
+        # A bias past the logits' range (the offline API takes any finite number) acts as the
         # largest one; -inf (a banned token) plus a finite bias stays -inf.
-        values = torch.tensor(list(bias.values()), dtype=torch.float64).clamp_(-largest, largest)
+        values = torch.tensor(list(bias.values()), dtype=torch.float64).clamp_(-limit, limit)
         values = values.to(device=logits.device, dtype=logits.dtype)
-        logits[i, ids] = (logits[i, ids] + values).clamp_(max=largest)
+        logits[i, ids] = _finite_limits(logits[i, ids] + values, logits[i, ids])
     return logits
+
+
+def _finite_limits(result: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """`result` of changing the logits `before` (a bias, a penalty), with each finite logit
+    kept within +-_logit_limit: a temperature (at most 1 / GREEDY_BELOW times) then cannot
+    overflow it to inf (softmax over an inf is NaN, and a row whose every allowed logit went to
+    -inf would have nothing left to draw). A banned token (-inf) stays banned."""
+    limit = _logit_limit(result.dtype)
+    return torch.where(torch.isinf(before), result, result.clamp(-limit, limit))
+
+
+def _logit_limit(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).max * GREEDY_BELOW
 
 
 def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -284,8 +296,8 @@ def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
         finfo = torch.finfo(dtype)
         penalty = torch.tensor([r.params.repetition_penalty for r in rows], dtype=dtype,
                                device=device)[at[0]].clamp_(min=finfo.tiny, max=finfo.max)
-        logits[at] = torch.where(values > 0, values / penalty,
-                                 values * penalty).clamp_(max=finfo.max)
+        logits[at] = _finite_limits(torch.where(values > 0, values / penalty,
+                                                values * penalty), values)
     counted = [i for i in penalized if rows[i].params.frequency_penalty != 0.0
                or rows[i].params.presence_penalty != 0.0]
     if counted:

@@ -203,8 +203,9 @@ def test_adapters_found_in_the_resolver_dir_load_on_demand(tiny_model, adapters,
     root.mkdir()
     for name in ("all", "qv"):
         (root / name).symlink_to(adapters[name][0])
-    (root / "broken").mkdir()
-    (root / "broken" / "adapter_config.json").write_text("{}")
+    for name in ("broken", ".hidden"):
+        (root / name).mkdir()
+        (root / name / "adapter_config.json").write_text("{}")
     server = ServerProcess(tiny_model[0], "--served-model-name", "tiny",
                            "--num-device-blocks", "64", "--max-model-len", "256",
                            "--enable-lora", "--max-lora-rank", "8", "--max-cpu-loras", "1",
@@ -220,10 +221,12 @@ def test_adapters_found_in_the_resolver_dir_load_on_demand(tiny_model, adapters,
                 assert result.choices[0].token_ids == _expected(adapters[name][1], tiny_model,
                                                                 prompt_ids), name
             assert [c.id for c in client.models.list().data] == ["tiny", "all", "qv"]
-            for name in ("../resolver", "all/..", "missing"):
+            for name in ("../resolver", "all/..", "missing", ".hidden"):
                 with pytest.raises(openai.NotFoundError):
                     client.completions.create(model=name, prompt="x", max_tokens=1)
             with pytest.raises(openai.BadRequestError, match='"peft_type": "LORA"'):
                 client.completions.create(model="broken", prompt="x", max_tokens=1)
+            # It did not load: not listed as a model.
+            assert [c.id for c in client.models.list().data] == ["tiny", "all", "qv"]
     finally:
         server.stop()

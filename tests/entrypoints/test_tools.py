@@ -115,8 +115,8 @@ def test_the_template_sees_the_tools_and_earlier_calls(server):
     ({"id": "c"}, "messages[1].tool_calls", "must be an array"),
     ([{"id": "c", "type": "function"}], "messages[1].tool_calls[0]", '"function" object'),
     ([{"function": {"arguments": "{}"}}], "messages[1].tool_calls[0]", "function.name"),
-    ([{"function": {"name": "f", "arguments": {"city": "Oslo"}}}], "messages[1].tool_calls[0]",
-     "as a JSON string"),
+    ([{"function": {"name": "f", "arguments": ["Oslo"]}}], "messages[1].tool_calls[0]",
+     "neither a JSON string nor an object"),
     ([{"type": "code", "function": {"name": "f", "arguments": "{}"}}],
      "messages[1].tool_calls[0]", "only \"function\" calls"),
 ])

@@ -131,6 +131,8 @@ def test_grammars_survive_preemption(reference):
     ({"json": "{not json"}, "structured_outputs.json is invalid: not JSON"),
     ({"regex": "[a-"}, "structured_outputs.regex is invalid"),
     ({"grammar": "start: undefined_rule"}, "structured_outputs.grammar is invalid"),
+    # Compiles, but fails at its first mask (it matches nothing).
+    ({"regex": "[^\\s\\S]"}, "structured_outputs.regex is invalid"),
 ])
 def test_a_constraint_that_does_not_compile_is_refused_at_add(llm, constraint, message):
     with pytest.raises(GrammarError, match=message):

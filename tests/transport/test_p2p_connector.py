@@ -61,8 +61,8 @@ def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
     # The hash of the last block sent, which the consumer checks against its own.
     hasher = make_block_hasher(BLOCK_SIZE)
     assert [p.kv_transfer_params["block_hash"] for p in prefills] == [
-        Request("r", prompt, block_hasher=hasher).block_hashes[len(prompt) // BLOCK_SIZE - 1]
-        .hex() for prompt in prompts]
+        "sha256_cbor:" + Request("r", prompt, block_hasher=hasher)
+        .block_hashes[len(prompt) // BLOCK_SIZE - 1].hex() for prompt in prompts]
     start = time.monotonic()
     _drain(producer)
     # Every send ended well before send_timeout_s (5 s), the one of the prompt the consumer
@@ -96,6 +96,18 @@ def test_a_transfer_of_another_prefix_is_not_taken(model, engines):
     assert decode.outputs[0].token_ids == expected
     assert decode.num_cached_tokens == 0
     assert consumer.get_metrics().get("kvtier:p2p_connector_blocks_loaded", 0.0) == 0
+    # The consumer took the transfer and dropped it: the producer's blocks are freed well
+    # before its send_timeout_s (5 s).
+    start = time.monotonic()
+    _drain(producer)
+    assert time.monotonic() - start < 4.5
+    # A producer that hashes blocks another way is not checked (nothing to compare with).
+    params = {**prefill.kv_transfer_params,
+              "block_hash": "xxhash:" + prefill.kv_transfer_params["block_hash"].split(":")[1]}
+    from kvtier.connector.p2p.metadata import LoadParams
+    scheduler = consumer.engine.scheduler.connector
+    assert scheduler._same_prefix(Request("x", other, block_hasher=make_block_hasher(
+        BLOCK_SIZE)), LoadParams.parse(params))
 
 
 def test_lost_transfer_is_recomputed_and_frees_the_producer(model, engines):

@@ -223,11 +223,15 @@ def test_values_past_float32_range_act_as_its_limits():
         (SamplingParams(top_p=1e-300), {1}),
         (SamplingParams(top_p=1e-300, top_k=3), {1}),
         # 1e-300 rounds to 0, taken as the smallest positive float: the seen positive logits
-        # (0.1, 1.9) grow to ~1e37 and ~1.6e38, and the larger one takes every draw.
-        (SamplingParams(repetition_penalty=1e-300), {3}),
+        # (0.1, 1.9) both grow to the logits' limit and share the draws.
+        (SamplingParams(repetition_penalty=1e-300), {0, 3}),
         # 1e39 rounds to inf: seen tokens with positive logits go to 0, the negative one to
-        # -inf.
+        # minus the limit (never drawn beside the others)...
         (SamplingParams(repetition_penalty=1e39), {0, 1, 3}),
+        # ... but drawn where it is the only token allowed, even at a temperature that scales
+        # the limit up (it overflowed to -inf: nothing was left to draw).
+        (SamplingParams(repetition_penalty=1e39, temperature=1.1e-5, allowed_token_ids=[2]),
+         {2}),
     ]
     for params, expected in cases:
         sampler = Sampler(CPU, 0)

@@ -15,9 +15,10 @@ and computes only the rest; a load that fails or misses `kv_load_timeout_s` is r
     producer returns  kv_transfer_params={"transfer_id": T, "num_tokens": N, "block_hash": H}
     consumer request  kv_transfer_params={"transfer_id": T, "num_tokens": N, "block_hash": H}
 
-H (hex; absent when N is 0) is the producer's hash of its last sent block: a consumer whose own
-hash there differs (another LoRA adapter under the same name, another cache_salt or prompt)
-takes no transfer and computes the prompt itself, rather than cache KV that is not its own.
+H ("ALGO:HEX"; absent when N is 0) is the producer's hash of its last sent block: a consumer
+that hashes blocks the same way and whose own hash there differs (another LoRA adapter under the
+same name, another cache_salt or prompt) takes the transfer and drops it (the producer's blocks
+are freed at once) and computes the prompt itself, rather than cache KV that is not its own.
 
 A is the consumer's transfer engine address (`tcp://host:port`, its extra config `bind_host`
 and `port`); T is unique per consumer (the router picks it). Both engines must have the same

@@ -66,9 +66,10 @@ class SendParams:
 @dataclass(frozen=True)
 class LoadParams:
     """A consumer request's kv_transfer_params, as the producer returned them: the transfer
-    that carries the KV of the prompt's first `num_tokens` tokens, and the hex hash of the last
-    of those blocks as the producer computed it (it chains over the tokens and whatever else
-    shaped the KV: a LoRA adapter, a cache_salt), which the consumer's own hash must equal."""
+    that carries the KV of the prompt's first `num_tokens` tokens, and the hash of the last of
+    those blocks as the producer computed it, "ALGO:HEX" (it chains over the tokens and whatever
+    else shaped the KV: a LoRA adapter, a cache_salt), which the consumer's own hash must equal
+    when it hashes the same way."""
 
     transfer_id: str
     num_tokens: int

@@ -68,26 +68,23 @@ class P2PConnectorScheduler(KVConnectorScheduler):
                            "tokens; no KV transfer for it", request.request_id,
                            params.num_tokens, request.num_prompt_tokens)
             return None
-        if params is not None and not self._same_prefix(request, params):
-            logger.warning("request %s: the producer computed another prefix (another LoRA "
-                           "adapter, cache_salt or prompt: its block hash differs); no KV "
-                           "transfer for it", request.request_id)
-            return None
         return params
 
     def _same_prefix(self, request: Request, params: LoadParams) -> bool:
-        """Whether the producer's last sent block is this request's block there."""
+        """Whether the producer's last sent block is this request's block there. A producer
+        that hashes blocks another way ("ALGO:HEX" names its algorithm) is not checked."""
         num_blocks = params.num_tokens // self.context.block_size
-        if params.block_hash is None or num_blocks == 0:
+        algo, _, digest = (params.block_hash or "").rpartition(":")
+        if not digest or num_blocks == 0 or algo != self.context.hash_algo:
             return True
         hashes = request.block_hashes
-        return len(hashes) >= num_blocks and hashes[num_blocks - 1].hex() == params.block_hash
+        return len(hashes) >= num_blocks and hashes[num_blocks - 1].hex() == digest
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         params = self._load_params(request)
         if params is None or request.request_id in self._pending_loads \
-                or request.request_id in self._taken:
+                or request.request_id in self._taken or not self._same_prefix(request, params):
             return 0, False
         block_size = self.context.block_size
         # The last token is always computed here: the model needs its logits to sample.
@@ -105,8 +102,13 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             params = self._load_params(request)
             if params is not None and params.num_tokens > 0:
                 self._taken.add(request.request_id)
-                # Nothing to load (all of it hit locally), but the producer holds its blocks
-                # until its send ends: take the transfer and drop it.
+                if not self._same_prefix(request, params):
+                    logger.warning("request %s: the producer computed another prefix (another "
+                                   "LoRA adapter, cache_salt or prompt: its block hash "
+                                   "differs); its KV is dropped, the prompt computed here",
+                                   request.request_id)
+                # Nothing to load (all of it hit locally, or not this request's KV), but the
+                # producer holds its blocks until its send ends: take the transfer and drop it.
                 self._drains.append(BlockLoad(request.request_id, params.transfer_id,
                                               params.num_tokens // self.context.block_size, 0,
                                               []))
@@ -182,7 +184,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         num_computed = min(request.num_prompt_tokens, request.num_computed_tokens)
         num_blocks = min(len(block_ids), num_computed // self.context.block_size)
         result = _load_params_for(request, params.transfer_id, num_blocks,
-                                  self.context.block_size)
+                                  self.context.block_size, self.context.hash_algo)
         if num_blocks == 0:
             return False, result
         # The worker sends from these blocks: they stay allocated until it reports the send.
@@ -197,18 +199,18 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         req_id = request.request_id
         if push.num_copied == push.num_blocks:
             return True, _load_params_for(request, push.params.transfer_id, push.num_blocks,
-                                          self.context.block_size)
+                                          self.context.block_size, self.context.hash_algo)
         # The prompt was not computed to its end (aborted): nothing was sent.
         if push.num_copied > 0:
             self._dropped.append(req_id)
         return False, {"transfer_id": push.params.transfer_id, "num_tokens": 0}
 
 
-def _load_params_for(request: Request, transfer_id: str, num_blocks: int,
-                     block_size: int) -> dict[str, Any]:
+def _load_params_for(request: Request, transfer_id: str, num_blocks: int, block_size: int,
+                     hash_algo: str) -> dict[str, Any]:
     """The kv_transfer_params a producer returns for a transfer of the prompt's first
     `num_blocks` blocks (LoadParams, the consumer's side)."""
     params: dict[str, Any] = {"transfer_id": transfer_id, "num_tokens": num_blocks * block_size}
     if num_blocks > 0:
-        params["block_hash"] = request.block_hashes[num_blocks - 1].hex()
+        params["block_hash"] = f"{hash_algo}:{request.block_hashes[num_blocks - 1].hex()}"
     return params

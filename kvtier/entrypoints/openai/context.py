@@ -116,8 +116,8 @@ class ServerContext:
 
     def _resolve_lora(self, name: str) -> bool:
         """Whether --lora-resolver-dir has an adapter directory called `name` (one path
-        component); it then joins the known adapters."""
-        if self.lora_resolver_dir is None or not name or name in (".", "..") \
+        component, not hidden); it then joins the known adapters."""
+        if self.lora_resolver_dir is None or not name or name.startswith(".") \
                 or any(c in name for c in "/\\\0"):
             return False
         path = os.path.join(self.lora_resolver_dir, name)
@@ -132,10 +132,9 @@ class ServerContext:
         the engine dropped to make room (--max-cpu-loras) loads again."""
         if requested is None or requested in self.served_model_names:
             return None
-        lora = self.lora_modules.get(requested)
-        if lora is None:
-            self.check_model(requested)  # raises: it is gone
-        return lora
+        if requested not in self.lora_modules:
+            self.check_model(requested)  # raises, unless the resolver directory has it again
+        return self.lora_modules[requested]
 
     def new_lora_request(self, name: str, path: str) -> LoRARequest:
         """A LoRARequest with the next unused lora_int_id."""

@@ -106,6 +106,10 @@ async def open_generations(ctx: ServerContext, prompts: list[Prompt], params: Sa
     failure = next((r for r in results if isinstance(r, BaseException)), None)
     if failure is None:
         return list(results)
+    lora = options.get("lora_request")
+    if isinstance(failure, LoRAError) and lora is not None:
+        # Its directory no longer loads (deleted, broken): no longer listed as a model.
+        ctx.lora_modules.pop(lora.lora_name, None)
     for result in results:
         if not isinstance(result, BaseException):
             await result.aclose()

@@ -47,6 +47,10 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> Plain
     if name in ctx.lora_modules or name in ctx.served_model_names:
         raise BadRequestError(f"the model name {name!r} is already served; unload it first",
                               param="lora_name", code="lora_already_loaded")
+    loras = ctx.engine.loras
+    if loras is not None:
+        # Not served, yet loaded: an unload raced a request that loaded it again.
+        loras.remove(name)
     try:
         request = ctx.new_lora_request(name, body.lora_path)
         # Shielded: a load that outlives the client's wait still ends served, not loaded in

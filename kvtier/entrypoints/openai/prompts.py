@@ -149,7 +149,8 @@ def _message_dict(message: Any, index: int) -> dict[str, Any]:
 
 def _check_tool_calls(tool_calls: Any, where: str) -> None:
     """OpenAI's shape: [{"id", "type": "function", "function": {"name", "arguments"}}], the
-    arguments JSON text; a template would print anything else as it came, or fail on it."""
+    arguments JSON text (as vLLM, also an object, or none); a template would print anything
+    else as it came, or fail on it."""
     if not isinstance(tool_calls, list):
         raise BadRequestError(f"{where} must be an array of tool calls", param=where,
                               code="invalid_type")
@@ -161,8 +162,8 @@ def _check_tool_calls(tool_calls: Any, where: str) -> None:
             problem = "must be an object with a \"function\" object"
         elif not isinstance(function.get("name"), str):
             problem = "needs function.name, a string"
-        elif not isinstance(function.get("arguments"), str):
-            problem = "needs function.arguments, the arguments as a JSON string"
+        elif not isinstance(function.get("arguments", "{}"), (str, dict, type(None))):
+            problem = "has function.arguments that are neither a JSON string nor an object"
         elif call.get("type", "function") != "function":
             problem = f"has type {call.get('type')!r}; only \"function\" calls exist"
         elif not isinstance(call.get("id", ""), str):
@@ -173,8 +174,10 @@ def _check_tool_calls(tool_calls: Any, where: str) -> None:
 
 def _template_tool_call(call: Any) -> Any:
     """A tool call as chat templates print it: its arguments (JSON text in OpenAI's messages)
-    as an object where they parse, as vLLM hands them to templates."""
+    as an object where they parse, as vLLM hands them to templates (none: {})."""
     function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and function.get("arguments") is None:
+        return {**call, "function": {**function, "arguments": {}}}
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
     try:
