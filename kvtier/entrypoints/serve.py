@@ -114,7 +114,8 @@ def _add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _checked_config(args: argparse.Namespace
-                    ) -> tuple[EngineConfig, int, KVEventsConfig | None, list[tuple[str, str]]]:
+                    ) -> tuple[EngineConfig, int, KVEventsConfig | None,
+                               list[tuple[str, str, str | None]]]:
     """The engine config, the request body limit in bytes, the KV events config and the
     LoRA modules, every server option checked; imports no torch (unless --device names one),
     so a bad value fails before the heavy imports."""
@@ -150,11 +151,13 @@ def _checked_config(args: argparse.Namespace
     return config, max_body, events_config, lora_modules
 
 
-def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
-    """--lora-modules entries, each NAME=PATH or a JSON object {"name", "path"} (vLLM also
-    allows "base_model_name"), as (name, path) pairs. ValueError naming the bad entry."""
-    modules: list[tuple[str, str]] = []
+def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str, str | None]]:
+    """--lora-modules entries, each NAME=PATH or a JSON object {"name", "path"[,
+    "base_model_name"]}, as (name, path, base model name or None). ValueError naming the bad
+    entry."""
+    modules: list[tuple[str, str, str | None]] = []
     for value in values or ():
+        base = None
         if value.lstrip().startswith("{"):
             try:
                 entry = json.loads(value)
@@ -163,14 +166,16 @@ def parse_lora_modules(values: list[str] | None) -> list[tuple[str, str]]:
             unknown = set(entry) - {"name", "path", "base_model_name"} \
                 if isinstance(entry, dict) else {"?"}
             name, path = (entry.get("name"), entry.get("path")) if not unknown else (None, None)
+            base = entry.get("base_model_name") if not unknown else None
         else:
             name, _, path = value.partition("=")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path \
+                or not isinstance(base, (str, type(None))):
             raise ValueError(f"--lora-modules {value!r}: give NAME=PATH or "
-                             '{"name": NAME, "path": PATH}')
+                             '{"name": NAME, "path": PATH[, "base_model_name": NAME]}')
         if name in (m[0] for m in modules):
             raise ValueError(f"--lora-modules names {name!r} twice")
-        modules.append((name, path))
+        modules.append((name, path, base))
     return modules
 
 
@@ -255,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
                         thinking_token_ids=thinking,
                         kv_events_info=_kv_events_info(events_config, config, chat_template),
                         sampling_defaults=sampling_defaults, lora_modules=loras,
+                        lora_parents={name: base for name, _, base in lora_modules if base},
                         lora_resolver_dir=args.lora_resolver_dir)
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
                     max_request_body_bytes=max_body)
@@ -283,13 +289,13 @@ def _set_up_tokenizer(tokenizer: Any, chat_template: str | None,
     return thinking_tokens(tokenizer, reasoning_parser)
 
 
-def _load_lora_modules(engine: Any, modules: list[tuple[str, str]],
+def _load_lora_modules(engine: Any, modules: list[tuple[str, str, str | None]],
                        served: tuple[str, ...]) -> dict[str, Any]:
     """--lora-modules loaded into the engine: name -> LoRARequest."""
     from kvtier.lora import LoRARequest
 
     loras = {}
-    for index, (name, path) in enumerate(modules):
+    for index, (name, path, _) in enumerate(modules):
         if name in served:
             raise ValueError(f"--lora-modules {name!r} is also a served model name")
         loras[name] = LoRARequest(name, index + 1, path)

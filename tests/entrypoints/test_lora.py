@@ -44,7 +44,8 @@ def server(tiny_model, adapters):
                              "--block-size", "16", "--kv-events-config", json.dumps(events),
                              "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                              "--lora-modules", f"all={adapters['all'][0]}",
-                             f'{{"name": "qv", "path": "{adapters["qv"][0]}"}}')
+                             f'{{"name": "qv", "path": "{adapters["qv"][0]}", '
+                             '"base_model_name": "tiny-base"}')
     yield proc
     proc.stop()
 
@@ -65,7 +66,7 @@ def test_models_lists_the_adapters_with_their_base(client, adapters):
     assert list(cards) == ["tiny", "all", "qv"]
     assert (cards["all"].parent, cards["all"].root) == ("tiny", adapters["all"][0])
     assert cards["tiny"].parent is None
-    assert client.models.retrieve("qv").parent == "tiny"
+    assert client.models.retrieve("qv").parent == "tiny-base"  # its base_model_name
 
 
 def test_each_model_name_generates_with_its_adapter(client, tiny_model, adapters):

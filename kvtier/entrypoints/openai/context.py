@@ -70,6 +70,8 @@ class ServerContext:
     # LoRA adapters clients may name as their `model` (--lora-modules, loaded at run time, or
     # found in --lora-resolver-dir).
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    # An adapter's base model name where --lora-modules gave one (else the served model's).
+    lora_parents: dict[str, str] = field(default_factory=dict)
     # A directory of adapters, one per subdirectory: a `model` naming one that is not known
     # yet becomes known, and loads with its first request.
     lora_resolver_dir: str | None = None

@@ -24,7 +24,8 @@ def _ctx(raw: Request) -> ServerContext:
 def _card(ctx: ServerContext, name: str) -> ModelCard:
     lora = ctx.lora_modules.get(name)
     if lora is not None:
-        return ModelCard(id=name, root=lora.lora_path, parent=ctx.model_name,
+        return ModelCard(id=name, root=lora.lora_path,
+                         parent=ctx.lora_parents.get(name, ctx.model_name),
                          max_model_len=ctx.max_model_len)
     return ModelCard(id=name, root=ctx.model_path or ctx.engine.model_name,
                      max_model_len=ctx.max_model_len)
