@@ -104,6 +104,8 @@ class RouterService:
         instance.num_health_failures = 0
         if not instance.healthy:
             await self._bring_up(instance)
+        elif instance.events is not None and self.hasher is not None:
+            await self._read_adapters(instance)
         await self._read_load(instance)
         since = instance.awaiting_events_since
         if instance.indexed and since is not None and \
@@ -188,6 +190,18 @@ class RouterService:
             return
         self.hasher = PromptHasher(tokenizer, events.block_size, events.hash_algo)
         self._hashing = (events.block_size, events.hash_algo)
+
+    async def _read_adapters(self, instance: Instance) -> None:
+        """The instance's LoRA adapters now, loaded at run time too, for the prompt hasher."""
+        try:
+            response = await self.client.get(f"{instance.url}/v1/kv_events_info",
+                                             headers=self.own_headers, timeout=HEALTH_TIMEOUT_S)
+            events = EventsInfo.from_json(response.json()) if response.status_code == 200 \
+                else None
+        except (httpx.HTTPError, ValueError):
+            return  # the health checks judge the instance; its adapters keep their last keys
+        if events is not None:
+            self.hasher.add_adapters(events.lora_adapters)
 
     async def _read_load(self, instance: Instance) -> None:
         try:

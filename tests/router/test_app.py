@@ -118,3 +118,44 @@ def test_an_instance_that_stops_publishing_is_reindexed_from_its_replay_buffer(t
         server.should_exit = True
         thread.join(10)
         publisher.shutdown()
+
+
+def test_adapters_loaded_at_run_time_reach_the_prompt_hasher(tmp_path):
+    """Each health check reads the instance's kv_events_info again: an adapter loaded there
+    after it came up hashes with its key from the next check on."""
+    save_byte_tokenizer(tmp_path)
+    instance_app = FastAPI()
+    info = {"publishing": True, "endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "",
+            "block_size": 4, "hash_algo": "sha256_cbor", "model": str(tmp_path),
+            "lora_adapters": {"a": "key-a"}}
+    instance_app.get("/health")(lambda: {})
+    instance_app.get("/metrics")(lambda: PlainTextResponse(""))
+    instance_app.get("/v1/kv_events_info")(lambda: info)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(instance_app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    service = RouterService(RouterConfig(instances=(f"http://127.0.0.1:{port}",)))
+    token_ids = list(range(3, 20))
+
+    async def scenario() -> None:
+        deadline = time.monotonic() + 10.0
+        while not server.started:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.02)
+        await service.check(service.instances[0])
+        hasher = service.hasher
+        base = hasher.block_hashes_of(token_ids)
+        assert hasher.block_hashes_of(token_ids, None, "a") != base
+        assert hasher.block_hashes_of(token_ids, None, "b") == base  # not known yet
+        info["lora_adapters"] = {"a": "key-a", "b": "key-b"}
+        await service.check(service.instances[0])
+        with_b = hasher.block_hashes_of(token_ids, None, "b")
+        assert with_b != base and with_b != hasher.block_hashes_of(token_ids, None, "a")
+        await service.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.should_exit = True
+        thread.join(10)
