@@ -46,8 +46,6 @@ class LoRAWeights:
 class LoRAAdapter:
     name: str
     path: str
-    int_id: int
-    rank: int  # the largest of its pieces'
     # sha256 of everything that changes the KV it produces: its tensors and scaling. Block
     # hashes carry it (not the name), so an adapter's KV is shared by every instance that runs
     # the same adapter and never served for another one of the same name.
@@ -85,24 +83,17 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget],
     if not pieces:
         raise LoRAError(f"LoRA adapter {path}: {ADAPTER_WEIGHTS} holds no lora_A/lora_B "
                         "weights")
-    out_features = {}
-    for target in targets.values():
-        end = target.row_start + target.out_features
-        out_features[target.module] = max(out_features.get(target.module, 0), end)
-    weights = {module: _fuse(group, out_features[module], dtype, device)
-               for module, group in pieces.items()}
-    rank = max(p.lora_a.shape[0] for group in pieces.values() for p in group)
-    return LoRAAdapter(request.lora_name, path, request.lora_int_id, rank, digest.hexdigest(),
-                       weights)
+    weights = {module: _fuse(group, dtype, device) for module, group in pieces.items()}
+    return LoRAAdapter(request.lora_name, path, digest.hexdigest(), weights)
 
 
-def _fuse(pieces: list[_Piece], out_features: int, dtype: torch.dtype,
-          device: torch.device) -> LoRAWeights:
+def _fuse(pieces: list[_Piece], dtype: torch.dtype, device: torch.device) -> LoRAWeights:
     """One module's pieces as one A and one block-placed B (see LoRAWeights)."""
     scalings = {piece.scaling for piece in pieces}
     common = scalings.pop() if len(scalings) == 1 else None
     total_rank = sum(piece.lora_a.shape[0] for piece in pieces)
-    lora_b = torch.zeros(out_features, total_rank, dtype=torch.float32)
+    lora_b = torch.zeros(pieces[0].target.module_out_features, total_rank,
+                         dtype=torch.float32)
     column = 0
     for piece in pieces:
         rank, start = piece.lora_a.shape[0], piece.target.row_start

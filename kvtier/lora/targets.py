@@ -19,6 +19,7 @@ class LoRATarget:
     row_start: int  # the piece's first output row within that module
     out_features: int
     in_features: int
+    module_out_features: int  # the whole (fused) module's output rows
 
 
 def find_targets(model: nn.Module) -> dict[str, LoRATarget]:
@@ -31,10 +32,10 @@ def find_targets(model: nn.Module) -> dict[str, LoRATarget]:
     targets: dict[str, LoRATarget] = {}
 
     def add(prefix: str, fused: str, pieces: list[tuple[str, int]], in_features: int) -> None:
-        start = 0
+        start, total = 0, sum(rows for _, rows in pieces)
         for piece, rows in pieces:
             targets[f"{prefix}.{piece}"] = LoRATarget(f"{prefix}.{fused}", start, rows,
-                                                      in_features)
+                                                      in_features, total)
             start += rows
 
     for name, module in model.named_modules():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -18,6 +19,29 @@ from kvtier.router.service import RouterService
 from ..entrypoints.server_process import free_port
 from ..tiny_models import save_byte_tokenizer
 from .asgi_client import run_scenario
+
+
+@contextlib.contextmanager
+def fake_instance(info: dict, metrics: str = ""):
+    """An instance's routes the router reads (/health, /metrics, /v1/kv_events_info answering
+    `info`, which the test may change) served on a free port; yields its URL."""
+    app = FastAPI()
+    app.get("/health")(lambda: {})
+    app.get("/metrics")(lambda: PlainTextResponse(metrics))
+    app.get("/v1/kv_events_info")(lambda: info)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10.0
+        while not server.started:
+            assert time.monotonic() < deadline, "the fake instance did not start"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def run_against_dead_instance(scenario) -> None:
@@ -65,23 +89,12 @@ def test_an_instance_that_stops_publishing_is_reindexed_from_its_replay_buffer(t
     publisher = ZmqEventPublisher(KVEventsConfig(
         enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{free_port()}",
         replay_endpoint=f"tcp://127.0.0.1:{free_port()}"))
-    instance_app = FastAPI()
     info = {"publishing": True, "endpoint": publisher.config.endpoint,
             "replay_endpoint": publisher.config.replay_endpoint, "topic": "",
             "block_size": 16, "hash_algo": "sha256_cbor", "model": str(tmp_path)}
-    instance_app.get("/health")(lambda: {})
     # vLLM 0.32's breakdown of the waiting requests by reason is not counted twice.
-    instance_app.get("/metrics")(lambda: PlainTextResponse(
-        'vllm:num_requests_running 2.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
-        'vllm:num_requests_waiting_by_reason{reason="capacity"} 1.0\n'))
-    instance_app.get("/v1/kv_events_info")(lambda: info)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(instance_app, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    service = RouterService(RouterConfig(instances=(f"http://127.0.0.1:{port}",),
-                                         event_timeout_s=0.2))
-    instance = service.instances[0]
+    metrics = ('vllm:num_requests_running 2.0\nvllm:num_requests_waiting{model_name="m"} 1.0\n'
+               'vllm:num_requests_waiting_by_reason{reason="capacity"} 1.0\n')
 
     async def until(condition) -> None:
         deadline = time.monotonic() + 10.0
@@ -89,8 +102,9 @@ def test_an_instance_that_stops_publishing_is_reindexed_from_its_replay_buffer(t
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
 
-    async def scenario() -> None:
-        await until(lambda: server.started)
+    async def scenario(url: str) -> None:
+        service = RouterService(RouterConfig(instances=(url,), event_timeout_s=0.2))
+        instance = service.instances[0]
         await service.check(instance)
         assert (instance.healthy, instance.indexed, instance.reported_load) == (True, True, 3)
         await asyncio.sleep(0.3)  # the subscription reaches the PUB socket
@@ -113,10 +127,9 @@ def test_an_instance_that_stops_publishing_is_reindexed_from_its_replay_buffer(t
         await service.stop()
 
     try:
-        asyncio.run(scenario())
+        with fake_instance(info, metrics) as url:
+            asyncio.run(scenario(url))
     finally:
-        server.should_exit = True
-        thread.join(10)
         publisher.shutdown()
 
 
@@ -124,25 +137,13 @@ def test_adapters_loaded_at_run_time_reach_the_prompt_hasher(tmp_path):
     """Each health check reads the instance's kv_events_info again: an adapter loaded there
     after it came up hashes with its key from the next check on."""
     save_byte_tokenizer(tmp_path)
-    instance_app = FastAPI()
     info = {"publishing": True, "endpoint": f"tcp://127.0.0.1:{free_port()}", "topic": "",
             "block_size": 4, "hash_algo": "sha256_cbor", "model": str(tmp_path),
             "lora_adapters": {"a": "key-a"}}
-    instance_app.get("/health")(lambda: {})
-    instance_app.get("/metrics")(lambda: PlainTextResponse(""))
-    instance_app.get("/v1/kv_events_info")(lambda: info)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(instance_app, port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    service = RouterService(RouterConfig(instances=(f"http://127.0.0.1:{port}",)))
     token_ids = list(range(3, 20))
 
-    async def scenario() -> None:
-        deadline = time.monotonic() + 10.0
-        while not server.started:
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.02)
+    async def scenario(url: str) -> None:
+        service = RouterService(RouterConfig(instances=(url,)))
         await service.check(service.instances[0])
         hasher = service.hasher
         base = hasher.block_hashes_of(token_ids)
@@ -154,8 +155,5 @@ def test_adapters_loaded_at_run_time_reach_the_prompt_hasher(tmp_path):
         assert with_b != base and with_b != hasher.block_hashes_of(token_ids, None, "a")
         await service.stop()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with fake_instance(info) as url:
+        asyncio.run(scenario(url))
