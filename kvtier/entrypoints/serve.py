@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-request-body-bytes", default="8MiB",
                        help="largest request body accepted, e.g. 8MiB (default) or 1048576; "
                             "larger ones get a 413 before they are read")
+    group.add_argument("--responses-store-size", default="128MiB",
+                       help="memory for responses kept for previous_response_id and GET "
+                            "/v1/responses/{id}, e.g. 128MiB (default); the least recently "
+                            "used go first; 0 keeps none")
     group.add_argument("--uvicorn-log-level", default="info", choices=_LOG_LEVELS)
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="seconds in-flight requests get to finish at shutdown; the engine "
@@ -131,6 +135,7 @@ def _checked_config(args: argparse.Namespace
     max_body = parse_size(args.max_request_body_bytes, "--max-request-body-bytes")
     if max_body <= 0:
         raise ValueError(f"--max-request-body-bytes must be > 0, got {max_body}")
+    parse_size(args.responses_store_size, "--responses-store-size")
     config = engine_config_from_args(args)
     lora_modules = parse_lora_modules(args.lora_modules)
     for flag, given in (("--lora-modules", lora_modules),
@@ -229,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     from kvtier.engine.kv_events import make_event_publisher
     from kvtier.entrypoints.openai.app import build_app
     from kvtier.entrypoints.openai.context import ServerContext, ServerMetrics
+    from kvtier.entrypoints.openai.responses.store import ResponseStore
     from kvtier.models.generation_config import load_sampling_defaults
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -261,7 +267,9 @@ def run(args: argparse.Namespace) -> int:
                         kv_events_info=_kv_events_info(events_config, config, chat_template),
                         sampling_defaults=sampling_defaults, lora_modules=loras,
                         lora_parents={name: base for name, _, base in lora_modules if base},
-                        lora_resolver_dir=args.lora_resolver_dir)
+                        lora_resolver_dir=args.lora_resolver_dir,
+                        response_store=ResponseStore(parse_size(args.responses_store_size,
+                                                                 "--responses-store-size")))
     app = build_app(ctx, shutdown_timeout_s=args.shutdown_timeout,
                     max_request_body_bytes=max_body)
     server = uvicorn.Server(uvicorn.Config(

@@ -14,8 +14,9 @@ from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES,
 from kvtier.entrypoints.openai.errors import ServiceUnavailableError, install_error_handlers
 from kvtier.router.instances import Instance
 from kvtier.router.policy import NoInstanceError
-from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
 from kvtier.router.proxy import explain, from_any_instance, proxy
+from kvtier.router.responses import at_owner
 from kvtier.router.service import RouterService
 
 
@@ -30,13 +31,7 @@ def build_app(service: RouterService,
     app = FastAPI(title="kvtier router", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
 
-    @app.post(COMPLETIONS_PATH)
-    async def completions(raw: Request) -> Response:
-        return await proxy(service, COMPLETIONS_PATH, raw)
-
-    @app.post(CHAT_PATH)
-    async def chat(raw: Request) -> Response:
-        return await proxy(service, CHAT_PATH, raw)
+    _add_generation_routes(app, service)
 
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
@@ -79,6 +74,29 @@ def build_app(service: RouterService,
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_body_bytes)
     return app
+
+
+def _add_generation_routes(app: FastAPI, service: RouterService) -> None:
+    """The proxied generation endpoints, and the stored responses where they live."""
+    @app.post(COMPLETIONS_PATH)
+    async def completions(raw: Request) -> Response:
+        return await proxy(service, COMPLETIONS_PATH, raw)
+
+    @app.post(CHAT_PATH)
+    async def chat(raw: Request) -> Response:
+        return await proxy(service, CHAT_PATH, raw)
+
+    @app.post(RESPONSES_PATH)
+    async def responses(raw: Request) -> Response:
+        return await proxy(service, RESPONSES_PATH, raw)
+
+    @app.api_route(RESPONSES_PATH + "/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, raw: Request) -> Response:
+        return await at_owner(service, raw.method, response_id, "", raw)
+
+    @app.get(RESPONSES_PATH + "/{response_id}/input_items")
+    async def input_items(response_id: str, raw: Request) -> Response:
+        return await at_owner(service, "GET", response_id, "/input_items", raw)
 
 
 def _state_of(instance: Instance) -> dict[str, object]:

@@ -15,6 +15,12 @@ from pydantic import ValidationError
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.prompts import chat_prompt, completion_prompts
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
+from kvtier.entrypoints.openai.responses.convert import (
+    chat_request,
+    input_messages,
+    with_instructions,
+)
+from kvtier.entrypoints.openai.responses.protocol import ResponsesRequest
 from kvtier.events import external_block_hash
 from kvtier.kv.hashing import make_block_hasher
 from kvtier.kv.request import Request
@@ -23,6 +29,7 @@ from kvtier.models.tokenizer import Tokenizer
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = "/v1/responses"
 # Token ids are checked by the instance, which knows its vocabulary; the router takes any.
 _ANY_VOCAB = 1 << 62
 
@@ -79,10 +86,21 @@ class PromptHasher:
             if path == CHAT_PATH:
                 return chat_prompt(self._context,
                                    ChatCompletionRequest.model_validate(body)).token_ids
+            if path == RESPONSES_PATH:
+                return self._response_token_ids(body)
             # Several prompts are served together by one instance: the first one decides.
             return completion_prompts(self._context, body.get("prompt"))[0].token_ids
         except (BadRequestError, ValidationError, ChatTemplateError, TypeError):
             return None
+
+    def _response_token_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """A Responses request's prompt; None when it goes on from a stored response (its
+        earlier turns are on the instance that stores it, where the request goes)."""
+        request = ResponsesRequest.model_validate(body)
+        if request.previous_response_id is not None or request.input is None:
+            return None
+        messages = with_instructions(request.instructions, input_messages(request.input))
+        return chat_prompt(self._context, chat_request(request, messages)).token_ids
 
     def block_hashes_of(self, token_ids: list[int], cache_salt: Any = None,
                         model: Any = None) -> list[int]:

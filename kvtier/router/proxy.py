@@ -29,7 +29,8 @@ from kvtier.entrypoints.openai.streaming import sse_error
 from kvtier.router.disagg import with_prefilled_kv
 from kvtier.router.instances import Instance
 from kvtier.router.policy import Decision, NoInstanceError
-from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
+from kvtier.router.responses import owner_of, previous_response_id, response_id_in
 from kvtier.router.service import RouterService
 
 _REQUEST_HEADERS = ("authorization", "content-type", "x-request-id")
@@ -74,17 +75,19 @@ async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
     content = await raw.body()
     request = _json_object(content)
     path, body = request.get("path"), request.get("body")
-    if path not in (CHAT_PATH, COMPLETIONS_PATH) or not isinstance(body, dict):
-        raise BadRequestError(f"give {{\"path\": \"{CHAT_PATH}\" or \"{COMPLETIONS_PATH}\", "
-                              f"\"body\": {{...}}}}", param="path", code="invalid_value")
+    if path not in (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH) or not isinstance(body, dict):
+        raise BadRequestError(f"give {{\"path\": \"{CHAT_PATH}\", \"{COMPLETIONS_PATH}\" or "
+                              f"\"{RESPONSES_PATH}\", \"body\": {{...}}}}", param="path",
+                              code="invalid_value")
     prompt = await _hash_prompt(service, path, body, len(content))
     block_size = service.hasher.block_size if service.hasher is not None else 1
     router = service.router
-    decision = router.choose(prompt.block_hashes, block_size,
-                             num_prompt_tokens=prompt.num_tokens)
+    owner = await _owner(service, path, body, dict(raw.headers))
+    decision = Decision(owner, "response_owner", 0) if owner is not None else \
+        router.choose(prompt.block_hashes, block_size, num_prompt_tokens=prompt.num_tokens)
     matches = router.matches(prompt.block_hashes, service.instances)
     prefill = None
-    if service.prefill_router is not None:
+    if service.prefill_router is not None and path != RESPONSES_PATH:
         with contextlib.suppress(NoInstanceError):  # the decode instance computes the prompt
             prefill = service.prefill_router.choose(prompt.block_hashes, block_size).instance.url
     return {"instance": decision.instance.url, "reason": decision.reason,
@@ -115,16 +118,19 @@ async def _route(service: RouterService, path: str, content: bytes, body: dict[s
     tried: set[str] = set()
     failures: list[str] = []
     last_answer: Response | None = None
-    for _ in range(service.config.max_attempts):
+    owner = await _owner(service, path, body, headers)
+    for _ in range(1 if owner is not None else service.config.max_attempts):
         try:
-            decision = service.router.choose(prompt.block_hashes, block_size, frozenset(tried),
-                                             prompt.num_tokens)
+            # A response that goes on from a stored one goes where that one is stored.
+            decision = Decision(owner, "response_owner", 0) if owner is not None else \
+                service.router.choose(prompt.block_hashes, block_size, frozenset(tried),
+                                      prompt.num_tokens)
         except NoInstanceError:
             break
         service.metrics.decisions.labels(service.config.policy, decision.reason).inc()
         tried.add(decision.instance.url)
         sent = content
-        if service.prefill_router is not None:
+        if service.prefill_router is not None and path != RESPONSES_PATH:
             uncached = prompt.num_tokens - decision.predicted_cached_tokens \
                 if prompt.num_tokens and service.config.local_prefill_tokens else None
             sent = await with_prefilled_kv(service, path, body, headers, prompt.block_hashes,
@@ -144,6 +150,15 @@ async def _route(service: RouterService, path: str, content: bytes, body: dict[s
         return last_answer
     raise BadGatewayError(f"the request failed on {len(tried)} instance(s) before any answer "
                           f"({'; '.join(failures)})", code="upstream_failed")
+
+
+async def _owner(service: RouterService, path: str, body: dict[str, Any],
+                 headers: dict[str, str]) -> Instance | None:
+    """The instance a Responses request that goes on from a stored response must go to (the
+    one that stores it), or None: the policy chooses (and a request naming a response no
+    healthy instance stores gets that instance's 404)."""
+    previous = previous_response_id(path, body)
+    return None if previous is None else await owner_of(service, previous, headers)
 
 
 async def from_any_instance(service: RouterService, path: str, raw: Request) -> Response:
@@ -207,6 +222,8 @@ async def _forward(service: RouterService, decision: Decision, path: str, conten
         if not stream or upstream.status_code != 200:
             body = await _read_all(service, instance, upstream)
             _observe(service, decision, prompt, _usage_of(body), upstream.status_code)
+            if path == RESPONSES_PATH and upstream.status_code == 200:
+                _learn_owner(service, response_id_in(body), instance)
             return Response(body, upstream.status_code, out_headers)
         chunks = upstream.aiter_raw()
         try:
@@ -288,6 +305,7 @@ async def _relay(service: RouterService, decision: Decision, prompt: _Prompt,
         # raise again.
         service.add_in_flight(decision.instance, -1)
         _observe(service, decision, prompt, scanner.usage, outcome)
+        _learn_owner(service, scanner.response_id, decision.instance)
         await upstream.aclose()
 
 
@@ -313,6 +331,11 @@ def _observe(service: RouterService, decision: Decision, prompt: _Prompt,
         metrics.actual_cached.inc(cached)
 
 
+def _learn_owner(service: RouterService, response_id: str | None, instance: Instance) -> None:
+    if response_id is not None:
+        service.response_owners.learn(response_id, instance.url)
+
+
 def _usage_of(body: bytes) -> dict[str, Any] | None:
     try:
         usage = json.loads(body).get("usage")
@@ -327,6 +350,8 @@ class _UsageScanner:
 
     def __init__(self) -> None:
         self.usage: dict[str, Any] | None = None
+        # A Responses stream's response id (its first event).
+        self.response_id: str | None = None
         self._partial = b""
         self._blank_line_last = True
 
@@ -341,6 +366,9 @@ class _UsageScanner:
         if lines:
             self._blank_line_last = lines[-1] == b""
         for line in lines:
+            if self.response_id is None and line.startswith(b"data: {") \
+                    and b'"response.created"' in line:
+                self.response_id = response_id_in(line)
             if line.startswith(b"data: {") and b'"usage"' in line:
                 usage = _usage_of(line[len(b"data: "):])
                 self.usage = usage or self.usage

@@ -26,6 +26,7 @@ from kvtier.router.instances import EventsInfo, Instance
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Router
 from kvtier.router.prompts import PromptHasher, load_tokenizer
+from kvtier.router.responses import ResponseOwners
 from kvtier.router.subscriber import EventSubscriber, instance_endpoint
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,8 @@ class RouterService:
         # In P/D mode, chooses where prompts are computed.
         self.prefill_router = Router(config, [i for i in self.instances if i.role == "prefill"],
                                      self.index) if config.is_disaggregated else None
+        # Where each stored response (Responses API) lives.
+        self.response_owners = ResponseOwners()
         self.metrics = RouterMetrics(lambda: len(self.index), lambda: self.index.num_evicted)
         self.hasher: PromptHasher | None = None
         self._hashing: tuple[int, str] | None = None

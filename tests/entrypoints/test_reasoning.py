@@ -104,3 +104,41 @@ def test_a_constraint_with_logprobs_reports_ruled_out_tokens_as_minus_9999(serve
     content = chat(server, **fields)["logprobs"]["content"]
     tops = [top["logprob"] for entry in content for top in entry["top_logprobs"]]
     assert -9999.0 in tops and all(value >= -9999.0 for value in tops)
+
+
+def respond(server, **fields) -> dict:
+    response = server.post("/v1/responses", {
+        "model": MODEL, "input": "Think, then answer.", "max_output_tokens": 16,
+        "temperature": 0.0, **fields})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_responses_give_the_thinking_as_a_reasoning_item(server):
+    choice = chat(server, return_token_ids=True)
+    body = respond(server)
+    reasoning, *rest = body["output"]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["content"] == [{"type": "reasoning_text",
+                                     "text": choice["message"]["reasoning"]}]
+    text = "".join(part["text"] for item in rest for part in item["content"])
+    assert text == (choice["message"]["content"] or "")
+    ids = choice["token_ids"]
+    thinking = ids.index(THINK_END_ID) + 1 if THINK_END_ID in ids else len(ids)
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == thinking
+
+
+def test_a_streamed_response_sends_the_thinking_as_reasoning_text_events(server):
+    body = respond(server)
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60.0, json={
+            "model": MODEL, "input": "Think, then answer.", "max_output_tokens": 16,
+            "temperature": 0.0, "stream": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    thought = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert thought == body["output"][0]["content"][0]["text"]
+    assert events[2]["type"] == "response.output_item.added"
+    assert events[2]["item"]["type"] == "reasoning"
+    final = events[-1]["response"]
+    assert [item["type"] for item in final["output"]] == \
+        [item["type"] for item in body["output"]]

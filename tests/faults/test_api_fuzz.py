@@ -73,10 +73,11 @@ def test_fuzzed_requests_get_no_server_error_and_change_no_other_output(server):
     schema = schemathesis.openapi.from_url(f"{server.url}/openapi.json")
     failures: list[str] = []
     statuses: dict[int, int] = {}
-    for method, path in (("post", "/v1/completions"), ("post", "/v1/chat/completions")):
+    for method, path in (("post", "/v1/completions"), ("post", "/v1/chat/completions"),
+                         ("post", "/v1/responses")):
         failures += _fuzz_operation(server.url, schema, method, path, statuses)
     assert not failures, "\n".join(failures[:20])
     # Cases that reached the engine (most generated completions requests break some rule, so
-    # this is counted over both operations): without any, the run proved only the validation.
+    # this is counted over all operations): without any, the run proved only the validation.
     assert statuses.get(200), f"no generated case was accepted ({statuses})"
     assert _canary(server.url) == before

@@ -15,6 +15,7 @@ from kvtier.entrypoints.openai import chat, completions, lora, system, tokenize
 from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from kvtier.entrypoints.openai.context import ServerContext
 from kvtier.entrypoints.openai.errors import AuthenticationError, install_error_handlers
+from kvtier.entrypoints.openai.responses import api as responses
 
 # Only the model API needs the key; probes (/health, /metrics, /version) stay open, as in vLLM.
 # The model API, and the tokenizer endpoints (they run the chat template and the tokenizer on
@@ -37,7 +38,7 @@ def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0,
     app = FastAPI(title="kvtier", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (completions, chat, system, tokenize):
+    for module in (completions, chat, responses, system, tokenize):
         app.include_router(module.router)
     if lora.runtime_updating_allowed():
         app.include_router(lora.router)

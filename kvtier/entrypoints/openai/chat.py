@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -66,9 +67,23 @@ from kvtier.sampling_params import SamplingParams
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-    ctx: ServerContext = raw.app.state.ctx
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request made ready for the engine: its prompt, sampling, tools and options."""
+
+    prompt: Prompt
+    params: SamplingParams
+    tools: ToolChoice
+    # With a reasoning parser: whether the prompt already ended the thinking.
+    closed: bool
+    options: dict[str, Any]
+
+
+async def plan_chat(ctx: ServerContext, body: ChatCompletionRequest,
+                    prompt_param: str = "messages",
+                    max_tokens_param: str | None = None) -> ChatPlan:
+    """Checks, renders and tokenizes a chat request (400s name `prompt_param` for the
+    messages and `max_tokens_param` for the token limit, as the endpoint calls them)."""
     check_text(body)  # first: an error message quoting a bad string could not be sent
     ctx.check_model(body.model)
     check_token_ids(body, ctx.vocab_size)
@@ -76,30 +91,39 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     params = chat_sampling_params(body, ctx.sampling_defaults, tool_constraint(body, tools))
     prompt = await ctx.prepare(message_chars(body.messages, body.tools), chat_prompt, ctx, body)
     prompt = truncate(ctx, prompt, body, params.max_tokens)
-    max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
-        else "max_tokens"
-    check_context(ctx, prompt, params.max_tokens, "messages", max_tokens_param)
+    if max_tokens_param is None:
+        max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
+            else "max_tokens"
+    check_context(ctx, prompt, params.max_tokens, prompt_param, max_tokens_param)
     ctx.metrics.observe_params(params.n, params.max_tokens)
-    request_id = base_request_id(raw)
-    response_id = f"chatcmpl-{request_id}"
-    # With a reasoning parser: whether the prompt already ended the thinking.
     closed = ctx.thinking_token_ids is not None and thinking_closed(prompt.token_ids,
                                                                     *ctx.thinking_token_ids)
     options = {**engine_options(ctx, body), **await _answer_grammar(ctx, params, closed)}
-    generations = await open_or_none(raw, ctx, [prompt], params, [response_id], options)
+    return ChatPlan(prompt, params, tools, closed, options)
+
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+    ctx: ServerContext = raw.app.state.ctx
+    plan = await plan_chat(ctx, body)
+    request_id = base_request_id(raw)
+    response_id = f"chatcmpl-{request_id}"
+    generations = await open_or_none(raw, ctx, [plan.prompt], plan.params, [response_id],
+                                     plan.options)
     if generations is None:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, prompt, generations[0], response_id,
-                                         ToolStream(tools),
-                                         ReasoningStream(ctx.reasoning_parser, closed)),
+        return StreamingResponse(_stream(ctx, body, plan.prompt, generations[0], response_id,
+                                         ToolStream(plan.tools),
+                                         ReasoningStream(ctx.reasoning_parser, plan.closed)),
                                  media_type="text/event-stream",
                                  headers={**SSE_HEADERS, **headers})
     finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)
-    response = _response(ctx, body, prompt, finals[0], response_id, tools, closed)
+    response = _response(ctx, body, plan.prompt, finals[0], response_id, plan.tools,
+                         plan.closed)
     return JSONResponse(response.model_dump(), headers=headers)
 
 

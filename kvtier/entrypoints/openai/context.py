@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from kvtier.engine.async_llm import AsyncLLM
 from kvtier.entrypoints.openai.errors import NotFoundError
+from kvtier.entrypoints.openai.responses.store import DEFAULT_STORE_BYTES, ResponseStore
 from kvtier.lora import LoRARequest
 
 T = TypeVar("T")
@@ -75,6 +76,9 @@ class ServerContext:
     # A directory of adapters, one per subdirectory: a `model` naming one that is not known
     # yet becomes known, and loads with its first request.
     lora_resolver_dir: str | None = None
+    # Responses kept for previous_response_id and GET /v1/responses/{id}.
+    response_store: ResponseStore = field(
+        default_factory=lambda: ResponseStore(DEFAULT_STORE_BYTES))
     # The tokenizer is safe to share with these threads: encoding and decoding never change it.
     tokenize_executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         NUM_TOKENIZE_THREADS, thread_name_prefix="kvtier-tokenize"))
