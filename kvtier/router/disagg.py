@@ -60,7 +60,9 @@ def fans_out(body: dict[str, Any]) -> bool:
     prompt = body.get("prompt")
     several_prompts = isinstance(prompt, list) and len(prompt) > 1 and \
         not isinstance(prompt[0], int)
-    return several_prompts or body.get("n", 1) != 1 or body.get("best_of") not in (None, 1)
+    # A null is a field left out, as the instances read it.
+    return several_prompts or body.get("n") not in (None, 1) \
+        or body.get("best_of") not in (None, 1)
 
 
 def prefill_body(path: str, body: dict[str, Any], transfer_id: str,

@@ -73,6 +73,10 @@ class Instance:
     # A decode instance's transfer engine address (its GET /v1/kv_transfer_info), where a
     # prefill instance sends the prompt's KV; None: it computes prompts itself.
     transport_address: str | None = None
+    # time.monotonic() when the info it failed to give (events, transfer address) is read
+    # again, and the back-off that led there; None: nothing to read again.
+    info_retry_at: float | None = None
+    info_backoff_s: float = 0.0
 
     @property
     def load(self) -> int:

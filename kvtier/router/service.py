@@ -21,7 +21,7 @@ from kvtier.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatc
 from kvtier.events.schema import MEDIUM_GPU
 from kvtier.models.errors import ChatTemplateError, ModelLoadError
 from kvtier.router.config import RouterConfig
-from kvtier.router.index import KVIndex
+from kvtier.router.index import SHARED_SLOT, KVIndex
 from kvtier.router.instances import EventsInfo, Instance
 from kvtier.router.metrics import RouterMetrics
 from kvtier.router.policy import Router
@@ -32,6 +32,9 @@ from kvtier.router.subscriber import EventSubscriber, instance_endpoint
 logger = logging.getLogger(__name__)
 
 HEALTH_TIMEOUT_S = 2.0
+# The longest wait between reads of an instance's info that failed (kv_events_info,
+# kv_transfer_info).
+INFO_RETRY_MAX_S = 30.0
 # kv_role values of an instance that loads KV other instances computed.
 CONSUMER_ROLES = ("kv_consumer", "kv_both")
 # The series whose samples (any labels) sum to an instance's load; vLLM's by-reason breakdown
@@ -107,8 +110,11 @@ class RouterService:
         instance.num_health_failures = 0
         if not instance.healthy:
             await self._bring_up(instance)
-        elif instance.events is not None and self.hasher is not None:
-            await self._read_adapters(instance)
+        else:
+            if instance.info_retry_at is not None and time.monotonic() >= instance.info_retry_at:
+                await self._read_infos(instance, first=False)
+            if instance.events is not None and self.hasher is not None:
+                await self._read_adapters(instance)
         await self._read_load(instance)
         since = instance.awaiting_events_since
         if instance.indexed and since is not None and \
@@ -127,29 +133,56 @@ class RouterService:
         self._unindex(instance, reason)
 
     async def _bring_up(self, instance: Instance) -> None:
-        try:
-            response = await self.client.get(f"{instance.url}/v1/kv_events_info",
-                                             headers=self.own_headers, timeout=HEALTH_TIMEOUT_S)
-            if response.status_code == 401:
-                logger.warning("instance %s wants an API key for its /v1 endpoints: give the "
-                               "router --instance-api-key to follow its KV events", instance.url)
-            events = EventsInfo.from_json(response.json()) if response.status_code == 200 \
-                else None
-        except (httpx.HTTPError, ValueError) as exc:
-            logger.warning("instance %s: no KV events info (%s); routing without its cache",
-                           instance.url, exc)
-            events = None
-        instance.events = events
-        if instance.role == "decode":
-            instance.transport_address = await self._read_transport_address(instance)
-        if events is not None and await self._can_hash_like(instance, events):
-            self._subscribe(instance)
+        instance.events, instance.transport_address = None, None
+        instance.info_backoff_s = 0.0
+        await self._read_infos(instance, first=True)
         instance.healthy = True
         self.metrics.up.labels(instance.url).set(1)
         logger.info("instance %s is up%s", instance.url,
                     " (KV events indexed)" if instance.indexed else "")
 
-    async def _read_transport_address(self, instance: Instance) -> str | None:
+    async def _read_infos(self, instance: Instance, first: bool) -> None:
+        """The instance's KV events info and, for a decode instance, its transfer address,
+        each read until it is; one that fails (an error answer, a busy instance's timeout) is
+        read again at later health checks, backing off up to INFO_RETRY_MAX_S, so one failure
+        does not leave an instance unindexed or prefill-less while it stays up. Failures are
+        logged the first time only."""
+        failed = False
+        if instance.events is None:
+            events, read = await self._read_events_info(instance, log=first)
+            failed |= not read
+            instance.events = events
+            if events is not None and await self._can_hash_like(instance, events):
+                self._subscribe(instance)
+        if instance.role == "decode" and instance.transport_address is None:
+            instance.transport_address = await self._read_transport_address(instance, first)
+            failed |= instance.transport_address is None
+        if failed:
+            instance.info_backoff_s = min(max(2 * instance.info_backoff_s,
+                                              self.config.health_interval_s), INFO_RETRY_MAX_S)
+            instance.info_retry_at = time.monotonic() + instance.info_backoff_s
+        else:
+            instance.info_retry_at = None
+
+    async def _read_events_info(self, instance: Instance,
+                                log: bool) -> tuple[EventsInfo | None, bool]:
+        """(its events info, None when it publishes none; whether the read succeeded)."""
+        try:
+            response = await self.client.get(f"{instance.url}/v1/kv_events_info",
+                                             headers=self.own_headers, timeout=HEALTH_TIMEOUT_S)
+            if response.status_code == 401 and log:
+                logger.warning("instance %s wants an API key for its /v1 endpoints: give the "
+                               "router --instance-api-key to follow its KV events", instance.url)
+            if response.status_code != 200:
+                return None, False
+            return EventsInfo.from_json(response.json()), True
+        except (httpx.HTTPError, ValueError) as exc:
+            if log:
+                logger.warning("instance %s: no KV events info (%s); routing without its cache "
+                               "until it gives it", instance.url, exc)
+            return None, False
+
+    async def _read_transport_address(self, instance: Instance, log: bool) -> str | None:
         """A decode instance's P2PConnector address, from its GET /v1/kv_transfer_info."""
         try:
             response = await self.client.get(f"{instance.url}/v1/kv_transfer_info",
@@ -159,9 +192,12 @@ class RouterService:
             info = None
         address = info.get("transport_address") if isinstance(info, dict) else None
         if not isinstance(address, str) or info.get("kv_role") not in CONSUMER_ROLES:
+            if not log:
+                return None
             logger.error("decode instance %s reports no P2PConnector consumer address (serve it "
                          "with --kv-transfer-config '{\"kv_connector\": \"P2PConnector\", "
-                         "\"kv_role\": \"kv_consumer\"}'): it computes every prompt itself",
+                         "\"kv_role\": \"kv_consumer\"}'): it computes every prompt itself "
+                         "until it gives one",
                          instance.url)
             return None
         return instance_endpoint(address, instance.url)
@@ -262,8 +298,12 @@ class RouterService:
         self.index.clear(instance.slot)
 
     def _reset(self, instance: Instance, outcome: str) -> None:
+        """Events of `instance` were lost: what it holds is forgotten, and so are the shared
+        stores' blocks (any instance publishes their removals; this one's may be among the
+        lost), until events tell them again."""
         self.metrics.drops.labels(instance.url, f"events_{outcome}").inc()
         self.index.clear(instance.slot)
+        self.index.clear(SHARED_SLOT)
 
     def apply(self, instance: Instance, batch: EventBatch) -> None:
         """One batch of `instance`'s events into the index."""

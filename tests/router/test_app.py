@@ -157,3 +157,42 @@ def test_adapters_loaded_at_run_time_reach_the_prompt_hasher(tmp_path):
 
     with fake_instance(info) as url:
         asyncio.run(scenario(url))
+
+
+def test_events_info_that_failed_when_the_instance_came_up_is_read_again(tmp_path):
+    """One malformed (or failed) kv_events_info answer at bring-up must not leave a healthy
+    instance unindexed for as long as it stays up: it is read again, backing off."""
+    save_byte_tokenizer(tmp_path)
+    info = {"publishing": True}  # no endpoint: malformed
+
+    async def scenario(url: str) -> None:
+        service = RouterService(RouterConfig(instances=(url,), health_interval_s=0.05))
+        instance = service.instances[0]
+        await service.check(instance)
+        assert instance.healthy and instance.events is None and not instance.indexed
+        first_retry = instance.info_retry_at
+        await service.check(instance)  # before the retry time: not read again
+        assert instance.info_retry_at == first_retry
+        info.update(endpoint=f"tcp://127.0.0.1:{free_port()}", topic="", block_size=16,
+                    hash_algo="sha256_cbor", model=str(tmp_path))
+        await asyncio.sleep(max(0.0, first_retry - time.monotonic()) + 0.01)
+        await service.check(instance)
+        assert instance.events is not None and instance.indexed
+        assert instance.info_retry_at is None
+        await service.stop()
+
+    with fake_instance(info) as url:
+        asyncio.run(scenario(url))
+
+
+def test_lost_events_also_forget_the_shared_stores_blocks():
+    """Any instance publishes the shared stores' removals: after a gap that could not be
+    filled, their blocks are not known to be there any more."""
+    service = RouterService(RouterConfig(instances=("http://127.0.0.1:1", "http://127.0.0.1:2")))
+    first, second = service.instances
+    service.index.store(first.slot, [1, 2], "CPU")
+    service.index.store(second.slot, [3], "CPU")
+    service.index.store(first.slot, [1, 2, 4], "obj", "remote")
+    service._reset(first, "lost")
+    assert service.index.match([1, 2, 4], [first.slot, second.slot])[second.slot].num_blocks == 0
+    assert service.index.match([3], [second.slot])[second.slot].num_blocks == 1

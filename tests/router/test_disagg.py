@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvtier.router.config import RouterConfig
-from kvtier.router.disagg import prefill_body
+from kvtier.router.disagg import fans_out, prefill_body
 from kvtier.router.prompts import PromptHasher
 from kvtier.router.service import RouterService
 
@@ -196,3 +196,13 @@ def test_pd_config_errors_name_the_flags():
                      local_prefill_tokens=64)
     with pytest.raises(ValueError, match=">= 0"):
         RouterConfig(prefill=("http://a:1",), decode=("http://b:1",), local_prefill_tokens=-1)
+
+
+@pytest.mark.parametrize("body, several", [
+    ({"prompt": "ok"}, False), ({"prompt": "ok", "n": None, "best_of": None}, False),
+    ({"prompt": "ok", "n": 1}, False), ({"prompt": "ok", "n": 2}, True),
+    ({"prompt": "ok", "best_of": 3}, True), ({"prompt": [1, 2, 3]}, False),
+    ({"prompt": ["a", "b"]}, True)])
+def test_only_bodies_the_instance_splits_fan_out(body, several):
+    # A null is a field left out: the instance reads n null as 1.
+    assert fans_out(body) is several
