@@ -94,7 +94,18 @@ def request_body(api: ApiKind, model: str, messages: list[dict[str, str]],
     }
     if api == "chat":
         return "/v1/chat/completions", {**body, "messages": messages}
+    if api == "responses":
+        fields = {k: v for k, v in body.items() if k not in ("stream_options", "max_tokens")}
+        return "/v1/responses", {**fields, "max_output_tokens": output_tokens,
+                                 "input": messages}
     return "/v1/completions", {**body, "prompt": render_completion_prompt(messages)}
+
+
+def new_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The messages after the last assistant one: what a Responses turn sends beside the
+    previous_response_id (the server holds the rest)."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return messages[last + 1:]
 
 
 @dataclass
@@ -105,6 +116,8 @@ class _Stream:
     text: str = ""
     num_chunks: int = 0
     usage: dict[str, Any] | None = None
+    # A Responses stream's response id.
+    response_id: str | None = None
 
 
 async def resolve_model(http: httpx.AsyncClient, target: ServerTarget) -> str:
@@ -132,11 +145,18 @@ class OpenAIStreamClient:
         self._model = model
         self._output_tokens = output_tokens
         self._origin = clock_origin
+        # api "responses": each conversation's last response id.
+        self._last_response: dict[ConversationId, str] = {}
 
     async def send(self, conversation_id: ConversationId, turn: int,
                    messages: list[dict[str, str]]) -> RequestResult:
         """Stream one turn; errors are recorded in the result, not raised."""
+        previous = self._last_response.get(conversation_id)
+        if previous is not None:
+            messages = new_messages(messages)
         path, body = request_body(self._target.api, self._model, messages, self._output_tokens)
+        if previous is not None:
+            body["previous_response_id"] = previous
         return await self.send_body(conversation_id, turn, path, body)
 
     async def send_body(self, conversation_id: ConversationId, turn: int, path: str,
@@ -154,6 +174,8 @@ class OpenAIStreamClient:
         except (httpx.HTTPError, BenchClientError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}"
         finished = time.perf_counter()
+        if stream.response_id is not None and error is None:
+            self._last_response[conversation_id] = stream.response_id
         return self._result(conversation_id, turn, started, finished, stream, error)
 
     async def _stream_into(self, path: str, body: dict[str, Any], stream: _Stream) -> None:
@@ -172,6 +194,9 @@ class OpenAIStreamClient:
         if payload == "[DONE]":
             return
         chunk = json.loads(payload)
+        if isinstance(chunk.get("type"), str) and chunk["type"].startswith("response."):
+            self._consume_event(chunk, stream)
+            return
         if "error" in chunk:
             # A failure after the 200 status arrives in-band; the turn did not complete.
             error = chunk["error"]
@@ -182,10 +207,29 @@ class OpenAIStreamClient:
         for choice in chunk.get("choices", []):
             piece = choice["delta"].get("content") if "delta" in choice else choice.get("text")
             if piece:
-                if stream.first_token_at is None:
-                    stream.first_token_at = time.perf_counter()
-                stream.text += piece
-                stream.num_chunks += 1
+                self._add_piece(piece, stream)
+
+    def _consume_event(self, event: dict[str, Any], stream: _Stream) -> None:
+        """One event of a Responses stream."""
+        kind = event["type"]
+        if kind == "response.output_text.delta" and event.get("delta"):
+            self._add_piece(event["delta"], stream)
+        elif kind == "response.created":
+            stream.response_id = event["response"]["id"]
+        elif kind in ("response.completed", "response.incomplete"):
+            usage = event["response"].get("usage") or {}
+            stream.usage = {"prompt_tokens": usage.get("input_tokens"),
+                            "completion_tokens": usage.get("output_tokens")}
+        elif kind == "response.failed":
+            error = event["response"].get("error") or {}
+            raise BenchClientError(f"response failed: {error.get('message')}")
+
+    @staticmethod
+    def _add_piece(piece: str, stream: _Stream) -> None:
+        if stream.first_token_at is None:
+            stream.first_token_at = time.perf_counter()
+        stream.text += piece
+        stream.num_chunks += 1
 
     def _result(self, conversation_id: ConversationId, turn: int, started: float,
                 finished: float, stream: _Stream, error: str | None) -> RequestResult:

@@ -10,7 +10,7 @@ from typing import Literal
 from kvtier.common.urls import check_http_url
 from kvtier.config import EngineConfig
 
-ApiKind = Literal["chat", "completions"]
+ApiKind = Literal["chat", "completions", "responses"]
 
 
 @dataclass(frozen=True)
@@ -102,8 +102,12 @@ def _check_api_and_timeouts(target: str, api: str, request_timeout_s: float,
                             run_timeout_s: float) -> None:
     """ValueError naming the field and its flag. A NaN timeout passes any `<=` test and then
     bounds nothing; an infinite one bounds nothing either."""
-    if api not in ("chat", "completions"):
-        raise ValueError(f"{target}.api must be 'chat' or 'completions' (--api), got {api!r}")
+    apis = ("chat", "completions", "responses") if target == "ServerTarget" \
+        else ("chat", "completions")  # the in-process engine stores no responses
+    if api not in apis:
+        names = [repr(name) for name in apis]
+        raise ValueError(f"{target}.api must be {', '.join(names[:-1])} or {names[-1]} (--api), "
+                         f"got {api!r}")
     for field, flag, seconds in (("request_timeout_s", "--request-timeout", request_timeout_s),
                                  ("run_timeout_s", "--run-timeout", run_timeout_s)):
         if not (math.isfinite(seconds) and seconds > 0):

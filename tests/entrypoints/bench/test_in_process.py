@@ -131,6 +131,9 @@ def test_cli_engine_options_reach_the_engine(model_dir, tmp_path, capsys):
     (["--engine", "in-process", "--model", "/no/such/model"], "/no/such/model"),
     (["--dtype", "float32"], "--dtype configures an in-process engine"),
     (["--kv-offload", "host=1MiB"], "--kv-offload configures an in-process engine"),
+    # The in-process engine keeps no stored responses to go on from.
+    (["--engine", "in-process", "--api", "responses"],
+     "EngineTarget.api must be 'chat' or 'completions' (--api), got 'responses'"),
 ])
 def test_bad_engine_argument_is_a_one_line_error(argv, message, capsys):
     assert cli.main(["bench", "multi-turn", "--no-progress", *argv]) == cli.USAGE_ERROR

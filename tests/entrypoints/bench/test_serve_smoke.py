@@ -33,23 +33,33 @@ def kvtier_server(tmp_path):
         server.stop()
 
 
-# ~12 s, nearly all of it the server's start-up; issue 7 wants it in the default suite.
-def test_bench_cli_against_kvtier_serve(kvtier_server, tmp_path):
-    out = tmp_path / "bench.json"
+def run_bench(url: str, api: str, tmp_path) -> dict:
+    out = tmp_path / f"bench-{api}.json"
     command = [sys.executable, "-m", "kvtier.entrypoints.cli", "bench", "multi-turn",
-               "--url", kvtier_server, "--num-conversations", "2", "--num-turns", "2",
+               "--url", url, "--api", api, "--num-conversations", "2", "--num-turns", "2",
                "--system-prompt-tokens", "6", "--context-tokens", "2", "--user-tokens", "3",
                "--output-tokens", "4", "--no-progress", "--request-timeout", "60",
                "--run-timeout", "120", "--output-json", str(out),
-               "--output-plot", str(tmp_path / "bench.png")]
+               "--output-plot", str(tmp_path / f"bench-{api}.png")]
     done = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "PYTHONPATH": REPO_ROOT})
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return json.loads(out.read_text())
+
+
+# ~15 s, nearly all of it the server's start-up; issue 7 wants it in the default suite.
+def test_bench_cli_against_kvtier_serve(kvtier_server, tmp_path):
+    report = run_bench(kvtier_server, "chat", tmp_path)
     assert tuple(report) == REPORT_FIELDS
     assert (report["num_requests"], report["num_failed"], report["errors"]) == (4, 0, [])
     assert report["output_tokens"] == 4 * 4
     assert report["input_tokens"] > 0
     assert [row["count"] for row in report["ttft_by_turn_s"]] == [2, 2]
     assert "device" in report["hit_rates"]
-    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert (tmp_path / "bench-chat.png").stat().st_size > 0
+    # The same conversations through the Responses API: later turns send their new messages
+    # and the previous_response_id, and the server renders the same prompts from its store.
+    responses = run_bench(kvtier_server, "responses", tmp_path)
+    assert (responses["num_requests"], responses["num_failed"]) == (4, 0)
+    assert (responses["input_tokens"], responses["output_tokens"]) == \
+        (report["input_tokens"], report["output_tokens"])
