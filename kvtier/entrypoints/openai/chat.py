@@ -95,7 +95,6 @@ async def plan_chat(ctx: ServerContext, body: ChatCompletionRequest,
         max_tokens_param = "max_completion_tokens" if body.max_completion_tokens is not None \
             else "max_tokens"
     check_context(ctx, prompt, params.max_tokens, prompt_param, max_tokens_param)
-    ctx.metrics.observe_params(params.n, params.max_tokens)
     closed = ctx.thinking_token_ids is not None and thinking_closed(prompt.token_ids,
                                                                     *ctx.thinking_token_ids)
     options = {**engine_options(ctx, body), **await _answer_grammar(ctx, params, closed)}
@@ -106,6 +105,7 @@ async def plan_chat(ctx: ServerContext, body: ChatCompletionRequest,
 async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
     ctx: ServerContext = raw.app.state.ctx
     plan = await plan_chat(ctx, body)
+    ctx.metrics.observe_params(plan.params.n, plan.params.max_tokens)
     request_id = base_request_id(raw)
     response_id = f"chatcmpl-{request_id}"
     generations = await open_or_none(raw, ctx, [plan.prompt], plan.params, [response_id],

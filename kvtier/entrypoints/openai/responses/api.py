@@ -59,6 +59,7 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     conversation = [*_previous_messages(ctx.response_store, body.previous_response_id),
                     *input_messages(body.input)]
     plan = await _plan(ctx, body, conversation)
+    ctx.metrics.observe_params(plan.params.n, plan.params.max_tokens)
     response_id = new_id("resp")
     shell = _shell(ctx, body, response_id)
     generations = await open_or_none(raw, ctx, [plan.prompt], plan.params, [response_id],
@@ -243,12 +244,13 @@ async def _stream(ctx: ServerContext, plan: ChatPlan, outputs: Outputs, shell: R
     try:
         async for output in outputs:
             error = output_error(output)
-            for line in events.fail(error) if error is not None else steps.lines(output):
+            lines = events.fail(error) if error is not None else steps.lines(output)
+            if steps.answer is not None:  # kept before the client has the last event
+                keep(events.response, steps.answer)
+            for line in lines:
                 yield line
             if error is not None:
                 return
-            if steps.answer is not None:
-                keep(events.response, steps.answer)
     except Exception as exc:  # the stream has started: report in-band, then end it
         for line in events.fail(to_api_error(exc)):
             yield line
