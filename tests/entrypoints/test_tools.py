@@ -12,13 +12,9 @@ import openai
 import pytest
 
 from .server_process import ServerProcess
+from .tool_template import TEMPLATE
 
 MODEL = "tiny"
-TEMPLATE = (
-    "{% if tools %}TOOLS:{{ tools | map(attribute='function') | map(attribute='name') "
-    "| join(',') }}\n{% endif %}{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
-    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }}({{ c.function.arguments.city }})"
-    "{% endfor %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}},
     "required": ["city"], "additionalProperties": False}}}
