@@ -93,6 +93,8 @@ class SweepConfig:
     out_json: Path
     out_plot: Path
     log_dir: Path
+    # The request shape ("chat", "completions" or "responses": previous_response_id turns).
+    api: str = "chat"
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.configs if c not in CONFIGS + EXTRA_CONFIGS]
@@ -135,6 +137,7 @@ def running_server(config: SweepConfig, name: str) -> Iterator[ServerProcess]:
         peer = PeerServerConfig(kv_cache_memory_bytes=device_kv_bytes(config, name),
                                 max_model_len=config.max_model_len,
                                 block_size=config.vllm_block_size, log_path=log_path,
+                                enable_responses_store=config.api == "responses",
                                 startup_timeout_s=config.startup_timeout_s)
         with peer_server(peer) as server:
             yield server
@@ -155,7 +158,7 @@ async def sweep_all(config: SweepConfig, urls: dict[str, str]) -> list[dict]:
     drifts over an hour, and a configuration whose points all fell in a slow stretch would
     look slower than it is. Taking turns puts each point's configurations minutes apart.
     """
-    targets = {name: ServerTarget(url=url, run_timeout_s=config.run_timeout_s)
+    targets = {name: ServerTarget(url=url, api=config.api, run_timeout_s=config.run_timeout_s)
                for name, url in urls.items()}
     # As large as the first point: a token warm-up left the first point paying the server's
     # first-touch costs (measured 25 vs 39 output tokens/s at 8 conversations).
@@ -320,6 +323,9 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p.add_argument("--start-interval", type=float, default=0.5,
                    help="seconds between the first turns of consecutive conversations")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--api", choices=("chat", "completions", "responses"), default="chat",
+                   help="request shape; responses sends each later turn's new messages with "
+                        "the previous_response_id (vLLM runs with its responses store on)")
     p.add_argument("--device-kv-bytes", type=int, default=384 << 20,
                    help="device KV budget of every configuration but the -full ones (SmolLM2 "
                         "bf16: 23,040 B/token)")
@@ -359,7 +365,7 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
         vllm_block_size=a.vllm_block_size, repeats=a.repeats, repeat_up_to=a.repeat_up_to,
         startup_timeout_s=a.startup_timeout,
         run_timeout_s=a.run_timeout, out_json=a.out_json, out_plot=a.out_plot,
-        log_dir=a.log_dir)
+        log_dir=a.log_dir, api=a.api)
 
 
 if __name__ == "__main__":

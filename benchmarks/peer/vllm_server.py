@@ -41,6 +41,8 @@ class PeerServerConfig:
     enable_prefix_caching: bool = True
     startup_timeout_s: float = 600.0
     log_path: Path = Path("/tmp/kvtier-peer-vllm.log")
+    # Keep responses for previous_response_id (vLLM's VLLM_ENABLE_RESPONSES_API_STORE).
+    enable_responses_store: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes <= 0:
@@ -66,10 +68,12 @@ def server_command(config: PeerServerConfig, port: int) -> list[str]:
     return command
 
 
-def server_env() -> dict[str, str]:
+def server_env(config: PeerServerConfig) -> dict[str, str]:
     """Both cores for vLLM (its default reserves one), and no legacy KV size override."""
     env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
     env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
+    if config.enable_responses_store:
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     return env
 
 
@@ -81,8 +85,8 @@ def peer_server(config: PeerServerConfig) -> ServerProcess:
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing; {fix}")
     port = free_port()
-    return ServerProcess(server_command(config, port), server_env(), port, config.log_path,
-                         config.startup_timeout_s)
+    return ServerProcess(server_command(config, port), server_env(config), port,
+                         config.log_path, config.startup_timeout_s)
 
 
 def check() -> int:
