@@ -6,13 +6,14 @@ Runs in the caller's thread (LLM) or in one engine thread (AsyncLLM); not thread
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from kvtier.common.token_ids import all_ints, first_outside
 from kvtier.config import EngineConfig
-from kvtier.connector.base import ConnectorContext
+from kvtier.connector.base import ConnectorContext, KVConnectorScheduler, KVConnectorWorker
 from kvtier.engine.errors import EngineQueueFullError
 from kvtier.engine.metrics import MetricsRegistry
 from kvtier.engine.output_processor import ChildState, OutputProcessor, ParentState
@@ -37,6 +38,8 @@ from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.sched.scheduler import Scheduler
 from kvtier.structured_output import GrammarCompiler, StructuredOutputGrammar
 from kvtier.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
 
 # How long a step with nothing to compute waits at most before returning (see Engine.step): the
 # connector ends the wait sooner when a transfer may have ended (most poll every 0.5 ms) or on
@@ -70,13 +73,15 @@ class Engine:
                                       dtype=self.runtime.dtype, device=device,
                                       max_cpu_loras=config.lora.max_cpu_loras)
             self.stats.describe_loras(config.lora.max_loras)
-        self._build_core(loaded.model)
         self._outputs = OutputProcessor(self.tokenizer)
         self._stopped = False
-        # The manager's hash block size and algorithm, so request hashes match its lookups.
-        self._block_hasher = self.kv_cache_manager.make_block_hasher()
+        self._build_core(loaded.model)
 
     def _build_core(self, model: Any) -> None:
+        """The connector, and the KV cache manager, scheduler and model runner around it. A
+        failure after the connector is built stops it before it propagates: its tiers hold
+        files and ports (a disk tier's locked file, a p2p listener) that a corrected engine in
+        this process would otherwise find taken."""
         config, runtime = self.config, self.runtime
         context = ConnectorContext(block_size=config.cache.block_size,
                                    num_layers=self.model_config.num_layers,
@@ -85,8 +90,18 @@ class Engine:
                                    kv_events=config.cache.enable_kv_cache_events,
                                    max_model_len=runtime.max_model_len,
                                    hash_algo=config.cache.hash_algo)
+        scheduler_connector, worker_connector = build_connectors(config.kv_transfer_config,
+                                                                 context)
+        try:
+            self._build_around(model, scheduler_connector, worker_connector)
+        except BaseException:
+            _stop_connectors(scheduler_connector, worker_connector)
+            raise
+
+    def _build_around(self, model: Any, scheduler_connector: KVConnectorScheduler | None,
+                      worker_connector: KVConnectorWorker | None) -> None:
+        config, runtime = self.config, self.runtime
         transfer = config.kv_transfer_config
-        scheduler_connector, worker_connector = build_connectors(transfer, context)
         self.kv_cache_manager = KVCacheManager(
             runtime.kv_cache_config, runtime.max_model_len,
             enable_caching=config.cache.enable_prefix_caching,
@@ -112,6 +127,8 @@ class Engine:
             max_model_len=runtime.max_model_len, seed=config.model.seed,
             eos_token_ids=self._eos_token_ids, connector=worker_connector,
             lora=self.loras.batch if self.loras is not None else None)
+        # The manager's hash block size and algorithm, so request hashes match its lookups.
+        self._block_hasher = self.kv_cache_manager.make_block_hasher()
 
     def _speculative_config(self) -> Any:
         """config.speculative_config, for a model it can run on."""
@@ -372,3 +389,17 @@ class Engine:
             return
         self._stopped = True
         self.scheduler.shutdown(self.runner.shutdown())
+
+
+def _stop_connectors(scheduler_connector: KVConnectorScheduler | None,
+                     worker_connector: KVConnectorWorker | None) -> None:
+    """Stop both halves of a connector the engine failed to start around, the worker's first
+    as at shutdown; a half that fails to stop is logged, never hides why the start failed."""
+    for half in (worker_connector, scheduler_connector):
+        if half is None:
+            continue
+        try:
+            half.shutdown()
+        except Exception:
+            logger.exception("stopping the %s of a connector after a failed start",
+                             type(half).__name__)

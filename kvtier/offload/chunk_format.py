@@ -168,6 +168,21 @@ def read_chunk_into(f: BinaryIO, key: bytes, out: memoryview,
     check_payload(header, out, secret, raw + key, mac)
 
 
+def is_foreign_chunk(f: BinaryIO, key: bytes, out: memoryview, secret: bytes | None) -> bool:
+    """Whether the chunk in `f` from where it stands, which failed its checks under `secret`, is
+    an intact copy of `key`'s chunk that only lacks a MAC made with `secret` (written with
+    another secret, or none): a miss to keep, as a misconfigured instance must not wipe a pool
+    others share, not damage to delete. Checked without the secret, into `out` (garbage after a
+    failed read anyway)."""
+    if secret is None:
+        return False
+    try:
+        read_chunk_into(f, key, out)
+    except ChunkFormatError:
+        return False
+    return True
+
+
 def drop_bad_file(f: BinaryIO, name: str, dir_fd: int) -> None:
     """Delete `name` in `dir_fd`, which failed its check, so that a later store writes a good
     copy; only if it is still the file `f` read (another process may have replaced it)."""

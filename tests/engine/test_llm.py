@@ -8,7 +8,7 @@ import pytest
 
 from kvtier import LLM, SamplingParams
 
-from ..tiny_models import make_hf_model
+from ..tiny_models import make_hf_model, make_lfm2_model
 
 
 @pytest.mark.parametrize("options, message", [
@@ -68,3 +68,14 @@ def test_a_tier_that_cannot_start_releases_the_tiers_started_before_it(model_dir
         LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=64,
             kv_offload=f"host=1MiB,disk={tmp_path / 'a'}:8MiB,disk={tmp_path / 'b'}:5000")
     _disk_llm(model_dir, tmp_path / "a").shutdown()  # not "in use by another instance"
+
+
+def test_an_engine_that_fails_after_its_tiers_started_releases_them(tmp_path):
+    make_lfm2_model("conv_attn", tmp_path / "lfm2")
+    options = {"dtype": "float32", "block_size": 4, "num_device_blocks": 24,
+               "kv_offload": f"host=1MiB,disk={tmp_path / 'disk'}:4MiB"}
+    # Refused once the tiers run: speculative decoding needs an attention-only model.
+    with pytest.raises(ValueError, match="speculative decoding needs an attention-only model"):
+        LLM(str(tmp_path / "lfm2"), **options,
+            speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    LLM(str(tmp_path / "lfm2"), **options).shutdown()  # not "in use by another instance"

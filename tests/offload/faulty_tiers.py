@@ -80,15 +80,18 @@ class _HangingOptions:
 
 class HangingTier(ThreadedTier):
     """Has nothing; every store blocks in its write thread until `RELEASE_HANGING` is set (in a
-    process that never sets it: forever), like a write to a dead network file system."""
+    process that never sets it: forever), like a write to a dead network file system. `entered`
+    is released as each store starts."""
 
     def __init__(self, options: Any, context: TierContext) -> None:
         super().__init__(_HangingOptions(), context)
+        self.entered = threading.Semaphore(0)
 
     def lookup(self, key, req_context: Any = None) -> LookupResult:
         return LookupResult.NOT_FOUND
 
     def _store(self, job: TransferJob) -> None:
+        self.entered.release()
         RELEASE_HANGING.wait()
         raise ConnectionError("released")
 

@@ -105,6 +105,20 @@ def settled_lookup(tier, n: int, timeout: float = 15.0) -> LookupResult:
     return answer
 
 
+def spy_value_reads(tier, monkeypatch) -> list[int]:
+    """The bytes each load of the remote `tier` reads of its value, in order, from now on."""
+    lengths = []
+    read = tier._get_within
+
+    def get_within(*args):
+        data = read(*args)
+        lengths.append(len(data))
+        return data
+
+    monkeypatch.setattr(tier, "_get_within", get_within)
+    return lengths
+
+
 def tier_factory(build):
     """For a fixture: yields `make(...)`, which builds a tier with `build(...)`; every tier made
     is shut down after the test."""

@@ -130,8 +130,27 @@ def test_fs_tier_refuses_a_forged_chunk_file(tmp_path):
         assert tier_store(tier, 1) and tier_load(tier, 1) == (True, chunk_bytes(1))
         _forge_file(tier.path_for(key(1)), chunk_bytes(2))
         assert tier_load(tier, 1)[0] is False
-        assert tier.lookup(key(1)) is LookupResult.NOT_FOUND  # dropped: a store rewrites it
+        assert tier.lookup(key(1)) is LookupResult.NOT_FOUND
+        # Without the secret it is an intact chunk of another instance's secret: kept.
+        assert os.path.exists(tier.path_for(key(1)))
     finally:
+        tier.shutdown()
+
+
+def test_fs_tier_keeps_another_secrets_intact_chunks_and_drops_damaged_ones(tmp_path):
+    other, tier = _fs(tmp_path, b"another secret of the same kind"), _fs(tmp_path, SECRET)
+    try:
+        assert tier_store(other, 1) and tier_store(other, 2)
+        assert tier_load(tier, 1)[0] is False  # a miss here, and the file stays for the others
+        assert os.path.exists(tier.path_for(key(1)))
+        assert tier_load(other, 1) == (True, chunk_bytes(1))
+        with open(tier.path_for(key(2)), "r+b") as f:  # damage 2's last payload byte
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([chunk_bytes(2)[-1] ^ 0xFF]))
+        assert tier_load(tier, 2)[0] is False
+        assert not os.path.exists(tier.path_for(key(2)))  # dropped: a store writes a good one
+    finally:
+        other.shutdown()
         tier.shutdown()
 
 

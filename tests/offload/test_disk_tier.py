@@ -8,6 +8,8 @@ import textwrap
 import pytest
 
 from kvtier.common.options import parse_options
+from kvtier.offload.events import TierMoveEvent
+from kvtier.offload.manager import Lookup
 from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.disk import (
     DiskTier,
@@ -20,7 +22,11 @@ from .offload_helpers import (
     CHUNK,
     NAMESPACE,
     chunk_bytes,
+    drain,
     key,
+    offload_config,
+    poll_until,
+    store_from_device,
     tier_job,
     tier_load,
     tier_store,
@@ -66,14 +72,9 @@ def _close(tier):
     tier.shutdown()
 
 
-
-
-
-
-
-
 def _present(tier, numbers):
-    return [n for n in numbers if tier.lookup(key(n)) is LookupResult.FOUND]
+    """Those of `numbers` the tier holds, asked without counting a use (a lookup counts)."""
+    return [n for n in numbers if key(n) in tier._index]
 
 
 def test_store_then_load_round_trip_in_a_preallocated_file(make_tier, tmp_path):
@@ -125,6 +126,18 @@ def test_full_file_overwrites_the_least_recently_used_chunk(make_tier, tmp_path)
     assert tier.take_evicted() == [key(1), key(2)] and tier.take_evicted() == []
     for n in (0, 3, 4):
         assert tier_load(tier, n) == (True, chunk_bytes(n))
+
+
+def test_a_chunk_found_by_a_lookup_is_overwritten_last(make_tier, tmp_path):
+    # Its load is queued next; the stores of the same step must not overwrite it first.
+    tier = make_tier(tmp_path, num_slots=3)
+    for n in (0, 1, 2):
+        assert tier_store(tier, n)
+    assert tier.lookup(key(0)) is LookupResult.FOUND
+    assert tier.lookup(key(9)) is LookupResult.NOT_FOUND
+    assert tier_store(tier, 3) and tier_store(tier, 4)  # overwrite 1 and 2, not 0
+    assert tier.take_evicted() == [key(1), key(2)]
+    assert tier_load(tier, 0) == (True, chunk_bytes(0))
 
 
 def test_a_slot_being_read_is_not_overwritten(make_tier, tmp_path):
@@ -220,6 +233,21 @@ def test_damaged_slot_is_a_miss_never_data_and_is_reused(make_tier, tmp_path, wh
     assert tier.lookup(key(1)) is LookupResult.NOT_FOUND  # the failed load dropped the slot
     assert tier_store(tier, 1) and tier_store(tier, 2)  # both fit: the damaged slot was freed
     assert tier_load(tier, 1) == (True, chunk_bytes(1))
+
+
+def test_a_damaged_slot_dropped_at_load_is_announced_removed(make_manager, tmp_path):
+    manager = make_manager(offload_config(1, [{"type": "disk", "root_dir": str(tmp_path),
+                                               "max_bytes": _budget(2), "direct_loads": False}]))
+    for n in (1, 2):  # 2 takes chunk 1's host slot: the disk alone holds 1
+        store_from_device(manager, n)
+        drain(manager)
+    disk = manager.tiers[0]
+    _flip(disk.path, PAGE + disk._index[key(1)] * STRIDE + PAGE)  # its payload
+    manager.take_events()
+    assert manager.lookup(key(1), CHUNK) is Lookup.RETRY  # its promotion fails the checksum
+    assert poll_until(manager, 1) is Lookup.MISS
+    assert [e for e in manager.take_events() if e.key == key(1)] == \
+        [TierMoveEvent(key(1), "disk", None, "local")]
 
 
 def test_torn_slot_after_a_crash_is_dropped_at_load(make_tier, tmp_path):

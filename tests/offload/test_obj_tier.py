@@ -7,16 +7,19 @@ import time
 
 import pytest
 
+from kvtier.offload.chunk_format import HEADER_BYTES, MAC_BYTES
 from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.obj import ObjTier, ObjTierError, ObjTierOptions
 
 from ..stores import SeaweedS3
 from . import remote_tier_e2e as e2e
 from .offload_helpers import (
+    CHUNK,
     NAMESPACE,
     chunk_bytes,
     key,
     settled_lookup,
+    spy_value_reads,
     tier_factory,
     tier_job,
     tier_load,
@@ -101,6 +104,20 @@ def test_a_corrupt_object_fails_its_load_and_is_deleted(make_tier, s3):
     assert not ok
     assert not _head(s3, tier._name(key(3)))
     assert tier.lookup(key(3)) is not LookupResult.FOUND
+
+
+def test_an_oversized_object_is_read_no_further_than_the_longest_chunk(make_tier, s3,
+                                                                      monkeypatch):
+    tier = make_tier()
+    assert tier_store(tier, 3)
+    name = tier._name(key(3))
+    chunk = s3.client().get_object(Bucket=BUCKET, Key=name)["Body"].read()
+    s3.client().put_object(Bucket=BUCKET, Key=name, Body=chunk + bytes(1 << 20))
+    num_read = spy_value_reads(tier, monkeypatch)
+    assert not tier_load(tier, 3)[0]
+    # One byte past the longest value of the chunk (with a MAC): its check fails there.
+    assert num_read == [HEADER_BYTES + len(key(3)) + MAC_BYTES + CHUNK + 1]
+    assert not _head(s3, name)  # deleted as a damaged one is
 
 
 def test_a_missing_bucket_is_a_one_line_error_at_start_up(aws_env):

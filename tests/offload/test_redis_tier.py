@@ -8,16 +8,19 @@ import time
 
 import pytest
 
+from kvtier.offload.chunk_format import HEADER_BYTES, MAC_BYTES
 from kvtier.offload.tiers.base import LookupResult, TierContext
 from kvtier.offload.tiers.redis_tier import RedisTier, RedisTierError, RedisTierOptions
 
 from ..stores import ValkeyCluster, ValkeyServer, make_tls_files, tls_server_binary
 from . import remote_tier_e2e as e2e
 from .offload_helpers import (
+    CHUNK,
     NAMESPACE,
     chunk_bytes,
     key,
     settled_lookup,
+    spy_value_reads,
     tier_factory,
     tier_job,
     tier_load,
@@ -102,6 +105,20 @@ def test_a_corrupt_value_fails_its_load_and_is_deleted(make_tier, server):
     assert not ok
     assert _raw(server, tier._name(key(3))) == (None, None)
     assert tier.lookup(key(3)) is not LookupResult.FOUND
+
+
+def test_an_oversized_value_is_read_no_further_than_the_longest_chunk(make_tier, server,
+                                                                     monkeypatch):
+    tier = make_tier(server.url)
+    assert tier_store(tier, 3)
+    name = tier._name(key(3))
+    node, chunk = _raw(server, name)
+    node.client().set(name, chunk + bytes(1 << 20))
+    num_read = spy_value_reads(tier, monkeypatch)
+    assert not tier_load(tier, 3)[0]
+    # One byte past the longest value of the chunk (with a MAC): its check fails there.
+    assert num_read == [HEADER_BYTES + len(key(3)) + MAC_BYTES + CHUNK + 1]
+    assert _raw(server, name) == (None, None)  # deleted as a damaged one is
 
 
 def test_with_a_secret_only_chunks_with_its_mac_load(make_tier, single):

@@ -154,8 +154,9 @@ class SecondaryTier(ABC):
         """The load of a pinned chunk ended: the tier may overwrite it again."""
 
     def take_evicted(self) -> list[ChunkKey]:
-        """Keys this tier dropped to make room since the last call, for KV events; a tier that
-        does not track its evictions (a shared store others also fill) returns none."""
+        """Keys this tier dropped (to make room, or found damaged) since the last call, for KV
+        events; a tier that does not track its evictions (a shared store others also fill)
+        returns none."""
         return []
 
     def shutdown(self) -> None:

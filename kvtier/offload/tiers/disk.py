@@ -162,7 +162,8 @@ class DiskTier(ThreadedTier):
         self._free = [slot for slot in reversed(range(self.num_slots)) if slot not in used]
         self._readers_of: dict[int, int] = {}  # slot -> loads reading it now
         self._orphans: set[int] = set()  # slots dropped from the index while being read
-        # Overwritten since the last take_evicted; bounded, as nobody may be taking them.
+        # Overwritten or found damaged since the last take_evicted; bounded, as nobody may be
+        # taking them.
         self._evicted: deque[ChunkKey] = deque(maxlen=self.num_slots)
         self._sequence = itertools.count(max((seq for seq, _, _, _ in entries), default=0) + 1)
         labels = {"tier": context.name}
@@ -195,7 +196,12 @@ class DiskTier(ThreadedTier):
 
     def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
         with self._lock:
-            return LookupResult.FOUND if key in self._index else LookupResult.NOT_FOUND
+            if key not in self._index:
+                return LookupResult.NOT_FOUND
+            # A use: a chunk found is loaded next, and until a read thread takes its load the
+            # stores of the same step must overwrite other chunks, not it.
+            self._index.move_to_end(key)
+            return LookupResult.FOUND
 
     def take_evicted(self) -> list[ChunkKey]:
         with self._lock:
@@ -302,6 +308,7 @@ class DiskTier(ThreadedTier):
                     self._checked[slot] = len(job.buffer)
                 if problem is not None and self._index.get(job.key) == slot:
                     del self._index[job.key]  # a bad slot: free it once no load reads it
+                    self._evicted.append(job.key)  # gone as much as an overwritten one
                     self._checked.pop(slot, None)
                     self._orphans.add(slot)
                     self._set_used_gauge()

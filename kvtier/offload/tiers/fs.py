@@ -21,6 +21,11 @@ symlink (offload/safe_dir.py). A read-only directory (a read-only mount, or one 
 not write) is a read-only tier: lookups and loads work, stores are skipped and counted. A full
 disk evicts the namespace's least recently used tenth and the store is tried once more. A
 namespace directory removed at run time is made again by the next store.
+
+A file that is not this key's chunk (damaged, truncated, another key's) fails its load and is
+deleted, so that the next store writes a good copy. One that is intact but fails this
+instance's MAC check (written with another chunk secret, or none) is a miss and stays: one
+misconfigured instance must not wipe the directory the others share.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from kvtier.offload.chunk_format import (
     ChunkFormatError,
     drop_bad_file,
     file_size,
+    is_foreign_chunk,
     read_chunk_into,
     write_chunk,
     write_description,
@@ -188,7 +194,8 @@ class FsTier(ThreadedTier):
         return os.path.join(self.directory, digest[:2], digest + CHUNK_SUFFIX)
 
     def lookup(self, key: ChunkKey, req_context: Any = None) -> LookupResult:
-        # Existence only: a damaged file fails its load (a counted error) and is dropped then.
+        # Existence only: a damaged file fails its load (a counted error) and is dropped then; an
+        # intact one with another secret's MAC (or none) fails it and is kept.
         return self._index.lookup(key_digest(key))
 
     def _is_chunk_file(self, digest: str) -> bool:
@@ -281,7 +288,9 @@ class FsTier(ThreadedTier):
             try:
                 read_chunk_into(f, job.key, job.buffer, self._secret)
             except ChunkFormatError:
-                drop_bad_file(f, name, dir_fd)
+                f.seek(0)
+                if not is_foreign_chunk(f, job.key, job.buffer, self._secret):
+                    drop_bad_file(f, name, dir_fd)  # so that a later store writes a good copy
                 raise
             # The access time the budget's LRU eviction goes by; a read-only directory keeps
             # the old one.

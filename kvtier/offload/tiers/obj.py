@@ -16,7 +16,9 @@ best bounded by a lifecycle rule that expires objects under the prefix (see docs
 object the store would not delete stays counted, and is tried again at the next eviction.
 
 A GET's body is read in the pieces the server sends, until the job's deadline: a server that
-trickles bytes (each within the read timeout) cannot hold a read thread and its host slot.
+trickles bytes (each within the read timeout) cannot hold a read thread and its host slot. It is
+read no further than one byte past the longest valid chunk (tiers/remote.py): the rest of a
+larger object is never read into memory.
 
 Credentials, region and endpoint come from the standard AWS configuration (AWS_ACCESS_KEY_ID,
 AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION, AWS_PROFILE, ~/.aws/...) unless
@@ -144,7 +146,7 @@ class ObjTier(RemoteTier):
         self._client.put_object(Bucket=self.options.bucket, Key=name, Body=data)
         self._account(key, name, len(data))
 
-    def _get_within(self, name: str, deadline: float) -> bytes:
+    def _get_within(self, name: str, deadline: float, max_bytes: int) -> bytes:
         try:
             response = self._client.get_object(Bucket=self.options.bucket, Key=name)
         except ClientError as exc:
@@ -155,7 +157,7 @@ class ObjTier(RemoteTier):
             if name in self._written:
                 self._written.move_to_end(name)
         with response["Body"] as body:  # urllib3's response, closed (mid-body too) on the way out
-            return _read_by(body, deadline)
+            return _read_by(body, deadline, max_bytes)
 
     def _delete(self, names: Sequence[str]) -> None:
         refused: list[str] = []
@@ -306,12 +308,14 @@ def _refusal(exc: ClientError, bucket: str, endpoint: str) -> str:
             f"check obj.bucket, obj.region and obj.endpoint_url (or AWS_ENDPOINT_URL)")
 
 
-def _read_by(body: Any, deadline: float) -> bytes:
-    """A response body, read in the pieces that arrive; TimeoutError once `deadline`
-    (time.monotonic()) has passed, however steadily it trickles in."""
-    pieces = []
-    while piece := body.read1(_READ_PIECE):
+def _read_by(body: Any, deadline: float, max_bytes: int) -> bytes:
+    """A response body, read in the pieces that arrive, up to its first `max_bytes` bytes;
+    TimeoutError once `deadline` (time.monotonic()) has passed, however steadily it trickles
+    in."""
+    pieces, num_read = [], 0
+    while num_read < max_bytes and (piece := body.read1(min(_READ_PIECE, max_bytes - num_read))):
         pieces.append(piece)
+        num_read += len(piece)
         if time.monotonic() > deadline:
             raise TimeoutError("the object was still arriving at the job's deadline")
     return b"".join(pieces)

@@ -152,7 +152,8 @@ class P2PTier(RemoteTier):
             raise failures[-1]  # no peer could answer: counted, and the tier rests a moment
         return found
 
-    def _get(self, name: str) -> bytes:
+    def _get(self, name: str, max_bytes: int) -> bytes:
+        # `max_bytes` is left to the peer client: it refuses any reply over the largest chunk.
         peer, _ = self._holders.get(name, (None, 0.0))
         if peer is None or time.monotonic() < peer.down_until:
             raise MissingChunk(name)

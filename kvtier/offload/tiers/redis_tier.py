@@ -2,10 +2,12 @@
 every instance that uses the server.
 
 Keys are `<key_prefix>:<namespace hex>:<sha256(key)>` (in a cluster they spread over the hash
-slots) and values hold the checked chunk format. Each load is one GET and each store one SET
-(with `EX ttl_s` when set) on the tier's thread pools, the existence checks of a step one
-pipelined batch of EXISTS (tiers/remote.py). Capacity is the server's: `maxmemory` with
-`maxmemory-policy allkeys-lru` evicts the least recently used chunks, `ttl_s` expires them.
+slots) and values hold the checked chunk format. Each load is one pipelined EXISTS and
+GETRANGE (up to one byte past the longest valid chunk: a larger value is never read whole) and
+each store one SET (with `EX ttl_s` when set) on the tier's thread pools, the existence checks
+of a step one pipelined batch of EXISTS (tiers/remote.py). Capacity is the server's:
+`maxmemory` with `maxmemory-policy allkeys-lru` evicts the least recently used chunks, `ttl_s`
+expires them.
 
 The URL picks the server: `redis://HOST:PORT/DB`, `rediss://...` (TLS),
 `redis+cluster://HOST:PORT` (any node of a cluster; `rediss+cluster://` with TLS). The password
@@ -198,9 +200,14 @@ class RedisTier(RemoteTier):
     def _put(self, key: ChunkKey, data: bytes) -> None:
         self._connected().set(self._name(key), data, ex=self.options.ttl_s)
 
-    def _get(self, name: str) -> bytes:
-        data = self._connected().get(name)
-        if data is None:
+    def _get(self, name: str, max_bytes: int) -> bytes:
+        # GETRANGE, not GET: a larger value is never read whole. It answers a missing key with
+        # an empty value, so EXISTS tells one from an empty value (damage, deleted at load).
+        pipe = self._connected().pipeline(transaction=False)
+        pipe.exists(name)
+        pipe.getrange(name, 0, max_bytes - 1)
+        exists, data = pipe.execute()
+        if not exists:
             raise MissingChunk(name)
         return data
 

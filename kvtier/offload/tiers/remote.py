@@ -15,10 +15,11 @@ store refuses (out of memory, a wrong type, access denied) fails that job alone,
 other chunks are still there, and a full store must not turn its hits into misses.
 
 Every chunk is written in the checked format of offload/chunk_format.py: a value that is not
-this key's chunk (garbage, another key's, truncated) fails its load, is deleted and is
-recomputed. A value that is intact but fails this instance's MAC check (written by an instance
-with another chunk secret, or none) is a miss and stays: one misconfigured instance must not
-wipe the pool the others share.
+this key's chunk (garbage, another key's, truncated, too long) fails its load, is deleted and is
+recomputed. A load reads at most one byte past the longest valid value, so a huge value planted
+under a chunk's name costs a failed load, not the process's memory. A value that is intact but
+fails this instance's MAC check (written by an instance with another chunk secret, or none) is
+a miss and stays: one misconfigured instance must not wipe the pool the others share.
 """
 
 from __future__ import annotations
@@ -34,7 +35,14 @@ from typing import Any, TypeVar
 from kvtier.common.bounded import BoundedDict
 from kvtier.common.daemon_threads import DaemonThreadPool
 from kvtier.common.options import is_positive_int, require
-from kvtier.offload.chunk_format import ChunkFormatError, encode_header, read_chunk_into
+from kvtier.offload.chunk_format import (
+    HEADER_BYTES,
+    MAC_BYTES,
+    ChunkFormatError,
+    encode_header,
+    is_foreign_chunk,
+    read_chunk_into,
+)
 from kvtier.offload.keys import ChunkKey
 from kvtier.offload.tiers.base import Locality, LookupResult, TierContext, TransferJob
 from kvtier.offload.tiers.threaded import ThreadedTier, check_thread_options
@@ -181,13 +189,14 @@ class RemoteTier(ThreadedTier):
     def _load(self, job: TransferJob) -> None:
         self._check_up()
         try:
-            data = self._call("get", self._get_within, self._name(job.key), job.deadline)
+            data = self._call("get", self._get_within, self._name(job.key), job.deadline,
+                              _read_limit(job))
             read_chunk_into(io.BytesIO(data), job.key, job.buffer, self.context.chunk_secret)
         except MissingChunk:
             self._forget(job.key)
             raise
         except ChunkFormatError:
-            if self._is_foreign(data, job):
+            if is_foreign_chunk(io.BytesIO(data), job.key, job.buffer, self.context.chunk_secret):
                 self._mark_absent(job.key)
             else:
                 self._forget(job.key)
@@ -195,18 +204,6 @@ class RemoteTier(ThreadedTier):
             raise
         with self._lock:
             self._remember(job.key)
-
-    def _is_foreign(self, data: bytes, job: TransferJob) -> bool:
-        """Whether `data`, which failed this instance's checks, is an intact copy of the chunk
-        that only lacks a MAC made with this instance's secret. Checked without the secret, into
-        the job's buffer, which holds garbage after a failed load anyway."""
-        if self.context.chunk_secret is None:
-            return False
-        try:
-            read_chunk_into(io.BytesIO(data), job.key, job.buffer)
-        except ChunkFormatError:
-            return False
-        return True
 
     def _mark_absent(self, key: ChunkKey) -> None:
         """Answer `key`'s lookups NOT_FOUND for a while, though the store has a value for it."""
@@ -262,15 +259,16 @@ class RemoteTier(ThreadedTier):
     @abstractmethod
     def _put(self, key: ChunkKey, data: bytes) -> None: ...
 
-    def _get_within(self, name: str, deadline: float) -> bytes:
-        """The value under `name` for a job that must end by `deadline` (time.monotonic());
-        raises MissingChunk if there is none. By default `_get(name)`, for a client whose
-        timeouts bound the whole read; a store whose reads can outlast them overrides this
-        instead of `_get`."""
-        return self._get(name)
+    def _get_within(self, name: str, deadline: float, max_bytes: int) -> bytes:
+        """The value under `name`, cut after `max_bytes` bytes, for a job that must end by
+        `deadline` (time.monotonic()); raises MissingChunk if there is none. By default
+        `_get(name, max_bytes)`, for a client whose timeouts bound the whole read; a store whose
+        reads can outlast them overrides this instead of `_get`."""
+        return self._get(name, max_bytes)
 
-    def _get(self, name: str) -> bytes:
-        """The value under `name`; raises MissingChunk if there is none."""
+    def _get(self, name: str, max_bytes: int) -> bytes:
+        """The value under `name`, never more than its first `max_bytes` bytes read; raises
+        MissingChunk if there is none."""
         raise NotImplementedError
 
     @abstractmethod
@@ -284,3 +282,10 @@ class RemoteTier(ThreadedTier):
         (connection, timeout, server error), rather than that it refused this one request. By
         default every failure does, for a store whose errors cannot be told apart."""
         return True
+
+
+def _read_limit(job: TransferJob) -> int:
+    """Bytes a load reads at most: one past the longest value of the job's chunk (with a MAC,
+    which a tier without the secret skips), so that a longer one fails the check for trailing
+    bytes without being read whole."""
+    return HEADER_BYTES + len(job.key) + MAC_BYTES + len(job.buffer) + 1

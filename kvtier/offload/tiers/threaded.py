@@ -5,15 +5,20 @@ write threads are niced: stores are background work and run in the CPU time the 
 leaves idle instead of taking turns with it; reads keep the engine's priority (a request waits
 for them). A subclass implements `_store` and `_load`, which raise on any failure.
 
-The pools' threads are daemon threads: a job stuck in I/O past its deadline is abandoned at
-shutdown and never holds the process.
+A job waits in its pool's queue until a thread claims it. One still unclaimed at its deadline is
+reported failed by `get_finished_jobs` (on the engine's thread), so threads stuck in I/O (a hung
+mount) never hold the host slots of the jobs queued behind them; a claimed job is reported only
+by its thread, as the slot is its buffer until then. The pools' threads are daemon threads: a job
+stuck in I/O past its deadline is abandoned at shutdown and never holds the process.
 """
 
 from __future__ import annotations
 
+import heapq
 import os
 import queue
 import sys
+import threading
 import time
 from abc import abstractmethod
 from collections.abc import Callable, Iterable, Sequence
@@ -25,6 +30,9 @@ from kvtier.offload.tiers.base import JobResult, SecondaryTier, TierContext, Tra
 
 # Loads a read thread takes from its queue at once (`submit_loads`).
 LOADS_PER_PIECE = 16
+# The deadline heap is rebuilt from the unclaimed jobs once it is over twice their number plus
+# this: each rebuild then removes at least this many entries of claimed jobs.
+_MIN_HEAP_TO_COMPACT = 1024
 # Seconds shutdown waits for the pools' threads even when every job's deadline has passed.
 _SHUTDOWN_GRACE_S = 0.5
 # Most threads per pool: far past what a disk or a network link serves in parallel, and well
@@ -60,25 +68,48 @@ class ThreadedTier(SecondaryTier):
                                          initargs=(options.write_nice,))
         # The latest deadline of any job submitted: shutdown waits for running jobs until then.
         self._last_deadline = 0.0
+        # Jobs submitted and not yet claimed by a thread nor failed by `_fail_expired`, by id,
+        # and their (deadline, id) in a heap; the lock makes a claim and a failure exclusive.
+        self._unclaimed: dict[int, TransferJob] = {}
+        self._deadlines: list[tuple[float, int]] = []
+        self._claim_lock = threading.Lock()
 
     def submit_store(self, job: TransferJob) -> None:
-        self._last_deadline = max(self._last_deadline, job.deadline)
-        self._writers.submit(self._run, job, self._store)
+        self._submit(self._writers, [[job]], self._store)
 
     def submit_load(self, job: TransferJob) -> None:
-        self._last_deadline = max(self._last_deadline, job.deadline)
-        self._readers.submit(self._run, job, self._load)
+        self._submit(self._readers, [[job]], self._load)
 
     def submit_loads(self, jobs: Sequence[TransferJob]) -> None:
         """The jobs in pieces of LOADS_PER_PIECE consecutive ones: the read threads take a queue
         item per piece instead of per chunk, and still share the pieces out as they free up."""
+        self._submit(self._readers, [jobs[start:start + LOADS_PER_PIECE]
+                                     for start in range(0, len(jobs), LOADS_PER_PIECE)],
+                     self._load)
+
+    def _submit(self, pool: DaemonThreadPool, pieces: Sequence[Sequence[TransferJob]],
+                action: Callable[[TransferJob], None]) -> None:
+        """Queue each piece of jobs for one thread of `pool`; raises (the pool is shut down)
+        having queued none."""
+        jobs = [job for piece in pieces for job in piece]
         if not jobs:
             return
         self._last_deadline = max(self._last_deadline, max(job.deadline for job in jobs))
-        for start in range(0, len(jobs), LOADS_PER_PIECE):
-            self._readers.submit(self._run_each, jobs[start:start + LOADS_PER_PIECE], self._load)
+        with self._claim_lock:  # before a thread can try to claim them
+            for job in jobs:
+                self._unclaimed[job.job_id] = job
+                heapq.heappush(self._deadlines, (job.deadline, job.job_id))
+        try:
+            for piece in pieces:
+                pool.submit(self._run_each, piece, action)
+        except RuntimeError:  # a pool shut down refuses the first piece already
+            with self._claim_lock:
+                for job in jobs:
+                    del self._unclaimed[job.job_id]
+            raise
 
     def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._fail_expired()
         finished = []
         while True:
             try:
@@ -102,8 +133,30 @@ class ThreadedTier(SecondaryTier):
     @abstractmethod
     def _load(self, job: TransferJob) -> None: ...
 
+    def _fail_expired(self) -> None:
+        """Report the jobs still waiting for a thread at their deadline as failed."""
+        now, expired = time.monotonic(), []
+        with self._claim_lock:
+            while self._deadlines and self._deadlines[0][0] < now:
+                job = self._unclaimed.pop(heapq.heappop(self._deadlines)[1], None)
+                if job is not None:  # None: a thread claimed it (it reports it)
+                    expired.append(job)
+            if len(self._deadlines) > 2 * len(self._unclaimed) + _MIN_HEAP_TO_COMPACT:
+                # Mostly claimed jobs, which would wait for their deadlines to leave it.
+                self._deadlines = [(job.deadline, job.job_id) for job in self._unclaimed.values()]
+                heapq.heapify(self._deadlines)
+        for job in expired:
+            self._report(JobResult(job.job_id, ok=False, error="deadline passed in queue"))
+
+    def _claim(self, job: TransferJob) -> bool:
+        """Take `job` for this thread; False if it expired in the queue (reported already)."""
+        with self._claim_lock:
+            return self._unclaimed.pop(job.job_id, None) is not None
+
     def _run(self, job: TransferJob, action: Callable[[TransferJob], None]) -> None:
         """Run one job on a pool thread; every outcome becomes exactly one JobResult."""
+        if not self._claim(job):
+            return
         if time.monotonic() > job.deadline:
             self._report(JobResult(job.job_id, ok=False, error="deadline passed in queue"))
             return
