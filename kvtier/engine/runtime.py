@@ -144,5 +144,9 @@ def build_connectors(transfer: KVTransferConfig | None, context: ConnectorContex
     from kvtier.connector.registry import get_connector_class
     connector = get_connector_class(transfer)
     context = dataclasses.replace(context, shared=connector.create_shared(transfer, context))
-    return (connector.create(KVConnectorRole.SCHEDULER, transfer, context),
-            connector.create(KVConnectorRole.WORKER, transfer, context))
+    scheduler = connector.create(KVConnectorRole.SCHEDULER, transfer, context)
+    try:
+        return scheduler, connector.create(KVConnectorRole.WORKER, transfer, context)
+    except BaseException:
+        scheduler.shutdown()  # it may hold files, ports and threads
+        raise
