@@ -42,6 +42,8 @@ class KVCacheCoordinator(ABC):
                                           self.hash_block_size)
             for group_id, group in enumerate(kv_cache_config.kv_cache_groups))
         self._skipping_managers = tuple(m for m in self.managers if m.skips_blocks)
+        # A group drops blocks (sliding window, recurrent state): hits must be block-aligned.
+        self.skips_blocks = bool(self._skipping_managers)
         self.empty_blocks: BlocksPerGroup = tuple(() for _ in self.managers)
 
     @abstractmethod
@@ -75,10 +77,10 @@ class KVCacheCoordinator(ABC):
                 return 0
         return num_tokens
 
-    def save_new_computed_blocks(self, request_id: str,
-                                 new_computed_blocks: BlocksPerGroup) -> None:
+    def save_new_computed_blocks(self, request_id: str, new_computed_blocks: BlocksPerGroup,
+                                 num_computed_tokens: int) -> None:
         for manager, hit_blocks in zip(self.managers, new_computed_blocks):
-            manager.save_new_computed_blocks(request_id, hit_blocks)
+            manager.save_new_computed_blocks(request_id, hit_blocks, num_computed_tokens)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_computed_tokens: int) -> tuple[list[KVCacheBlock], ...]:

@@ -88,6 +88,15 @@ class KVCacheManager:
         return self.coordinator.hash_block_size
 
     @property
+    def hit_alignment_tokens(self) -> int:
+        """Tokens a prefix hit's length (local, or with a connector's external tokens) must be
+        a multiple of: 1 when every group is full attention; else the groups' block sizes'
+        LCM, since a recurrent state exists only at block ends and a sliding window drops
+        whole blocks (the local hit is already cut this way)."""
+        coordinator = self.coordinator
+        return coordinator.alignment_tokens if coordinator.skips_blocks else 1
+
+    @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
@@ -149,7 +158,7 @@ class KVCacheManager:
         # Drop blocks outside sliding windows first: fewer evictions of cached blocks.
         coordinator.remove_skipped_blocks(request_id, num_computed)
         if hit_blocks is not coordinator.empty_blocks and any(hit_blocks):
-            coordinator.save_new_computed_blocks(request_id, hit_blocks)
+            coordinator.save_new_computed_blocks(request_id, hit_blocks, num_computed)
         new_blocks = coordinator.allocate_new_blocks(request_id, num_slots, num_computed)
 
         # An async load has not landed yet: caching now would hand other requests garbage.

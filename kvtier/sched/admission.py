@@ -45,10 +45,9 @@ def plan_admission(request: Request, kv_cache_manager: KVCacheManager,
                 answer, load_async = 0, False
             if answer is None:
                 return None
-            num_external, load_async = answer, load_async and answer > 0
-        if not load_async:
-            # The last token is always computed: its logits give the next token.
-            num_external = min(num_external, request.num_tokens - 1 - num_local)
+            num_external = _usable_external_tokens(request, kv_cache_manager, num_local, answer,
+                                                   load_async)
+            load_async = load_async and num_external > 0
         num_computed = num_local + num_external
     if load_async:
         num_new = 0
@@ -57,3 +56,16 @@ def plan_admission(request: Request, kv_cache_manager: KVCacheManager,
         if enable_chunked_prefill:
             num_new = min(num_new, token_budget)
     return Admission(computed_blocks, num_local, num_external, load_async, num_new)
+
+
+def _usable_external_tokens(request: Request, kv_cache_manager: KVCacheManager, num_local: int,
+                            num_external: int, load_async: bool) -> int:
+    """The connector's `num_external` tokens cut to what the request can go on from."""
+    alignment = kv_cache_manager.hit_alignment_tokens
+    if not load_async or alignment > 1:
+        # The last token is always computed: its logits give the next token. (A full-attention
+        # async load may bring it along; it is computed again once the load lands.)
+        num_external = min(num_external, request.num_tokens - 1 - num_local)
+    # A state or window group resumes only on a block boundary, where its blocks end; cut
+    # after loading the whole prompt, it would read a state or window of the wrong length.
+    return num_external - (num_local + num_external) % alignment

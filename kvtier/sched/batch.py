@@ -23,6 +23,8 @@ class StepBatch:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     # Draft tokens computed after a request's last token this step (speculative decoding).
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # Tokens loaded synchronously this step by a connector, per newly admitted request.
+    num_external_tokens: dict[str, int] = field(default_factory=dict)
     # The runner drops these before building `new_reqs`.
     dropped_req_ids: set[str] = field(default_factory=set)
     num_preempted: int = 0
@@ -49,8 +51,12 @@ class StepBatch:
         self.seat_blocked = True
         return False
 
-    def add_new(self, request: Request, num_tokens: int) -> None:
+    def add_new(self, request: Request, num_tokens: int, num_external_tokens: int = 0) -> None:
+        """`num_external_tokens`: how many of its computed tokens a connector loads during
+        this step (their blocks are in the prefix cache already)."""
         self.new_reqs.append(request)
+        if num_external_tokens:
+            self.num_external_tokens[request.request_id] = num_external_tokens
         if _seat(request) is not None:
             self.loras.add(_seat(request))
         self._charge(request, num_tokens)
@@ -74,6 +80,7 @@ class StepBatch:
             self.new_reqs = [r for r in self.new_reqs if r is not request]
             self.new_block_ids.pop(req_id, None)
             self.spec_tokens.pop(req_id, None)
+            self.num_external_tokens.pop(req_id, None)
         self.dropped_req_ids.add(req_id)
         self.num_preempted += 1
 
@@ -90,7 +97,8 @@ class StepBatch:
             total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             preempted_req_ids=self.dropped_req_ids,
-            scheduled_spec_decode_tokens=self.spec_tokens)
+            scheduled_spec_decode_tokens=self.spec_tokens,
+            num_external_computed_tokens=self.num_external_tokens)
 
     def _charge(self, request: Request, num_tokens: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens

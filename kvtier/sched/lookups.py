@@ -15,13 +15,17 @@ class ConnectorLookupDeadlines:
     def __init__(self, timeout_s: float, clock: Callable[[], float]) -> None:
         self._timeout_s = timeout_s
         self._clock = clock
-        # req_id -> when the connector first answered None for it (since it last was admitted).
+        # req_id -> when the connector began answering None for it (since its last count).
         self._undecided_since: dict[str, float] = {}
         self.num_timeouts = 0
 
-    def is_overdue(self, req_id: str) -> bool:
-        """The connector answered None for `req_id` again. True, counted as a timeout, once it
-        has been answering None for longer than the deadline."""
+    def is_overdue(self, req_id: str, *, undecided: bool) -> bool:
+        """The connector answered for `req_id`: None (`undecided`) or a count. True, counted as
+        a timeout, once it has been answering None for longer than the deadline; a count
+        ends the wait, so a later None starts a new deadline."""
+        if not undecided:
+            self._undecided_since.pop(req_id, None)
+            return False
         now = self._clock()
         since = self._undecided_since.setdefault(req_id, now)
         if now - since <= self._timeout_s:

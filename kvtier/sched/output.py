@@ -64,6 +64,10 @@ class SchedulerOutput:
     # req_id -> the draft tokens the step computes after its last token (counted in
     # num_scheduled_tokens); only requests that speculate are listed.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> tokens a connector loads synchronously into the blocks of a request admitted
+    # this step (counted in its num_computed_tokens, not in num_scheduled_tokens); only
+    # requests with such a load are listed.
+    num_external_computed_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -268,7 +268,7 @@ class Scheduler:
                                  batch.token_budget,
                                  enable_chunked_prefill=self.config.enable_chunked_prefill)
         admission = plan(ask_connector=req_id not in self.no_external_load)
-        if admission is None and self.lookups.is_overdue(req_id):
+        if self.lookups.is_overdue(req_id, undecided=admission is None):
             # The connector kept answering "not yet" for a whole deadline: go on without it.
             self.no_external_load.add(req_id)
             admission = plan(ask_connector=False)
@@ -306,7 +306,7 @@ class Scheduler:
             request.num_cached_tokens = request.num_computed_tokens
         request.status = RequestStatus.RUNNING
         self.running.append(request)
-        batch.add_new(request, admission.num_new_tokens)
+        batch.add_new(request, admission.num_new_tokens, admission.num_external_tokens)
         return True
 
     # ---- update_from_output(): after the runner ------------------------------------------

@@ -1,8 +1,8 @@
 """What the scheduler does when KV is not written intact: load failures, failed steps.
 
-A step that raised (the forward pass, or anything after the blocks were handed out) leaves the
-blocks it was to fill unwritten, though their hashes are already in the prefix cache: they are
-dropped from it, so no later request reads them.
+A step that raised (the forward pass, a synchronous load, or anything after the blocks were
+handed out) leaves the blocks it was to fill unwritten, though their hashes are already in the
+prefix cache: they are dropped from it, so no later request reads them.
 
 Two ways a load fails: the worker reports some loaded blocks invalid
 (`KVConnectorOutput.invalid_block_ids`), or an asynchronous load misses its deadline. Bad
@@ -55,13 +55,16 @@ class TransferFailures:
         self.num_load_timeouts = 0
 
     def uncache_failed_step(self, scheduler_output: SchedulerOutput) -> None:
-        """The step of `scheduler_output` raised: its blocks may hold no valid KV."""
+        """The step of `scheduler_output` raised: its blocks may hold no valid KV, from the
+        tokens it computed and from the tokens a connector was to load during it (their
+        blocks were cached when they were allocated)."""
         sched = self._scheduler
+        num_loaded = scheduler_output.num_external_computed_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             request = sched.requests.get(req_id)
             if request is not None:
                 # schedule() already counted the step's tokens as computed.
-                first = request.num_computed_tokens - num_new
+                first = request.num_computed_tokens - num_new - num_loaded.get(req_id, 0)
                 sched.kv_cache_manager.evict_blocks(self._block_ids_from(request, first))
 
     def abandon_overdue_loads(self) -> None:

@@ -126,3 +126,22 @@ def test_a_rewind_resumes_only_where_every_group_still_holds_its_blocks(make_man
     # Token 12 attends 7..12 (block 1 is gone), token 16 attends 11..16 (blocks 2-3 held).
     assert [windowed.resumable_tokens(request, n) for n in (4, 12, 16)] == [0, 0, 16]
     windowed.free(request)
+
+
+@pytest.mark.parametrize("state", [False, True])
+def test_no_resume_where_the_recompute_would_write_null_blocks(make_manager, state):
+    manager = make_manager(20, full_spec(), mamba_spec() if state else sliding_spec(8))
+    group = manager.coordinator.managers[1]
+    hit = manager.block_pool.get_new_blocks(2)  # blocks 1, 2: a hit of 8 tokens
+    group.save_new_computed_blocks("r", hit, 8)
+    # Slots for 36 tokens, 32 computed (24 of them loaded): a table with holes after the hit.
+    group.allocate_new_blocks("r", 36, 32)
+    table = [block.block_id for block in group.req_to_blocks["r"]]
+    if state:  # only the latest state of the hit is kept
+        assert table == [0, 2, 0, 0, 0, 0, 0, 3, 4]
+    else:
+        assert table == [1, 2, 0, 0, 0, 0, 3, 4, 5]
+    # The window (or state) before token 8 is held, but recomputing 8..31 writes null blocks.
+    assert [group.can_resume_at("r", n) for n in (8, 24, 28, 32)] == [False, False, False, True]
+    group.free("r")
+    manager.block_pool.free_blocks(hit)

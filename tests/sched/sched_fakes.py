@@ -17,6 +17,7 @@ from kvtier.kv import (
     KVCacheGroupSpec,
     KVCacheManager,
     KVIdentity,
+    MambaSpec,
     Request,
     RequestStatus,
     SlidingWindowSpec,
@@ -30,14 +31,17 @@ EOS = 999
 
 
 def make_manager(num_blocks: int, *, enable_caching: bool = True,
-                 sliding_window: int | None = None,
+                 sliding_window: int | None = None, recurrent_state: bool = False,
                  enable_kv_cache_events: bool = False) -> KVCacheManager:
-    """One full-attention group; with `sliding_window`, a second, sliding-window group."""
+    """One full-attention group; with `sliding_window`, a second, sliding-window group; with
+    `recurrent_state`, a second, Mamba-style state group."""
     spec = FullAttentionSpec(block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8)
     groups = [KVCacheGroupSpec(["layers.0"], spec)]
     if sliding_window is not None:
         groups.append(KVCacheGroupSpec(["layers.1"], SlidingWindowSpec(
             block_size=BLOCK_SIZE, num_kv_heads=1, head_size=8, sliding_window=sliding_window)))
+    if recurrent_state:
+        groups.append(KVCacheGroupSpec(["layers.1"], MambaSpec(BLOCK_SIZE, ((2, 8),))))
     config = KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
     return KVCacheManager(config, max_model_len=64, enable_caching=enable_caching, watermark=0.0,
                           enable_kv_cache_events=enable_kv_cache_events)

@@ -60,7 +60,9 @@ class SingleTypeKVCacheManager(ABC):
 
     def can_resume_at(self, request_id: str, num_tokens: int) -> bool:
         """Whether the blocks the request holds let it go on from `num_tokens` computed tokens
-        (after its later tokens were found bad). True here: every block stays held."""
+        (after its later tokens were found bad): it reads what it needs before `num_tokens`
+        and writes the recomputed positions from there up to what it holds, so none of those
+        blocks may be the null block. True here: every block stays held."""
         return True
 
     # ---- allocation --------------------------------------------------------------------------
@@ -75,23 +77,32 @@ class SingleTypeKVCacheManager(ABC):
         num_existing = len(held) + len(new_computed_blocks)
         num_required = -(-num_tokens // self.block_size)
         num_new = max(0, num_required - num_existing)
-        if num_new and self.skips_blocks:
-            num_skipped = min(num_required, self.num_skipped_blocks(num_computed_tokens))
-            num_new -= max(0, num_skipped - num_existing)
-        for block in new_computed_blocks:
+        num_skipped = self.num_skipped_blocks(num_computed_tokens) if self.skips_blocks else 0
+        if num_new and num_skipped:
+            num_new -= max(0, min(num_required, num_skipped) - num_existing)
+        # Hit blocks before the skip line are not taken (see save_new_computed_blocks).
+        for block in new_computed_blocks[num_skipped:]:
             if block.ref_cnt == 0 and not block.is_null:
                 num_new += 1
         return num_new
 
     def save_new_computed_blocks(self, request_id: str,
-                                 new_computed_blocks: Sequence[KVCacheBlock]) -> None:
-        """Take a prefix hit for a request that holds no blocks yet."""
+                                 new_computed_blocks: Sequence[KVCacheBlock],
+                                 num_computed_tokens: int) -> None:
+        """Take a prefix hit for a request that holds no blocks yet and starts with
+        `num_computed_tokens` computed (the hit, then external tokens a connector loads).
+        Hit blocks those tokens already push before the skip line are not taken: they get
+        the null block, as positions the window left behind do."""
         if self.req_to_blocks.get(request_id):
             raise ValueError(f"request {request_id!r} already holds blocks; a prefix hit can "
                              "only be taken before its first allocation")
-        self.block_pool.touch(new_computed_blocks)
-        self.req_to_blocks[request_id] = list(new_computed_blocks)
-        self.num_cached_block[request_id] = len(new_computed_blocks)
+        blocks = list(new_computed_blocks)
+        if self.skips_blocks:
+            num_skipped = min(self.num_skipped_blocks(num_computed_tokens), len(blocks))
+            blocks[:num_skipped] = [self.null_block] * num_skipped
+        self.block_pool.touch(blocks)
+        self.req_to_blocks[request_id] = blocks
+        self.num_cached_block[request_id] = len(blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_computed_tokens: int) -> list[KVCacheBlock]:

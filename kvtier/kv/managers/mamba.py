@@ -33,14 +33,16 @@ class MambaManager(SingleTypeKVCacheManager):
         return []
 
     def can_resume_at(self, request_id: str, num_tokens: int) -> bool:
-        # Only a block boundary has a state, and only the latest blocks are still held.
+        # Only a block boundary has a state, and only the latest blocks are still held. The
+        # recompute writes a state into every later block it holds: none may be null (an
+        # external load past the hit leaves null blocks before its last state).
         if num_tokens == 0:
             return True
         if num_tokens % self.block_size:
             return False
         blocks = self.req_to_blocks.get(request_id, ())
         index = num_tokens // self.block_size - 1
-        return index < len(blocks) and not blocks[index].is_null
+        return index < len(blocks) and not any(b.is_null for b in blocks[index:])
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         # The state after n tokens lives in block cdiv(n, block_size) - 1; all before it go.

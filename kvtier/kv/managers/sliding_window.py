@@ -56,10 +56,12 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
 
     def can_resume_at(self, request_id: str, num_tokens: int) -> bool:
         # The next token attends the window's earlier tokens: their blocks must still be held.
+        # The recomputed tokens are written from there on: an external load that reached past
+        # the window left null blocks there, which must not be written.
         first = max(0, num_tokens - self.sliding_window + 1) // self.block_size
         end = -(-num_tokens // self.block_size)
         blocks = self.req_to_blocks.get(request_id, ())
-        return end <= len(blocks) and not any(b.is_null for b in blocks[first:end])
+        return end <= len(blocks) and not any(b.is_null for b in blocks[first:])
 
     def num_skipped_blocks(self, num_computed_tokens: int) -> int:
         num_skipped_tokens = max(0, num_computed_tokens - self.sliding_window + 1)
