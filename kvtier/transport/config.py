@@ -37,6 +37,11 @@ class TransportConfig:
     max_frame_bytes: int = protocol.MAX_FRAME_BYTES
     # Handshakes not finished in this time are forgotten (a peer that went quiet).
     handshake_timeout_s: float = 10.0
+    # An offer whose recv is not posted within this time is failed back to its sender, which
+    # then lets go of its source rather than at its own deadline (the receiver will never
+    # post it: e.g. it refused the request the transfer was for), and a recv posted for it
+    # later fails at once. None: an offer waits until its sender gives up.
+    unclaimed_offer_timeout_s: float | None = None
     # One of BACKENDS; both ends of a transfer must use the same.
     backend: str = "zmq"
 
@@ -53,6 +58,9 @@ class TransportConfig:
                              f"send frames that large), got {self.max_frame_bytes}")
         if self.handshake_timeout_s <= 0:
             raise ValueError("handshake_timeout_s must be > 0")
+        if self.unclaimed_offer_timeout_s is not None and not self.unclaimed_offer_timeout_s > 0:
+            raise ValueError("unclaimed_offer_timeout_s must be > 0, or None to keep offers "
+                             "until their sender gives up")
         if self.backend not in BACKENDS:
             raise ValueError(f"transport backend {self.backend!r} is unknown; choose one of "
                              f"{', '.join(BACKENDS)}")

@@ -153,8 +153,7 @@ class MooncakeTransferEngine(ZmqTransferEngine):
             raise
 
     def _make_loop(self, listener: zmq.Socket, wake: zmq.Socket, local: LocalIdentity) -> IOLoop:
-        return MooncakeLoop(self._ctx, listener, wake, local, self._state,
-                            self.config.handshake_timeout_s, self.config.max_frame_bytes,
+        return MooncakeLoop(self._ctx, listener, wake, local, self._state, self.config,
                             self._on_result, reader=self._reader, session=self._session)
 
     def register_buffer(self, buffer_id: BufferId, buffer: memoryview) -> None:

@@ -68,8 +68,7 @@ class ZmqTransferEngine(TransferEngine):
 
     def _make_loop(self, listener: zmq.Socket, wake: zmq.Socket, local: LocalIdentity) -> IOLoop:
         """The I/O thread's loop; a backend that moves the bytes another way extends it."""
-        return IOLoop(self._ctx, listener, wake, local, self._state,
-                      self.config.handshake_timeout_s, self.config.max_frame_bytes,
+        return IOLoop(self._ctx, listener, wake, local, self._state, self.config,
                       self._on_result)
 
     def _socket(self, kind: int) -> zmq.Socket:

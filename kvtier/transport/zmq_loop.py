@@ -31,9 +31,11 @@ from kvtier.transport.base import (
     TransferId,
     TransferResult,
 )
+from kvtier.transport.config import TransportConfig
 from kvtier.transport.handshake import Accepting, Dialing, LocalIdentity, Refusal, RefusalLog
 from kvtier.transport.zmq_state import (
     Connection,
+    MalformedLog,
     Offer,
     Receiving,
     Sending,
@@ -55,7 +57,7 @@ _EXPIRY_INTERVAL_S = 0.01
 _IDLE_POLL_MS = 200
 # A send the receiver confirmed waits for zmq to free its frames, which no socket announces.
 _RELEASE_POLL_MS = 1
-# Lets a refusal we send reach the peer before our side of the connection goes.
+# Lets a refusal or fail we send reach the peer before our side of the connection goes.
 _REFUSAL_LINGER_MS = 200
 
 
@@ -64,11 +66,13 @@ class IOLoop(SenderSide, ReceiverSide):
     TRANSFER_KINDS = ("offer", "data", "fail")  # from a welcomed peer, each to its `_on_<kind>`
 
     def __init__(self, ctx: zmq.Context, listener: zmq.Socket, wake: zmq.Socket,
-                 local: LocalIdentity, state: State, handshake_timeout_s: float,
-                 max_frame_bytes: int, on_result: Callable[[TransferResult], None]) -> None:
+                 local: LocalIdentity, state: State, config: TransportConfig,
+                 on_result: Callable[[TransferResult], None]) -> None:
         self.ctx, self.listener, self.wake, self.local = ctx, listener, wake, local
         self.state, self.counts = state, state.counts
-        self.handshake_timeout_s, self.max_frame_bytes = handshake_timeout_s, max_frame_bytes
+        self.handshake_timeout_s = config.handshake_timeout_s
+        self.max_frame_bytes = config.max_frame_bytes
+        self.unclaimed_offer_timeout_s = config.unclaimed_offer_timeout_s
         self.on_result = on_result
         self.refusals = RefusalLog(self.counts)
         self.poller = zmq.Poller()
@@ -84,8 +88,9 @@ class IOLoop(SenderSide, ReceiverSide):
         self.releasing: list[Sending] = []
         self.recvs: dict[TransferId, Receiving] = {}
         self.offers: dict[TransferId, Offer] = {}
+        self.unclaimed: OrderedDict[TransferId, None] = OrderedDict()
         self.num_kept_bytes = 0
-        self.malformed_logged: set[bytes] = set()
+        self.malformed_logged = MalformedLog(self.counts)
         self.stop: Stop | None = None
         self._next_expiry = 0.0
 
@@ -158,6 +163,8 @@ class IOLoop(SenderSide, ReceiverSide):
                 return
             if isinstance(command, Stop):
                 self.stop = command
+                for tid in list(self.offers):  # no recv will take them: senders need not wait
+                    self._fail_to(self._pop_offer(tid).source, tid, "the receiver shut down")
             elif self.stop is not None and not isinstance(command, tuple):
                 self._report(command.transfer_id, direction_of(command), "engine is shutting down")
             elif isinstance(command, tuple):
@@ -243,9 +250,11 @@ class IOLoop(SenderSide, ReceiverSide):
 
     def _welcome(self, source: bytes, peer: PeerId) -> None:
         """Remember a connection that passed the handshake: one per peer, whose new connection
-        replaces its old (the dialer closes that), and at most MAX_WELCOMED."""
+        replaces its old (the dialer closes that, failing every send on it), and at most
+        MAX_WELCOMED."""
         for old in [s for s, p in self.welcomed.items() if p == peer]:
             del self.welcomed[old]
+            self._forget_source(old)
         self.welcomed[source] = peer
         if len(self.welcomed) > MAX_WELCOMED:
             self.welcomed.popitem(last=False)
@@ -258,10 +267,7 @@ class IOLoop(SenderSide, ReceiverSide):
             self.counts["late_messages"] += 1
 
     def _malformed(self, source: bytes, exc: MalformedMessageError) -> None:
-        self.counts["malformed"] += 1
-        if source not in self.malformed_logged:
-            self.malformed_logged.add(source)
-            logger.warning("transport: dropped a malformed message from a peer: %s", exc)
+        self.malformed_logged.record(source, exc)
 
     # ---- connections we dialed (sending side) ------------------------------------------------
 
@@ -359,6 +365,8 @@ class IOLoop(SenderSide, ReceiverSide):
             self._end_recv(receiving, "deadline passed before the data arrived")
         for tid in [tid for tid, offer in self.offers.items() if now >= offer.deadline]:
             self._pop_offer(tid)  # its sender gave up (and may be gone)
+        for tid in [tid for tid, offer in self.offers.items() if now >= offer.claim_by]:
+            self._fail_unclaimed(tid)
         for conn in [c for c in self.conns.values() if c.peer is None and now >= c.deadline]:
             self._close(conn, TimeoutError(f"no handshake with {conn.dialing.address} in time"))
         self._forget_stale_handshakes(now)
@@ -394,7 +402,8 @@ class IOLoop(SenderSide, ReceiverSide):
     def _close_all(self) -> None:
         for conn in list(self.conns.values()):
             self._close(conn, ConnectionError("engine shut down"))
-        self.listener.close(linger=0)
+        # Lets the fails of the offers that waited at the stop reach their senders.
+        self.listener.close(linger=_REFUSAL_LINGER_MS)
         self.wake.close(linger=0)
 
     def _report(self, tid: TransferId, direction: Direction, error: str | None) -> None:

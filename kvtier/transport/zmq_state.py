@@ -3,20 +3,36 @@ callers queue for it."""
 
 from __future__ import annotations
 
+import logging
+import math
 import queue
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import zmq
 
-from kvtier.transport.base import Direction, PeerId, TransferId, TransferResult
+from kvtier.transport.base import (
+    Direction,
+    MalformedMessageError,
+    PeerId,
+    TransferId,
+    TransferResult,
+)
 from kvtier.transport.handshake import Dialing
+
+logger = logging.getLogger(__name__)
 
 COUNTERS = ("sent", "send_failed", "received", "recv_failed", "bytes_sent", "bytes_received",
             "refused_namespace", "refused_secret", "refused_protocol", "malformed",
             "late_messages", "internal_errors")
+# Connections MalformedLog remembers having logged; the least recent is forgotten beyond.
+MAX_MALFORMED_LOGGED = 1024
+# At most one malformed-message warning this often; those held back are counted in the next.
+MALFORMED_WARNING_INTERVAL_S = 10.0
 
 
 @dataclass
@@ -79,6 +95,9 @@ class Offer:
     # The sender gives up then; the offer is forgotten.
     deadline: float
     payload: list[memoryview] = field(default_factory=list)
+    # Failed back to its sender then if its recv is still not posted (see
+    # `TransportConfig.unclaimed_offer_timeout_s`).
+    claim_by: float = math.inf
 
     @property
     def num_payload_bytes(self) -> int:
@@ -129,6 +148,41 @@ class State:
         with self._results_ready:
             self._interrupted = True
             self._results_ready.notify_all()
+
+
+class MalformedLog:
+    """Counts malformed messages and logs the first from each connection (its routing id, or
+    the address we dialed), at most one warning per MALFORMED_WARNING_INTERVAL_S: a peer that
+    opens connection after connection to send garbage fills neither our memory (the last
+    MAX_MALFORMED_LOGGED connections are remembered) nor our logs."""
+
+    def __init__(self, counts: dict[str, int],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._counts, self._clock = counts, clock
+        self._logged: OrderedDict[bytes, None] = OrderedDict()
+        self._next_warning = 0.0
+        self._num_held_back = 0
+
+    def __len__(self) -> int:
+        return len(self._logged)
+
+    def record(self, source: bytes, exc: MalformedMessageError) -> None:
+        self._counts["malformed"] += 1
+        if source in self._logged:
+            self._logged.move_to_end(source)
+            return
+        self._logged[source] = None
+        if len(self._logged) > MAX_MALFORMED_LOGGED:
+            self._logged.popitem(last=False)
+        now = self._clock()
+        if now < self._next_warning:
+            self._num_held_back += 1
+            return
+        held_back = (f" ({self._num_held_back} more connections sent malformed messages since "
+                     f"the last warning)" if self._num_held_back else "")
+        logger.warning("transport: dropped a malformed message from a peer: %s%s", exc,
+                       held_back)
+        self._next_warning, self._num_held_back = now + MALFORMED_WARNING_INTERVAL_S, 0
 
 
 def make_socket(ctx: zmq.Context, kind: int, max_frame_bytes: int) -> zmq.Socket:

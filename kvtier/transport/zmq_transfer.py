@@ -17,12 +17,14 @@ so the receiver's copy into its regions overlaps the wire and zmq never holds on
 message. Data messages must arrive in order (`offset`); a receive is done only once it holds
 every offered byte, so one whose sender died midway fails at its deadline. The done goes out
 before the last piece is copied in: the sender's source is no longer needed, and nothing can
-fail that copy.
+fail that copy. An offer whose recv is not posted within `unclaimed_offer_timeout_s` (when set)
+is failed back, so that its sender lets go of its source before its own deadline.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 
 import zmq
 
@@ -36,6 +38,9 @@ MAX_UNMATCHED_OFFERS = 4096
 # What offers waiting for their recv may hold of such bytes; beyond it they are dropped, and
 # sent again after the accept.
 MAX_KEPT_EAGER_BYTES = 64 << 20
+# Ids of offers failed back unclaimed that are remembered, so that a late recv for one fails
+# at once rather than at its deadline; the least recent is forgotten beyond.
+MAX_UNCLAIMED_REMEMBERED = 4096
 
 
 class SenderSide:
@@ -86,8 +91,17 @@ class ReceiverSide:
     offers: dict[TransferId, Offer]
     # Payload bytes the waiting offers hold (at most MAX_KEPT_EAGER_BYTES).
     num_kept_bytes: int
+    unclaimed_offer_timeout_s: float | None
+    # Offers failed back unclaimed, least recent first (at most MAX_UNCLAIMED_REMEMBERED).
+    unclaimed: OrderedDict[TransferId, None]
 
     def _start_recv(self, receiving: Receiving) -> None:
+        if receiving.transfer_id in self.unclaimed:
+            del self.unclaimed[receiving.transfer_id]
+            self._report(receiving.transfer_id, Direction.RECV,
+                         f"its offer came and waited {self.unclaimed_offer_timeout_s} s for "
+                         f"this recv; its sender was told to give up")
+            return
         self.recvs[receiving.transfer_id] = receiving
         offer = self._pop_offer(receiving.transfer_id)
         # An offer past its deadline is one its sender has given up on (or is about to), even
@@ -101,6 +115,7 @@ class ReceiverSide:
                                                       [frame.buffer for frame in frames]))
 
     def _take_offer(self, tid: TransferId, offer: Offer) -> None:
+        self.unclaimed.pop(tid, None)  # sent again: a recv may take this one
         receiving = self.recvs.get(tid)
         if tid in self.offers or (receiving is not None and receiving.source is not None):
             self._fail_to(offer.source, tid, "a transfer with this id is already in progress")
@@ -112,6 +127,8 @@ class ReceiverSide:
             if offer.num_payload_bytes > MAX_KEPT_EAGER_BYTES - self.num_kept_bytes:
                 offer.payload = []  # no room: the accept will ask the sender for every byte
             self.num_kept_bytes += offer.num_payload_bytes
+            if self.unclaimed_offer_timeout_s is not None:
+                offer.claim_by = time.monotonic() + self.unclaimed_offer_timeout_s
             self.offers[tid] = offer
 
     def _pop_offer(self, tid: TransferId) -> Offer | None:
@@ -170,6 +187,28 @@ class ReceiverSide:
             self._end_recv(receiving, f"sender failed: {msg['error']}")
         elif tid in self.offers and self.offers[tid].source == source:
             self._pop_offer(tid)
+
+    def _forget_source(self, source: bytes) -> None:
+        """Its sender closed the connection `source`, failing every transfer on it, and may
+        offer some of them again on its new connection (as the P2PConnector does): its
+        waiting offers are dropped, and receives matched to it wait for a new offer."""
+        for tid in [tid for tid, offer in self.offers.items() if offer.source == source]:
+            self._pop_offer(tid)
+        for receiving in [r for r in self.recvs.values() if r.source == source]:
+            # A new receive from byte 0: whatever still arrives for the old one (a backend's
+            # read under way) finds it gone and is dropped as late.
+            self.recvs[receiving.transfer_id] = Receiving(receiving.transfer_id, receiving.views,
+                                                          receiving.deadline)
+
+    def _fail_unclaimed(self, tid: TransferId) -> None:
+        """Fail back an offer whose recv was not posted in time: its sender lets go of its
+        source now, not at its deadline."""
+        offer = self._pop_offer(tid)
+        self._fail_to(offer.source, tid, f"the receiver posted no recv for it within "
+                                         f"{self.unclaimed_offer_timeout_s} s")
+        self.unclaimed[tid] = None
+        if len(self.unclaimed) > MAX_UNCLAIMED_REMEMBERED:
+            self.unclaimed.popitem(last=False)
 
     def _fail_to(self, source: bytes, tid: TransferId, error: str) -> None:
         self._reply(source, protocol.encode("fail", id=tid, error=error))

@@ -205,6 +205,26 @@ def test_send_without_recv_fails_by_its_deadline_and_releases_the_buffer(make_en
     assert late.error is not None
 
 
+def test_a_send_failed_by_its_closed_connection_may_be_sent_again_on_a_new_one(make_engine):
+    """Dialing a peer again closes the old connection and fails the sends on it (as a send's
+    deadline does); the receiver forgets what came over it and takes the offer sent again."""
+    receiver, sender, peer = _pair(make_engine)
+    src = bytearray(os.urandom(1000))
+    dst = bytearray(1000)
+    sender.register_buffer("src", memoryview(src))
+    receiver.register_buffer("dst", memoryview(dst))
+    sender.send(peer, TransferId("t"), [Region("src", 0, 1000)], timeout_s=10)
+    time.sleep(0.2)  # the offer waits at the receiver for its recv
+    assert sender.connect(receiver.address, timeout_s=5) == peer
+    [first] = wait_results(sender, 1, timeout_s=5)
+    assert first.error == "connection to the peer closed (deadline or refusal)"
+    sender.send(peer, TransferId("t"), [Region("src", 0, 1000)], timeout_s=10)
+    receiver.recv(TransferId("t"), [Region("dst", 0, 1000)], timeout_s=5)
+    [received] = wait_results(receiver, 1, timeout_s=5)
+    [sent] = wait_results(sender, 1, timeout_s=5)
+    assert (received.error, sent.error) == (None, None) and dst == src
+
+
 def test_size_mismatch_fails_both_sides(make_engine):
     receiver, sender, peer = _pair(make_engine)
     sender.register_buffer("src", memoryview(bytearray(200)))

@@ -176,6 +176,8 @@ def test_kv_transfer_params_and_options_are_checked():
         P2PConnectorOptions(port=70000)
     with pytest.raises(ValueError, match="send_timeout_s"):
         P2PConnectorOptions(send_timeout_s=0)
+    with pytest.raises(ValueError, match="unclaimed_offer_timeout_s"):
+        P2PConnectorOptions(unclaimed_offer_timeout_s=-1)
     with pytest.raises(ValueError, match="transport must be one of"):
         P2PConnectorOptions(transport="nixl")
     with pytest.raises(ValueError, match='push must be "layer" or "request"'):

@@ -1,6 +1,8 @@
-"""P2PConnector when a consumer restarts, hangs or is handed bad kv_transfer_params, on a tiny
-random Llama: the producer's step never waits for a consumer, a restarted consumer is connected
-again, and a bad request costs its own transfer and no other request anything."""
+"""P2PConnector when a consumer restarts, hangs, refuses or aborts a request, or is handed bad
+kv_transfer_params, on a tiny random Llama: the producer's step never waits for a consumer, a
+restarted consumer is connected again, a transfer no consumer request takes frees the
+producer's blocks early, and a bad request costs its own transfer and no other request
+anything."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import time
 import pytest
 
 from kvtier import LLM
+from kvtier.engine.errors import EngineQueueFullError
 from kvtier.transport import TransportError
 from tests.transport.p2p_helpers import (
+    BLOCK_SIZE,
     GREEDY,
     PREFILL,
     loaded_tokens,
@@ -119,3 +123,68 @@ def test_num_tokens_beyond_the_prompt_is_refused_and_fails_no_other_request(mode
         assert consumer.engine.runner.connector.num_open_transfers == 0
     finally:
         consumer.engine.shutdown()
+
+
+def _free_blocks(llm: LLM) -> int:
+    return llm.engine.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def test_a_transfer_for_a_request_the_consumer_refused_frees_the_producer_early(model):
+    """The consumer's queue is full: it refuses the request (a server answers 503) before its
+    connector sees it, and the router sends it elsewhere. Its transport fails the offers
+    nobody claimed after unclaimed_offer_timeout_s, well before the producer's 5 s
+    send_timeout_s; the request, should it come after all, computes its prompt."""
+    model_dir, prompts, expected = model
+    producer = p2p_llm(model_dir, "kv_producer")
+    consumer = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE, num_device_blocks=64,
+                   max_waiting_requests=1, kv_transfer_config={
+                       "kv_connector": "P2PConnector", "kv_role": "kv_consumer",
+                       "kv_load_timeout_s": 5.0,
+                       "kv_connector_extra_config": {"unclaimed_offer_timeout_s": 0.5}})
+    try:
+        address = consumer.engine.runner.connector.address
+        prefill = run_request(producer, "p0", prompts[0], PREFILL,
+                              {"transfer_id": "t0", "consumer_address": address})
+        consumer.engine.add_request("queued", prompts[1], GREEDY)
+        with pytest.raises(EngineQueueFullError):
+            consumer.engine.add_request("c0", prompts[0], GREEDY,
+                                        kv_transfer_params=prefill.kv_transfer_params)
+        start = time.monotonic()
+        _drain(producer)
+        assert 0.5 <= time.monotonic() - start < 2.5
+        assert _free_blocks(producer) == 63
+        assert producer.get_metrics()["kvtier:p2p_connector_send_errors"] == 1
+        assert _drain(consumer)["queued"].outputs[0].token_ids == expected[1]
+        start = time.monotonic()
+        late = run_request(consumer, "c0", prompts[0], GREEDY, prefill.kv_transfer_params)
+        assert time.monotonic() - start < 2.0  # not kv_load_timeout_s
+        assert late.outputs[0].token_ids == expected[0] and late.num_cached_tokens == 0
+    finally:
+        for llm in (producer, consumer):
+            llm.engine.shutdown()
+
+
+def test_a_request_aborted_before_it_was_scheduled_drops_its_transfer(model):
+    model_dir, prompts, _ = model
+    producer = p2p_llm(model_dir, "kv_producer")
+    consumer = _consumer(model_dir)
+    try:
+        address = consumer.engine.runner.connector.address
+        prefill = run_request(producer, "p0", prompts[0], PREFILL,
+                              {"transfer_id": "t0", "consumer_address": address})
+        consumer.engine.add_request("c0", prompts[0], GREEDY,
+                                    kv_transfer_params=prefill.kv_transfer_params)
+        consumer.engine.abort_request("c0")  # e.g. its client went away while it waited
+        start = time.monotonic()
+        with stepping(consumer):  # its next step takes the transfer and drops it
+            _drain(producer)
+        assert time.monotonic() - start < 2.0  # not at the producer's 5 s send_timeout_s
+        assert _free_blocks(producer) == 63
+        metrics = producer.get_metrics()
+        assert metrics["kvtier:p2p_connector_requests_sent"] == 1
+        assert metrics["kvtier:p2p_connector_send_errors"] == 0
+        assert consumer.engine.runner.connector.num_open_transfers == 0
+        assert _free_blocks(consumer) == 63
+    finally:
+        for llm in (producer, consumer):
+            llm.engine.shutdown()

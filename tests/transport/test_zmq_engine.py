@@ -122,8 +122,8 @@ def _settled(dealer: zmq.Socket, receiver) -> None:
 def make_zmq_engine():
     engines = []
 
-    def make() -> ZmqTransferEngine:
-        engines.append(ZmqTransferEngine(TransportConfig(NAMESPACE)))
+    def make(**options) -> ZmqTransferEngine:
+        engines.append(ZmqTransferEngine(TransportConfig(NAMESPACE, **options)))
         return engines[-1]
 
     yield make
@@ -260,6 +260,73 @@ def test_an_offer_is_forgotten_once_its_sender_gave_up(receiver_and_dealer):
     [result] = wait_results(receiver, 1, timeout_s=3)
     assert "deadline" in result.error and dst == bytes(1000)
     assert not dealer.poll(0)  # neither accepted nor done
+
+
+def test_a_sender_that_dialed_again_may_offer_its_transfers_again(receiver_and_dealer,
+                                                                    raw_peer):
+    """A sender whose connection closed (a send's deadline) fails every transfer on it and
+    offers some again on a new one: the receiver drops what it held from the old connection
+    (a waiting offer, a matched receive) and takes the new offers."""
+    receiver, old = receiver_and_dealer
+    waiting, matched = os.urandom(1000), os.urandom(3000)
+    dst = bytearray(4000)
+    receiver.register_buffer("dst", memoryview(dst))
+    _offer(old, "waiting", 1000, [bytes(1000)])
+    receiver.recv(TransferId("matched"), [Region("dst", 1000, 3000)], timeout_s=10)
+    _offer(old, "matched", 3000, [bytes(1000)])
+    assert _reply(old) == {"t": "accept", "id": "matched", "offset": 1000}
+    new = raw_peer(zmq.DEALER)
+    greet(new, receiver)  # the same engine id, "raw", on a new connection
+    _offer(new, "matched", 3000, [matched[:1000]])
+    assert _reply(new) == {"t": "accept", "id": "matched", "offset": 1000}
+    _data(new, "matched", 1000, [matched[1000:]])
+    assert _reply(new) == {"t": "done", "id": "matched"}
+    _offer(new, "waiting", 1000, [waiting])
+    _settled(new, receiver)
+    receiver.recv(TransferId("waiting"), [Region("dst", 0, 1000)], timeout_s=10)
+    assert _reply(new) == {"t": "done", "id": "waiting"}
+    results = wait_results(receiver, 2, timeout_s=5)
+    assert [(r.transfer_id, r.error) for r in results] == [("matched", None), ("waiting", None)]
+    assert dst == waiting + matched
+    assert not old.poll(200)  # nothing more went to the old connection
+
+
+def test_an_offer_nobody_claims_is_failed_back_and_a_late_recv_fails_at_once(make_zmq_engine,
+                                                                              raw_peer):
+    receiver = make_zmq_engine(unclaimed_offer_timeout_s=0.3)
+    dealer = raw_peer(zmq.DEALER)
+    greet(dealer, receiver)
+    data = os.urandom(1000)
+    dst = bytearray(1000)
+    receiver.register_buffer("dst", memoryview(dst))
+    start = time.monotonic()
+    _offer(dealer, "t", 1000, [bytes(1000)])  # its sender would wait 10 s
+    assert _reply(dealer) == {"t": "fail", "id": "t",
+                              "error": "the receiver posted no recv for it within 0.3 s"}
+    assert 0.3 <= time.monotonic() - start < 1.5
+    receiver.recv(TransferId("t"), [Region("dst", 0, 1000)], timeout_s=10)
+    [result] = wait_results(receiver, 1, timeout_s=1)
+    assert result.error == "its offer came and waited 0.3 s for this recv; its sender was " \
+                           "told to give up"
+    assert not dealer.poll(0)
+    # An offer sent again may be claimed as usual.
+    _offer(dealer, "t", 1000, [data])
+    _settled(dealer, receiver)
+    receiver.recv(TransferId("t"), [Region("dst", 0, 1000)], timeout_s=10)
+    assert _reply(dealer) == {"t": "done", "id": "t"}
+    assert wait_results(receiver, 1, timeout_s=5)[0].ok and dst == data
+    with pytest.raises(ValueError, match="unclaimed_offer_timeout_s must be > 0"):
+        TransportConfig(NAMESPACE, unclaimed_offer_timeout_s=0)
+
+
+def test_offers_waiting_at_shutdown_are_failed_back(make_zmq_engine, raw_peer):
+    receiver = make_zmq_engine()
+    dealer = raw_peer(zmq.DEALER)
+    greet(dealer, receiver)
+    _offer(dealer, "t", 1000, [bytes(1000)])  # its sender would wait 10 s
+    _settled(dealer, receiver)
+    receiver.shutdown(timeout_s=2.0)
+    assert _reply(dealer) == {"t": "fail", "id": "t", "error": "the receiver shut down"}
 
 
 # ---- the sending side, with a raw zmq socket as the receiver ---------------------------------

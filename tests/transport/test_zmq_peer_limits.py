@@ -1,18 +1,22 @@
 """What a zmq engine keeps for peers that are not (yet) trusted, and how much of it: frames no
 larger than the protocol sends, handshakes under way bounded without ever dropping others'
-because of connections that finished theirs."""
+because of connections that finished theirs, malformed messages remembered and logged within
+bounds."""
 
 from __future__ import annotations
 
+import logging
 import struct
 
 import pytest
 import zmq
 
-from kvtier.transport import TransportConfig, protocol, zmq_loop
+from kvtier.transport import TransportConfig, protocol, zmq_loop, zmq_state
+from kvtier.transport.base import MalformedMessageError
 from kvtier.transport.handshake import Dialing, LocalIdentity
 from kvtier.transport.zmq_engine import ZmqTransferEngine
-from tests.transport.transport_helpers import NAMESPACE, zmtp_dealer
+from kvtier.transport.zmq_state import MalformedLog
+from tests.transport.transport_helpers import NAMESPACE, wait_until, zmtp_dealer
 
 
 @pytest.fixture
@@ -90,3 +94,45 @@ def test_finished_handshakes_never_push_out_one_under_way(engines, monkeypatch):
     loop = receiver._thread._target.__self__
     assert list(loop.welcomed.values()).count(dialer.engine_id) == 1
     assert not loop.accepting
+
+
+def test_connections_sending_garbage_are_remembered_and_logged_within_bounds(
+        engines, monkeypatch, caplog):
+    """Each new connection has a new routing id: one that sends one bad header and goes must
+    cost neither memory that grows with connections nor a warning each."""
+    monkeypatch.setattr(zmq_state, "MAX_MALFORMED_LOGGED", 4)
+    engine = engines()
+    ctx = zmq.Context()
+    caplog.set_level(logging.WARNING, logger="kvtier.transport.zmq_state")
+    try:
+        for i in range(10):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(engine.address)
+            dealer.send(b"\xc1garbage")
+            wait_until(lambda n=i + 1: engine.stats()["malformed"] == n)
+            dealer.close()
+    finally:
+        ctx.destroy(linger=0)
+    assert len(engine._thread._target.__self__.malformed_logged) == 4
+    assert [r.getMessage() for r in caplog.records] == [
+        "transport: dropped a malformed message from a peer: header is not msgpack: "]
+
+
+def test_malformed_warnings_held_back_are_counted_in_the_next(monkeypatch, caplog):
+    monkeypatch.setattr(zmq_state, "MAX_MALFORMED_LOGGED", 3)
+    now = [100.0]
+    counts = {"malformed": 0}
+    log = MalformedLog(counts, clock=lambda: now[0])
+    bad = MalformedMessageError("bad")
+    with caplog.at_level(logging.WARNING, logger="kvtier.transport.zmq_state"):
+        for source in (b"a", b"b", b"c", b"d", b"a"):  # a was forgotten: d pushed it out
+            log.record(source, bad)
+        now[0] += zmq_state.MALFORMED_WARNING_INTERVAL_S
+        log.record(b"e", bad)
+        log.record(b"e", bad)  # logged already
+    assert [r.getMessage() for r in caplog.records] == [
+        "transport: dropped a malformed message from a peer: bad",
+        "transport: dropped a malformed message from a peer: bad (4 more connections sent "
+        "malformed messages since the last warning)"]
+    assert counts["malformed"] == 7 and len(log) == 3

@@ -21,6 +21,11 @@ class P2PConnectorOptions:
     # A producer's connect to a consumer (the handshake) fails after this long; it runs in
     # the background, never inside the engine step.
     connect_timeout_s: float = 5.0
+    # A consumer fails back a transfer's layers that no request of its own asked for within
+    # this long (it refused the request, e.g. its queue was full, so the router sent it
+    # elsewhere): the producer frees that prompt's blocks then rather than at its
+    # send_timeout_s. A request that asks later computes its prompt itself.
+    unclaimed_offer_timeout_s: float = 30.0
     # The transfer engine backend (kvtier.transport.BACKENDS); producer and consumer must agree.
     transport: str = "zmq"
     # "layer": a producer sends each layer's KV of the prompt's full blocks while the forward
@@ -39,6 +44,10 @@ class P2PConnectorOptions:
         require(isinstance(self.connect_timeout_s, (int, float)) and self.connect_timeout_s > 0,
                 where, "connect_timeout_s must be a number of seconds > 0",
                 self.connect_timeout_s)
+        require(isinstance(self.unclaimed_offer_timeout_s, (int, float))
+                and self.unclaimed_offer_timeout_s > 0, where,
+                "unclaimed_offer_timeout_s must be a number of seconds > 0",
+                self.unclaimed_offer_timeout_s)
         require(self.transport in BACKENDS, where, f"transport must be one of {BACKENDS}",
                 self.transport)
         require(self.push in ("layer", "request"), where, 'push must be "layer" or "request"',

@@ -47,7 +47,8 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         # request id -> (request, its transfer, its block ids, blocks to load), set at
         # allocation.
         self._pending_loads: dict[str, tuple[Request, LoadParams, list[int], int]] = {}
-        # Requests whose transfer was taken: a request resumes after its load and asks again.
+        # Requests allocated blocks once, which took their transfer then (to load it or drop
+        # it) if they had one: a request resumes after its load and asks again.
         self._taken: set[str] = set()
 
     def _params(self, parse, request: Request) -> Any:
@@ -98,25 +99,27 @@ class P2PConnectorScheduler(KVConnectorScheduler):
             self._start_push(request, blocks)
         if request.request_id in self._taken:
             return
+        self._taken.add(request.request_id)
         if num_external_tokens <= 0:
             params = self._load_params(request)
             if params is not None and params.num_tokens > 0:
-                self._taken.add(request.request_id)
                 if not self._same_prefix(request, params):
                     logger.warning("request %s: the producer computed another prefix (another "
                                    "LoRA adapter, cache_salt or prompt: its block hash "
                                    "differs); its KV is dropped, the prompt computed here",
                                    request.request_id)
-                # Nothing to load (all of it hit locally, or not this request's KV), but the
-                # producer holds its blocks until its send ends: take the transfer and drop it.
-                self._drains.append(BlockLoad(request.request_id, params.transfer_id,
-                                              params.num_tokens // self.context.block_size, 0,
-                                              []))
+                # Nothing to load (all of it hit locally, or not this request's KV).
+                self._drop_transfer(request, params)
             return
-        self._taken.add(request.request_id)
         self._pending_loads[request.request_id] = (
             request, self._load_params(request), list(blocks.get_block_ids()[0]),
             num_external_tokens // self.context.block_size)
+
+    def _drop_transfer(self, request: Request, params: LoadParams) -> None:
+        """Take the transfer and drop it: its producer holds the prompt's blocks until its
+        send ends, which without a taker is at its send_timeout_s."""
+        self._drains.append(BlockLoad(request.request_id, params.transfer_id,
+                                      params.num_tokens // self.context.block_size, 0, []))
 
     def _start_push(self, request: Request, blocks: KVCacheBlocks) -> None:
         params = self._params(SendParams.parse, request)
@@ -170,6 +173,12 @@ class P2PConnectorScheduler(KVConnectorScheduler):
     def request_finished(self, request: Request,
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._pending_loads.pop(request.request_id, None)
+        if request.request_id not in self._taken:
+            # Finished before it was allocated (aborted while it waited): drop its transfer
+            # at the next step.
+            params = self._load_params(request)
+            if params is not None and params.num_tokens > 0:
+                self._drop_transfer(request, params)
         self._taken.discard(request.request_id)
         push = self._pushes.pop(request.request_id, None)
         if push is not None:

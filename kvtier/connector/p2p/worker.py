@@ -86,7 +86,8 @@ class P2PConnectorWorker(KVConnectorWorker):
         self.options = options
         self.transport = make_transfer_engine(TransportConfig(
             namespace=context.namespace, bind_host=options.bind_host, port=options.port,
-            secret=load_secret(), backend=options.transport))
+            secret=load_secret(), backend=options.transport,
+            unclaimed_offer_timeout_s=options.unclaimed_offer_timeout_s))
         self._connections = PeerConnections(self.transport, options.connect_timeout_s)
         # (direction, transfer id) -> the transfer whose layers the transport is moving.
         self._open: dict[tuple[Direction, str], _Transfer] = {}
