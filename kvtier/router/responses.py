@@ -11,6 +11,7 @@ instance with `GET /v1/responses/{id}`, the client's key passed on.
 from __future__ import annotations
 
 import re
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -24,8 +25,15 @@ from kvtier.router.prompts import RESPONSES_PATH
 
 # Responses whose instance the router remembers; older ones are looked for again.
 MAX_OWNERS = 100_000
+# The form of a response id (kvtier's: resp_ and 32 hex digits; OpenAI's are alike): the
+# router looks for no other, so a client's id never becomes a path on an instance.
+_ID_FORM = re.compile(r"resp_[0-9A-Za-z]{1,64}")
 # A response's own id: the first "id" of its body, and of a stream's first event.
-_RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9A-Za-z]+)"')
+_RESPONSE_ID = re.compile(rb'"id": ?"(resp_[0-9A-Za-z]{1,64})"')
+# Seconds an id no healthy instance stores is not looked for again, and how many such ids are
+# remembered: a client repeating one costs the instances one look per this long.
+_MISSING_TTL_S = 5.0
+_MAX_MISSING = 10_000
 
 
 class ResponseOwners:
@@ -34,6 +42,8 @@ class ResponseOwners:
     def __init__(self, max_entries: int = MAX_OWNERS) -> None:
         self.max_entries = max_entries
         self._owners: OrderedDict[str, str] = OrderedDict()
+        # Ids no instance had when looked for, and until when that answer stands.
+        self._missing: OrderedDict[str, float] = OrderedDict()
 
     def learn(self, response_id: str, url: str) -> None:
         self._owners[response_id] = url
@@ -46,6 +56,17 @@ class ResponseOwners:
 
     def forget(self, response_id: str) -> None:
         self._owners.pop(response_id, None)
+
+    def missing_lately(self, response_id: str) -> bool:
+        """Whether no instance stored `response_id` when it was last looked for, lately."""
+        expiry = self._missing.get(response_id)
+        return expiry is not None and time.monotonic() < expiry
+
+    def note_missing(self, response_id: str) -> None:
+        self._missing[response_id] = time.monotonic() + _MISSING_TTL_S
+        self._missing.move_to_end(response_id)
+        while len(self._missing) > _MAX_MISSING:
+            self._missing.popitem(last=False)
 
 
 def response_id_in(content: bytes) -> str | None:
@@ -60,12 +81,18 @@ def previous_response_id(path: str, body: dict[str, Any]) -> str | None:
 
 
 async def owner_of(service: Any, response_id: str, headers: dict[str, str]) -> Instance | None:
-    """The healthy instance that stores `response_id`, or None (none does, or it is down)."""
+    """The healthy instance that stores `response_id`, or None (none does, or it is down, or
+    it is no response id)."""
+    owners = service.response_owners
+    if not _ID_FORM.fullmatch(response_id):
+        return None
     healthy = [i for i in service.router.instances if i.healthy]
-    url = service.response_owners.get(response_id)
+    url = owners.get(response_id)
     known = next((i for i in healthy if i.url == url), None)
     if known is not None or url is not None and url in (i.url for i in service.instances):
         return known  # None: its instance is down, and the response with it
+    if owners.missing_lately(response_id):
+        return None
     auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
     for instance in healthy:
         try:
@@ -74,8 +101,9 @@ async def owner_of(service: Any, response_id: str, headers: dict[str, str]) -> I
         except httpx.TransportError:
             continue
         if answer.status_code == 200:
-            service.response_owners.learn(response_id, instance.url)
+            owners.learn(response_id, instance.url)
             return instance
+    owners.note_missing(response_id)
     return None
 
 

@@ -98,7 +98,7 @@ def test_chat_template_kwargs_reach_the_template_but_not_its_own_names(byte_toke
 
 def test_message_chars_counts_tools_and_tool_calls_too():
     # What decides whether a chat is rendered off the event loop: all the text it renders.
-    from kvtier.entrypoints.openai.prompts import message_chars
+    from kvtier.entrypoints.openai.prompts import PER_MESSAGE_CHARS, message_chars
     from kvtier.entrypoints.openai.protocol import ChatMessage
 
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "x" * 500}}
@@ -110,4 +110,7 @@ def test_message_chars_counts_tools_and_tool_calls_too():
     deep: list = []
     for _ in range(5000):
         deep = [deep]
-    assert message_chars([ChatMessage(role="user", content="z", extra=deep)]) == len("zextra")
+    assert message_chars([ChatMessage(role="user", content="z", extra=deep)]) == \
+        len("zextra") + PER_MESSAGE_CHARS
+    # However empty, many messages render for long: each counts for a short text.
+    assert message_chars([ChatMessage(role="user", content="")] * 1000) == 1000 * PER_MESSAGE_CHARS

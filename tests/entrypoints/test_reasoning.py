@@ -142,3 +142,22 @@ def test_a_streamed_response_sends_the_thinking_as_reasoning_text_events(server)
     final = events[-1]["response"]
     assert [item["type"] for item in final["output"]] == \
         [item["type"] for item in body["output"]]
+
+
+def test_response_logprobs_are_the_answers_not_the_thinkings(server):
+    # The bias ends the thinking after a few tokens, so the answer has text of its own.
+    fields = {"include": ["message.output_text.logprobs"], "top_logprobs": 1,
+              "max_output_tokens": 24, "logit_bias": {str(THINK_END_ID): 8}}
+    body = respond(server, **fields)
+    usage = body["usage"]
+    answer = [len(part["logprobs"]) for item in body["output"] if item["type"] == "message"
+              for part in item["content"]]
+    assert answer == [usage["output_tokens"] - usage["output_tokens_details"]["reasoning_tokens"]]
+    assert usage["output_tokens_details"]["reasoning_tokens"] > 0 and answer[0] > 0
+    with httpx.stream("POST", f"{server.url}/v1/responses", timeout=60.0, json={
+            "model": MODEL, "input": "Think, then answer.", "temperature": 0.0,
+            "stream": True, **fields}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: ")]
+    streamed = sum(len(e["logprobs"]) for e in events if e["type"] == "response.output_text.delta")
+    assert streamed == answer[0]

@@ -10,7 +10,7 @@ import json
 import httpx
 import openai
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from .server_process import ServerProcess
@@ -21,6 +21,7 @@ WEATHER = {"type": "function", "name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}},
     "required": ["city"], "additionalProperties": False}}
 EVENTS = TypeAdapter(ResponseStreamEvent)
+ITEMS = TypeAdapter(ResponseItem)
 
 
 @pytest.fixture(scope="module")
@@ -146,24 +147,29 @@ def test_stored_responses_are_retrieved_listed_and_deleted(server, client):
                                                        {"topic": "tests"})
     listed = httpx.get(f"{server.url}/v1/responses/{made.id}/input_items",
                        params={"order": "asc", "limit": 2}).json()
-    assert [d["content"] for d in listed["data"]] == ["Item 0", "Item 1"]
+    for item in listed["data"]:  # as OpenAI lists them: typed, content as parts
+        ITEMS.validate_python(item)
+    assert [d["content"] for d in listed["data"]] == [
+        [{"type": "input_text", "text": f"Item {i}"}] for i in range(2)]
     assert listed["has_more"] and listed["first_id"] == listed["data"][0]["id"]
-    rest = httpx.get(f"{server.url}/v1/responses/{made.id}/input_items",
-                     params={"order": "asc", "after": listed["last_id"]}).json()
-    assert [d["content"] for d in rest["data"]] == ["Item 2"] and not rest["has_more"]
+    rest = client.responses.input_items.list(made.id, order="asc", after=listed["last_id"])
+    assert [d.content[0].text for d in rest.data] == ["Item 2"] and not rest.has_more
     deleted = httpx.delete(f"{server.url}/v1/responses/{made.id}")
     assert deleted.json() == {"id": made.id, "object": "response", "deleted": True}
     assert httpx.get(f"{server.url}/v1/responses/{made.id}").status_code == 404
-    with pytest.raises(openai.NotFoundError):
+    # As OpenAI answers it: a 400 naming the field (clients then send the whole history).
+    with pytest.raises(openai.BadRequestError) as refused:
         client.responses.create(model=MODEL, input="x", previous_response_id=made.id)
+    assert refused.value.body["code"] == "previous_response_not_found"
 
 
 def test_store_false_keeps_nothing(server):
     body = respond(server, input="Forget me", store=False)
     assert body["store"] is False
     assert httpx.get(f"{server.url}/v1/responses/{body['id']}").status_code == 404
-    error = respond(server, 404, input="x", previous_response_id=body["id"])["error"]
-    assert error["param"] == "previous_response_id"
+    error = respond(server, 400, input="x", previous_response_id=body["id"])["error"]
+    assert (error["param"], error["code"]) == ("previous_response_id",
+                                               "previous_response_not_found")
 
 
 def test_a_named_function_gives_a_call_item_and_its_output_goes_on(server):
@@ -249,6 +255,13 @@ def test_truncation_auto_leaves_out_the_oldest_turns(server):
     assert body["usage"]["input_tokens"] == response.json()["usage"]["prompt_tokens"]
 
 
+def nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
 @pytest.mark.parametrize(("fields", "param"), [
     ({"input": "x", "background": True}, "background"),
     ({"input": ""}, "input"),
@@ -263,7 +276,32 @@ def test_truncation_auto_leaves_out_the_oldest_turns(server):
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),
+    # Stateful fields this server does not keep: refused, not ignored.
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+    # Echoed in the response: JSON nested past 64 levels would fail after the answer.
+    ({"input": "x", "reasoning": {"a": nested(70)}}, "reasoning"),
+    ({"input": [{"role": "user", "content": "x", "extra": nested(70)}]}, "input"),
 ])
 def test_bad_requests_are_400s_naming_the_field(server, fields, param):
     error = respond(server, 400, **fields)["error"]
     assert error["param"] == param, error
+
+
+def test_a_response_too_large_for_the_store_says_it_was_not_stored(tiny_model):
+    small = ServerProcess(tiny_model[0], "--served-model-name", MODEL, "--num-device-blocks",
+                          "64", "--block-size", "16", "--max-model-len", "384",
+                          "--responses-store-size", "8KiB")
+    # The response echoes its metadata: 16 values of 512 characters outgrow the whole store.
+    large = {f"k{i}": "v" * 512 for i in range(16)}
+    try:
+        kept = respond(small, input="short")
+        assert kept["store"] is True
+        assert httpx.get(f"{small.url}/v1/responses/{kept['id']}").status_code == 200
+        big = respond(small, input="short", metadata=large)
+        assert big["store"] is False
+        assert httpx.get(f"{small.url}/v1/responses/{big['id']}").status_code == 404
+        events = streamed_events(small, input="short", max_output_tokens=4, metadata=large)
+        assert events[-1]["response"]["store"] is False
+    finally:
+        small.stop()

@@ -19,7 +19,7 @@ def test_the_least_recently_used_goes_first_when_room_is_needed():
 
 
 def test_one_larger_than_the_bound_is_not_kept_and_drops_nothing():
-    store = ResponseStore(200)
+    store = ResponseStore(stored("s").num_bytes + 100)
     assert store.put("small", stored("s"))
     assert not store.put("big", stored("b" * 500))
     assert store.get("big") is None and store.get("small") is not None
@@ -38,3 +38,19 @@ def test_a_zero_bound_keeps_nothing():
     store = ResponseStore(0)
     assert not store.put("r", stored("x"))
     assert len(store) == 0
+
+
+def test_the_bound_counts_what_python_holds_not_only_the_json():
+    """Many small messages take ~5x their JSON size in Python objects: the bound counts
+    those (a bound on JSON bytes alone let the store hold five times its size)."""
+    import json
+    import tracemalloc
+
+    messages = [{"role": "user", "content": f"m{i}"} for i in range(2000)]
+    blob = json.dumps([{"id": "r"}, messages, []])
+    tracemalloc.start()
+    parsed = json.loads(blob)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    estimate = StoredResponse(*parsed).num_bytes
+    assert len(blob) * 3 < held <= estimate < 1.5 * held

@@ -22,13 +22,16 @@ from .asgi_client import run_scenario
 
 
 @contextlib.contextmanager
-def fake_instance(info: dict, metrics: str = ""):
+def fake_instance(info: dict, metrics: str = "", add_routes=None):
     """An instance's routes the router reads (/health, /metrics, /v1/kv_events_info answering
-    `info`, which the test may change) served on a free port; yields its URL."""
+    `info`, which the test may change), and any `add_routes(app)` adds, served on a free
+    port; yields its URL."""
     app = FastAPI()
     app.get("/health")(lambda: {})
     app.get("/metrics")(lambda: PlainTextResponse(metrics))
     app.get("/v1/kv_events_info")(lambda: info)
+    if add_routes is not None:
+        add_routes(app)
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

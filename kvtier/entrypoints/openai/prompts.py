@@ -24,6 +24,11 @@ from kvtier.models.errors import ChatTemplateError, UnsupportedContentError
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+# The characters of text a message counts for besides its own (its role, the template's
+# markup around it) when deciding whether to render off the event loop.
+PER_MESSAGE_CHARS = 32
+
+
 @dataclass(frozen=True)
 class Prompt:
     text: str | None
@@ -59,12 +64,14 @@ def prompt_chars(prompt: Any) -> int:
 
 def message_chars(messages: list[ChatMessage], tools: Any = None) -> int:
     """Characters of text a chat renders: the messages' content and other fields (tool calls),
-    and the tools (the template prints them too)."""
+    and the tools (the template prints them too); a message costs as much as a short text
+    however empty (250k empty messages render for seconds)."""
     total = _chars(tools)
     for message in messages:
         content = message.content
         parts = [content] if isinstance(content, str) else [p.text for p in content or ()]
-        total += sum(len(part) for part in parts if part) + _chars(message.model_extra)
+        total += sum(len(part) for part in parts if part) + _chars(message.model_extra) \
+            + PER_MESSAGE_CHARS
     return total
 
 

@@ -82,7 +82,7 @@ def test_bad_workload_config_names_the_field(field, value):
         MultiTurnConfig(**{field: value})
 
 
-@pytest.mark.parametrize("field, value", [("url", "127.0.0.1:8000"), ("api", "responses"),
+@pytest.mark.parametrize("field, value", [("url", "127.0.0.1:8000"), ("api", "embeddings"),
                                           ("request_timeout_s", 0.0), ("run_timeout_s", -1.0)])
 def test_bad_target_names_the_field(field, value):
     with pytest.raises(ValueError, match=f"ServerTarget.{field}"):

@@ -31,6 +31,15 @@ _PASSED_ON = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequ
               "include_stop_str_in_output", "skip_special_tokens", "priority", "cache_salt",
               "kv_transfer_params", "allowed_token_ids", "bad_words", "structured_outputs",
               "chat_template_kwargs")
+# Stateful fields of OpenAI's API this server does not keep, and what to do instead.
+_STATEFUL_FIELDS = {"conversation": "send the conversation's items as input, or go on from a "
+                                    "stored response with previous_response_id",
+                    "prompt": "send the prompt's text as instructions and input"}
+# Fields a client may nest (JSON schemas, items), how deep at most: a response echoes some of
+# them, and deeper JSON would fail its serialization after the answer was computed.
+_NESTED_FIELDS = ("input", "tools", "tool_choice", "text", "reasoning", "structured_outputs",
+                  "chat_template_kwargs")
+MAX_NESTING = 64
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # What `include` may ask for: the logprobs of the output text; reasoning text is always in
 # the reasoning items, so asking for it changes nothing.
@@ -43,6 +52,16 @@ def check_request(body: ResponsesRequest) -> None:
         raise BadRequestError("background responses are not supported; leave background "
                               "false and stream the response instead", param="background",
                               code="unsupported_parameter")
+    extra = body.model_extra or {}
+    for name, instead in _STATEFUL_FIELDS.items():
+        if extra.get(name) is not None:
+            raise BadRequestError(f"{name} is not supported; {instead}", param=name,
+                                  code="unsupported_parameter")
+    for name in _NESTED_FIELDS:
+        if _too_deep(getattr(body, name, None) if name in type(body).model_fields
+                     else extra.get(name)):
+            raise BadRequestError(f"{name} nests deeper than {MAX_NESTING} levels",
+                                  param=name, code="invalid_value")
     if body.input is None or body.input == [] or body.input == "":
         raise BadRequestError("input must not be empty", param="input", code="invalid_value")
     for value in body.include or ():
@@ -58,6 +77,40 @@ def check_request(body: ResponsesRequest) -> None:
                               f"most {MAX_METADATA_KEY_CHARS} characters and values of at most "
                               f"{MAX_METADATA_VALUE_CHARS}", param="metadata",
                               code="invalid_value")
+
+
+def _too_deep(value: Any) -> bool:
+    """Whether parsed JSON nests more than MAX_NESTING objects and arrays (walked without
+    recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            if depth > MAX_NESTING:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def input_items(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request's input as OpenAI lists input items: each with an id, a type and a status,
+    a message's content as a list of parts."""
+    if isinstance(value, str):
+        value = [{"role": "user", "content": value}]
+    items = []
+    for item in value:
+        kind = item.get("type", "message")
+        normalized = {**item, "type": kind}
+        if kind == "message":
+            content = item["content"]
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            normalized["content"] = [{"type": part, "text": content}] \
+                if isinstance(content, str) else content
+        normalized.setdefault("status", "completed")
+        normalized.setdefault("id", new_id("msg" if kind == "message" else "item"))
+        items.append(normalized)
+    return items
 
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[Message]:

@@ -1,6 +1,7 @@
 """The responses a server keeps for `previous_response_id` and GET /v1/responses/{id}.
 
-In memory on the instance that made them, bounded in bytes (their JSON size): the least
+In memory on the instance that made them, bounded in bytes (an estimate of the memory each
+takes: its JSON size plus Python's per-object overhead): the least
 recently used response goes first when a new one needs room. One larger than the whole bound
 is not kept. Ids are random, so a client reaches only the responses whose ids it was given.
 """
@@ -15,6 +16,9 @@ from kvtier.entrypoints.openai.responses.convert import Message, json_size
 
 # What a server keeps unless told otherwise (--responses-store-size).
 DEFAULT_STORE_BYTES = 128 * 2 ** 20
+# Python's own bytes per parsed JSON object beyond its text (CPython 3.11, 64-bit: a small
+# dict and its keys, a list and its pointers, a str header).
+_DICT_BYTES, _LIST_BYTES, _STR_BYTES = 232, 72, 49
 
 
 @dataclass(frozen=True)
@@ -29,7 +33,26 @@ class StoredResponse:
 
     @property
     def num_bytes(self) -> int:
-        return json_size(self.response) + json_size(self.messages) + json_size(self.input_items)
+        """About the memory it takes: its JSON size, and what Python adds per object and per
+        string (a dict ~200 bytes, a string ~50 bytes besides its characters)."""
+        parts = (self.response, self.messages, self.input_items)
+        return sum(json_size(part) + _object_overhead(part) for part in parts)
+
+
+def _object_overhead(value: Any) -> int:
+    """Bytes Python spends on the containers and strings of parsed JSON beyond their text."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            total += _DICT_BYTES
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            total += _LIST_BYTES
+            stack.extend(item)
+        elif isinstance(item, str):
+            total += _STR_BYTES
+    return total
 
 
 class ResponseStore:

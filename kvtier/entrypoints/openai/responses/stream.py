@@ -98,16 +98,19 @@ class ResponseEvents:
                                      item=item.model_dump(mode="json")))
         return lines
 
-    def finish(self, response: ResponseObject) -> list[str]:
-        """The closing events; `response` is the finished one, whose output becomes these
-        items (an answer of no text and no calls is one empty message, as unstreamed)."""
+    def close(self, cut: bool) -> list[str]:
+        """The done events of the item being written (`cut`: by max_output_tokens); an answer
+        of no text and no calls is one empty message, as unstreamed."""
         lines = [] if self.items else self._open_item(
             MessageItem(id=new_id("msg"), status="in_progress"), OutputText(text=""))
-        lines += self._close(response.status == "incomplete")
-        self.response = response.model_copy(update={"output": self.items})
+        return lines + self._close(cut)
+
+    def finish(self, response: ResponseObject) -> list[str]:
+        """The last event; `response` is the finished one (its output these items)."""
+        self.response = response
         kind = "response.incomplete" if response.status == "incomplete" \
             else "response.completed"
-        return lines + [self._response_event(kind)]
+        return [self._response_event(kind)]
 
     def fail(self, error: APIError) -> list[str]:
         self.response = self.response.model_copy(update={
