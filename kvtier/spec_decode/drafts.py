@@ -2,7 +2,8 @@
 
 The scheduler asks `DraftTracker.draft` for each running request about to decode: a request
 whose logits and end nothing shapes beyond temperature, top-k / top-p and min-p (no penalties,
-biases, token masks, grammar, logprobs or stop strings; min_tokens reached) gets the tokens an
+biases, token masks, grammar, logprobs or stop strings; min_tokens reached; not a seeded
+sampling request, whose tokens must not depend on its batch) gets the tokens an
 n-gram match in its own prompt and output proposes, and the step computes them after its last
 token. The runner checks them against the model's distribution at each position
 (worker/draft_check.py: a greedy request keeps them up to the first that differs from the
@@ -97,8 +98,11 @@ def _may_speculate(request: Request) -> bool:
     if params is None or request.num_computed_tokens != request.num_tokens - 1:
         return False  # not decoding (a prefill chunk, or a resumed request)
     # Stop strings are matched in the text after the step: tokens drafted past one would
-    # stay in the output's token ids.
-    return (params.logprobs is None and not params.has_penalties
+    # stay in the output's token ids. A seeded sampling request draws one number per draft
+    # from its generator, and how many drafts it gets depends on the batch's token budget:
+    # its tokens would depend on what it was batched with.
+    seeded_sampling = params.seed is not None and not params.is_greedy
+    return (not seeded_sampling and params.logprobs is None and not params.has_penalties
             and not params.logit_bias and not params.allowed_token_ids and not params.stop
             and not request.bad_words_token_ids and request.grammar is None
             and request.num_output_tokens >= params.min_tokens)

@@ -5,9 +5,9 @@ then the model's token (the same tokens as without drafts). A sampling request k
 at a position with probability p(d), p being the model's distribution there after its
 temperature, top-k / top-p and min-p (a draft proposes d with certainty); at the first draft
 it does not keep, it draws from p without d instead. Every token so made follows p, as a
-plain step's draw would (speculative sampling, the proposal a point mass); the draws come from
-the request's own generator, so a seeded request is reproducible, though not the same tokens
-as without drafts.
+plain step's draw would (speculative sampling, the proposal a point mass). A seeded sampling
+request takes no drafts (spec_decode/drafts.py): how many it would get depends on its batch, and
+each is a draw from its generator, so its tokens would too.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ frequency / repetition penalties and logprobs.
 The logits go through, in vLLM's order: the grammar's mask, the allowed-token mask, the
 bad-word bans, the min_tokens mask, the logit bias, the penalties (repetition, then frequency
 and presence); greedy rows take the argmax of the result, the others then apply temperature,
-top-k / top-p and min-p and draw. Logprobs are the model's own distribution after the
+min-p and top-k / top-p and draw. Logprobs are the model's own distribution after the
 grammar's mask, before the rest."""
 
 from __future__ import annotations
@@ -134,8 +134,8 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Each row's distribution to draw from: after its temperature (greedy rows: 1),
-        top-k / top-p and min-p (rows with a min-p floor are not renormalized)."""
+        """Each row's distribution to draw from: after its temperature (greedy rows: 1), then
+        min-p (on the tempered distribution, as vLLM applies it), then top-k / top-p."""
         device = logits.device
         # Times the reciprocal: a broadcast division took ~7x as long here.
         inverse = torch.tensor([1.0 if r.params.is_greedy else 1.0 / r.params.temperature
@@ -143,13 +143,13 @@ class Sampler:
                                dtype=logits.dtype, device=device)
         # No overflow: the processing kept finite logits within _logit_limit.
         logits = logits * inverse[:, None]
-        logits = apply_top_k_top_p(logits, rows)
-        probs = torch.softmax(logits, dim=-1)
         min_p = [r.params.min_p for r in rows]
         if any(min_p):
+            probs = torch.softmax(logits, dim=-1)
             floor = torch.tensor(min_p, dtype=probs.dtype, device=device)[:, None]
-            probs = probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
-        return probs
+            below = probs < floor * probs.max(dim=-1, keepdim=True).values
+            logits = logits.masked_fill(below, float("-inf"))
+        return torch.softmax(apply_top_k_top_p(logits, rows), dim=-1)
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """A draw for every row (greedy ones included, at temperature 1: the caller takes

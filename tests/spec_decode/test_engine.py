@@ -87,18 +87,24 @@ def test_requests_that_do_not_speculate_are_unchanged_beside_those_that_do(llama
     assert metrics["vllm:spec_decode_num_draft_tokens_total"] > 0
 
 
-def test_sampled_requests_draft_and_a_seed_still_repeats(llama):
+def test_sampled_requests_draft_and_seeded_ones_get_their_tokens_without_drafts(llama):
     # Low temperature: the tiny model repeats itself, so drafts are found and kept.
     prompts = make_prompts()
-    params = [SamplingParams(temperature=0.3, top_p=0.95, seed=i, max_tokens=MAX_TOKENS,
-                             ignore_eos=True) for i in range(len(prompts))]
-    first, metrics = run(llama, prompts, params, num_device_blocks=256,
-                         speculative_config=SPECULATIVE)
-    again, _ = run(llama, prompts, params, num_device_blocks=256,
-                   speculative_config=SPECULATIVE)
+    sampled = [SamplingParams(temperature=0.3, top_p=0.95, max_tokens=MAX_TOKENS,
+                              ignore_eos=True) for _ in prompts]
+    outputs, metrics = run(llama, prompts, sampled, num_device_blocks=256,
+                           speculative_config=SPECULATIVE)
     assert accepted(metrics) > 0
-    assert [o.token_ids for o in first] == [o.token_ids for o in again]
-    assert all(len(o.token_ids) == MAX_TOKENS for o in first)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outputs)
+    # A seeded request's tokens must not depend on its batch, and how many drafts it would
+    # get (each one a draw from its generator) does: it takes none.
+    seeded = [SamplingParams(temperature=0.3, top_p=0.95, seed=i, max_tokens=MAX_TOKENS,
+                             ignore_eos=True) for i in range(len(prompts))]
+    plain, _ = run(llama, prompts, seeded, num_device_blocks=256)
+    spec, metrics = run(llama, prompts, seeded, num_device_blocks=256,
+                        speculative_config=SPECULATIVE)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert metrics["vllm:spec_decode_num_draft_tokens_total"] == 0
 
 
 def test_offloading_keeps_the_same_outputs(llama):

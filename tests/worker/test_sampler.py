@@ -67,6 +67,18 @@ def test_top_k_and_min_p_cut_the_tail():
     assert draw_many(logits, SamplingParams(min_p=0.5)) == {0, 1}
 
 
+def test_min_p_applies_to_the_tempered_distribution_before_top_p():
+    # vLLM's order: min-p on the whole distribution (floor 0.25: the 0.1s go), then top-p over
+    # what is left (0.5 / 0.8 = 0.625 covers 0.6 alone). Top-p first kept 0.5 and 0.3, and
+    # min-p then (floor 0.3125 of 0.625 / 0.375) kept both.
+    sampler = Sampler(CPU, seed=0)
+    logits = probs_logits(0.5, 0.3, 0.1, 0.1)
+    probs = sampler.probabilities(logits, [row(SamplingParams(top_p=0.6, min_p=0.5))])
+    assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+    probs = sampler.probabilities(logits, [row(SamplingParams(top_p=0.9, min_p=0.5))])
+    assert torch.allclose(probs, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
+
+
 def test_sampling_follows_the_distribution():
     logits = probs_logits(0.7, 0.2, 0.1).repeat(4000, 1)
     params = SamplingParams(seed=None)
