@@ -71,9 +71,11 @@ class Router:
         costs = {i.slot: self.cost(i, matches.get(i.slot), num_prompt_tokens, block_size)
                  for i in open_}
         cheapest = min(costs.values())
-        # Ties take turns: new conversations arriving at idle instances spread over them.
+        # Ties take turns: new conversations arriving at idle instances spread over them. Only
+        # ties count a turn: had every decision counted, conversations of as many turns as
+        # there are instances would all start on the same one.
         tied = [i for i in open_ if costs[i.slot] == cheapest]
-        best = tied[next(self._turns) % len(tied)]
+        best = tied[next(self._turns) % len(tied)] if len(tied) > 1 else tied[0]
         cached = _weighted_blocks(matches, best)
         holder = max(candidates, key=lambda i: _weighted_blocks(matches, i))
         if _weighted_blocks(matches, holder) == 0.0:

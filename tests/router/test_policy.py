@@ -133,3 +133,18 @@ def test_config_errors_name_the_option():
         RouterConfig(instances=("http://a:1",), policy="random")
     with pytest.raises(ValueError, match="--saturation must be >= 1"):
         RouterConfig(instances=("http://a:1",), saturation=0)
+
+
+def test_new_conversations_take_turns_whatever_their_later_turns_decided():
+    """Sequential conversations of as many turns as there are instances: when every decision
+    counted a turn, each new one came back to the same instance."""
+    router, instances = make()
+    starts = []
+    for conversation in range(3):
+        prompt = [1000 * (conversation + 1) + i for i in range(4)]
+        first = router.choose(prompt, BLOCK).instance
+        starts.append(first)
+        router.index.store(first.slot, prompt, "GPU")
+        for _ in range(2):  # later turns: a cache hit, no tie
+            assert router.choose(prompt, BLOCK).instance is first
+    assert sorted(i.slot for i in starts) == [i.slot for i in instances]
