@@ -304,7 +304,8 @@ class Engine:
             detokenizer = None
             if self.tokenizer is not None:
                 detokenizer = IncrementalDetokenizer(
-                    self.tokenizer, skip_special_tokens=params.skip_special_tokens)
+                    self.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                    prompt_token_ids=token_ids)
             completion = CompletionOutput(index, "", [], logprobs=(
                 [] if params.logprobs is not None else None))
             states.append(ChildState(child.request_id, index, child.sampling_params,

@@ -80,6 +80,7 @@ class GGUFModelFile:
         if "rope_freqs.weight" in names:
             raise ModelLoadError(self.path, "rope_freqs (GGUF llama3 RoPE scaling) is not "
                                             "supported; load the HF directory instead")
+        self._refuse_rope_scaling(arch)
         hidden = self._arch_value("embedding_length")
         num_heads = self._arch_value("attention.head_count")
         head_dim = self._arch_value("attention.key_length", hidden // num_heads)
@@ -105,6 +106,26 @@ class GGUFModelFile:
             mlp_bias="blk.0.ffn_up.bias" in names, qk_norm=False,
             bos_token_id=self.fields.get("tokenizer.ggml.bos_token_id"),
             eos_token_ids=self.end_token_ids(), name=name)
+
+    def _refuse_rope_scaling(self, arch: str) -> None:
+        """kvtier runs GGUF models with plain RoPE, so it refuses the scaling llama.cpp would
+        apply: any `rope.scaling.type` but "none", or, with no type, a factor other than 1
+        (llama.cpp then scales linearly; `rope.scale_linear` is that factor's old name)."""
+        type_key = f"{arch}.rope.scaling.type"
+        rope_type = self.fields.get(type_key)
+        if rope_type == "none":
+            return
+        if rope_type is not None:
+            raise ModelLoadError(self.path, f"invalid value: {type_key} must be absent or "
+                                            f"'none' (plain RoPE), got {rope_type!r}; kvtier "
+                                            "does not implement GGUF RoPE scaling")
+        for factor_key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+            factor = self.fields.get(factor_key)
+            if factor not in (None, 0.0, 1.0):
+                raise ModelLoadError(self.path, f"invalid value: {factor_key} {factor!r} "
+                                                f"without {type_key} means linear RoPE "
+                                                "scaling, which kvtier does not implement "
+                                                "for GGUF")
 
     def end_token_ids(self) -> tuple[int, ...]:
         """End-of-sequence ids: eos, plus the end-of-turn token chat models stop on."""

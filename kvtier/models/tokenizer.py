@@ -93,13 +93,27 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(path)
         except Exception as exc:  # the Rust parser raises a bare Exception
             raise ModelLoadError(path, f"not a valid tokenizer.json ({exc})") from exc
-        config_path = os.path.join(model_dir, "tokenizer_config.json")
-        config = read_json(config_path) if os.path.isfile(config_path) else {}
+        config = _with_special_tokens_map(model_dir, _read_optional(model_dir,
+                                                                    "tokenizer_config.json"))
         return cls(backend, bos_token=_token_text(config.get("bos_token")),
                    eos_token=_token_text(config.get("eos_token")),
                    chat_template=_chat_template(model_dir, config),
                    extra_eos_token_ids=extra_eos_token_ids,
                    other_special_tokens=_other_special_tokens(config))
+
+
+def _read_optional(model_dir: str, name: str) -> dict[str, Any]:
+    path = os.path.join(model_dir, name)
+    return read_json(path) if os.path.isfile(path) else {}
+
+
+def _with_special_tokens_map(model_dir: str, config: dict[str, Any]) -> dict[str, Any]:
+    """`config` with the named special tokens it lacks taken from special_tokens_map.json,
+    where older checkpoints name them (bos and eos too) and transformers reads them."""
+    named = _read_optional(model_dir, "special_tokens_map.json")
+    missing = {key: value for key, value in named.items()
+               if key.endswith("_token") and _is_token(value) and config.get(key) is None}
+    return {**config, **missing}
 
 
 def _token_text(value: Any) -> str | None:

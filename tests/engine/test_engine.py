@@ -28,6 +28,12 @@ def llm(model_dir):
     llm.engine.shutdown()
 
 
+def after_prompt(tokenizer, prompt: list[int], ids: list[int]) -> str:
+    """The text of `ids` as it reads after the prompt's (vLLM's completion text): this
+    tokenizer joins words with spaces, so it starts with one."""
+    return tokenizer.decode(prompt + ids)[len(tokenizer.decode(prompt)):]
+
+
 def drain(engine) -> dict[str, object]:
     finished = {}
     while engine.has_unfinished_requests():
@@ -72,8 +78,9 @@ def test_text_prompts_decode_and_match_hf(llm, model_dir):
     assert out.prompt == "w5 w6 w7 w8 w9"
     assert out.prompt_token_ids == [5, 6, 7, 8, 9]
     assert out.outputs[0].token_ids == hf_greedy(hf_model, [[5, 6, 7, 8, 9]], 6)[0]
-    expected_text = llm.get_tokenizer().decode(out.outputs[0].token_ids)
-    assert out.outputs[0].text == expected_text
+    assert out.outputs[0].text == " " + llm.get_tokenizer().decode(out.outputs[0].token_ids)
+    assert out.prompt + out.outputs[0].text == llm.get_tokenizer().decode(
+        out.prompt_token_ids + out.outputs[0].token_ids)
     assert out.outputs[0].finish_reason == "length"
     metrics = out.metrics
     assert metrics.arrival_time <= metrics.first_token_time <= metrics.finished_time
@@ -84,7 +91,8 @@ def test_stop_strings_cut_the_text_and_finish_the_request(llm):
     words = llm.get_tokenizer().decode(tokens).split(" ")  # one word per token
     stop = words[3]
     first = words.index(stop)
-    before = " ".join(words[:first]) + " " if first else ""
+    # The text reads as after the prompt: every word, the first too, follows a space.
+    before = "".join(" " + word for word in words[:first]) + " "
     for include, text in ((False, before), (True, before + stop)):
         params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=[stop],
                                 include_stop_str_in_output=include)
@@ -104,10 +112,10 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_id)
     # The stop token's text is left out of the text (token_ids keep it), unless asked for.
     tokenizer = llm.get_tokenizer()
-    assert out.text == tokenizer.decode(out.token_ids[:-1])
+    assert out.text == after_prompt(tokenizer, PROMPT, out.token_ids[:-1])
     params.include_stop_str_in_output = True
     kept = llm.generate({"prompt_token_ids": PROMPT}, params)[0].outputs[0]
-    assert kept.text == tokenizer.decode(kept.token_ids) != out.text
+    assert kept.text == after_prompt(tokenizer, PROMPT, kept.token_ids) != out.text
     # min_tokens forbids the stop id until 4 tokens exist: the greedy path changes.
     held = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
                           stop_token_ids=[stop_id], min_tokens=4)

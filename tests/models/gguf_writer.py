@@ -75,10 +75,14 @@ def _write_metadata(writer: gguf.GGUFWriter, config) -> None:
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def write_gguf(hf_model, path: str) -> None:
+def write_gguf(hf_model, path: str, extra_metadata: dict[str, str | float] | None = None) -> None:
+    """`extra_metadata`: more keys ("{arch}" is filled in), strings and float32 numbers."""
     config = hf_model.config
     writer = gguf.GGUFWriter(path, "llama")
     _write_metadata(writer, config)
+    for key, value in (extra_metadata or {}).items():
+        add = writer.add_string if isinstance(value, str) else writer.add_float32
+        add(key.format(arch="llama"), value)
     for hf_name, tensor in hf_model.state_dict().items():
         array = tensor.to(torch.float32).numpy()
         if ".q_proj." in hf_name:

@@ -159,3 +159,38 @@ def test_gguf_unk_and_pad_tokens_reach_chat_templates(gguf_pair):
     assert tokenizer.special_tokens == {"bos_token": "<s>", "eos_token": "</s>",
                                         "unk_token": "</s>", "pad_token": "<s>"}
     assert tokenizer.apply_chat_template([]) == "[<s>][</s>][</s>][<s>][False][False]"
+
+
+@pytest.mark.parametrize("metadata, problem", [
+    ({"{arch}.rope.scaling.type": "linear", "{arch}.rope.scaling.factor": 4.0},
+     r"llama\.rope\.scaling\.type must be absent or 'none' \(plain RoPE\), got 'linear'"),
+    ({"{arch}.rope.scaling.type": "yarn", "{arch}.rope.scaling.factor": 4.0},
+     r"llama\.rope\.scaling\.type must be absent or 'none' \(plain RoPE\), got 'yarn'"),
+    ({"{arch}.rope.scaling.factor": 4.0},
+     r"llama\.rope\.scaling\.factor 4\.0 without llama\.rope\.scaling\.type means linear"),
+    ({"{arch}.rope.scale_linear": 2.0},
+     r"llama\.rope\.scale_linear 2\.0 without llama\.rope\.scaling\.type means linear"),
+], ids=["linear", "yarn", "factor_without_type", "old_scale_linear_key"])
+def test_gguf_rope_scaling_is_refused(gguf_pair, tmp_path, metadata, problem):
+    """llama.cpp scales RoPE by these keys; before, kvtier ignored them and ran plain RoPE."""
+    hf_model, _ = gguf_pair
+    path = str(tmp_path / "scaled.gguf")
+    write_gguf(hf_model, path, metadata)
+    with pytest.raises(ModelLoadError, match=r"scaled\.gguf: invalid value: " + problem):
+        load_model(path, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("metadata", [{"{arch}.rope.scaling.type": "none",
+                                       "{arch}.rope.scaling.factor": 4.0},
+                                      {"{arch}.rope.scaling.factor": 1.0}],
+                         ids=["type_none", "factor_1"])
+def test_gguf_without_rope_scaling_still_matches_hf(gguf_pair, tmp_path, metadata):
+    """Type "none" turns scaling off in llama.cpp whatever the factor; a factor of 1 is none."""
+    hf_model, _ = gguf_pair
+    path = str(tmp_path / "plain.gguf")
+    write_gguf(hf_model, path, metadata)
+    prompt = [5, 70, 33, 200, 261, 9, 9, 100, 4, 150, 3]
+    loaded = load_model(path, dtype=torch.float32)
+    assert loaded.config.rope_scaling is None
+    torch.testing.assert_close(PagedDriver(loaded.model).step({0: prompt})[0],
+                               hf_logits(hf_model, prompt), atol=1e-4, rtol=0)

@@ -97,3 +97,31 @@ def test_unsupported_gguf_tokenizer_names_the_file(key, value, problem):
               "tokenizer.ggml.merges": MERGES, key: value}
     with pytest.raises(ModelLoadError, match=f"^m.gguf: {problem}"):
         tokenizer_from_gguf(fields, "m.gguf")
+
+
+def test_special_tokens_map_names_what_the_config_lacks(tmp_path):
+    """Older checkpoints name bos/eos (and unk, pad...) only in special_tokens_map.json, which
+    transformers reads; before, kvtier's templates lost BOS and EOS was unknown."""
+    from transformers import AutoTokenizer
+
+    template = "{{ bos_token }}[{{ pad_token }}]{{ messages[0]['content'] }}{{ eos_token }}"
+    write_hf_tokenizer(tmp_path, {"chat_template": template,
+                                   "tokenizer_class": "PreTrainedTokenizerFast"})
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<s>", "lstrip": False}, "eos_token": "</s>",
+         "pad_token": "</s>", "additional_special_tokens": ["<s>"]}))
+    ours = Tokenizer.from_hf_dir(str(tmp_path))
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert (ours.bos_token_id, ours.eos_token_ids) == (theirs.bos_token_id,
+                                                       (theirs.eos_token_id,)) == (0, (1,))
+    messages = [{"role": "user", "content": "hello"}]
+    assert ours.apply_chat_template(messages) == theirs.apply_chat_template(
+        messages, tokenize=False) == "<s>[</s>]hello</s>"
+
+
+def test_tokenizer_config_wins_over_special_tokens_map(tmp_path):
+    write_hf_tokenizer(tmp_path, {"bos_token": "</s>", "eos_token": None})
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": "<s>", "eos_token": {"content": "</s>"}}))
+    tokenizer = Tokenizer.from_hf_dir(str(tmp_path))
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_ids) == (1, (1,))
