@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,7 +40,11 @@ from kvtier.entrypoints.openai.responses.items import (
     output_items,
     usage,
 )
-from kvtier.entrypoints.openai.responses.protocol import ResponseObject, ResponsesRequest
+from kvtier.entrypoints.openai.responses.protocol import (
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
 from kvtier.entrypoints.openai.responses.stored import Keeper, previous_messages
 from kvtier.entrypoints.openai.responses.stream import ResponseEvents
 from kvtier.entrypoints.openai.streaming import SSE_HEADERS, DeltaTracker
@@ -162,7 +165,7 @@ def _text_logprobs(ctx: ServerContext, plan: ChatPlan, completion: CompletionOut
 
 
 def _usage(ctx: ServerContext, plan: ChatPlan, final: RequestOutput,
-           completion: CompletionOutput) -> Any:
+           completion: CompletionOutput) -> ResponseUsage:
     return usage(ctx, len(plan.prompt.token_ids), len(completion.token_ids),
                  final.num_cached_tokens,
                  num_reasoning_tokens(ctx, completion.token_ids, plan.closed))
