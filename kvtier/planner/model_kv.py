@@ -94,5 +94,11 @@ def model_kv(model: str | None, block_size: int = 16, dtype: str = "bfloat16",
     if dtype not in DTYPE_SIZES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
     config = read_model_config(model)
+    limit = config.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        # The engine refuses it too (kvtier/engine/runtime.py): no plan for a setup that
+        # cannot start.
+        raise ValueError(f"max_model_len={max_model_len} is longer than the model's "
+                         f"max_position_embeddings ({limit}); use at most {limit}")
     groups = build_kv_cache_groups(config, block_size=block_size, dtype_size=DTYPE_SIZES[dtype])
-    return ModelKV(config.name, tuple(groups), max_model_len or config.max_position_embeddings)
+    return ModelKV(config.name, tuple(groups), max_model_len or limit)

@@ -30,7 +30,7 @@ LLAMA_70B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "voca
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = tmp_path_factory.mktemp("model")
-    make_hf_model("llama", directory)
+    make_hf_model("llama", directory, max_position_embeddings=8192)
     return str(directory)
 
 
@@ -106,6 +106,9 @@ def test_sweep_draws_hit_rate_against_host_size(model_dir, tmp_path, capsys):
     (["--device-kv", "1GiB", "--hits-only", "--time-scale", "inf"], "--time-scale must be a "
                                                                     "finite number"),
     (["--device-kv", "1GiB", "--hits-only", "--max-model-len", "0"], "--max-model-len must be"),
+    # The engine refuses it: a plan for it would count prompts the model cannot serve.
+    (["--device-kv", "1GiB", "--model", "MODEL", "--hits-only", "--max-model-len", "99999999"],
+     "max_model_len=99999999 is longer than the model's max_position_embeddings"),
     (["--device-kv", "1GiB", "--hits-only", "--block-size", "0"], "--block-size must be >= 1"),
     (["--device-kv", "1GiB", "--hits-only", "--output-json", "OUT_DIR"], "is a directory"),
 ])

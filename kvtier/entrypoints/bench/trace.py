@@ -100,7 +100,7 @@ def load_trace(path: Path) -> list[TraceRequest]:
     """Every request of a trace file, in file order; TraceFormatError on a malformed line."""
     try:
         lines = Path(path).read_text().splitlines()
-    except OSError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise TraceFormatError(f"cannot read the trace {path}: {exc}") from exc
     requests = [_parse_line(path, number, line)
                 for number, line in enumerate(lines, start=1) if line.strip()]

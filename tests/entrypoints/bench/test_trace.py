@@ -106,6 +106,9 @@ def test_malformed_lines_are_named(tmp_path):
         load_trace(tmp_path / "empty.jsonl")
     with pytest.raises(TraceFormatError, match="cannot read"):
         load_trace(tmp_path / "missing.jsonl")
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe{}\n")
+    with pytest.raises(TraceFormatError, match="cannot read the trace .*binary.jsonl"):
+        load_trace(tmp_path / "binary.jsonl")
 
 
 def test_scaling_rejects_bad_values():
