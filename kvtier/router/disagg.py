@@ -25,11 +25,12 @@ import httpx
 
 from kvtier.router.instances import Instance
 from kvtier.router.policy import NoInstanceError
-from kvtier.router.prompts import CHAT_PATH
+from kvtier.router.prompts import CHAT_PATH, RESPONSES_PATH
 from kvtier.router.service import RouterService
 
 # Request fields that concern the answer, not the prompt: the prefill leaves them out.
-_ANSWER_FIELDS = ("stream_options", "min_tokens", "max_completion_tokens", "kv_transfer_params")
+_ANSWER_FIELDS = ("stream_options", "min_tokens", "max_completion_tokens", "max_output_tokens",
+                  "kv_transfer_params")
 
 
 async def with_prefilled_kv(service: RouterService, path: str, body: dict[str, Any],
@@ -74,6 +75,9 @@ def prefill_body(path: str, body: dict[str, Any], transfer_id: str,
     if path == CHAT_PATH:
         request.pop("max_tokens")
         request["max_completion_tokens"] = 1
+    elif path == RESPONSES_PATH:  # and the prefill's answer is not kept as a response
+        del request["max_tokens"], request["n"]
+        request.update(max_output_tokens=1, store=False)
     return request
 
 

@@ -87,7 +87,7 @@ async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
         router.choose(prompt.block_hashes, block_size, num_prompt_tokens=prompt.num_tokens)
     matches = router.matches(prompt.block_hashes, service.instances)
     prefill = None
-    if service.prefill_router is not None and path != RESPONSES_PATH:
+    if service.prefill_router is not None and previous_response_id(path, body) is None:
         with contextlib.suppress(NoInstanceError):  # the decode instance computes the prompt
             prefill = service.prefill_router.choose(prompt.block_hashes, block_size).instance.url
     return {"instance": decision.instance.url, "reason": decision.reason,
@@ -130,7 +130,7 @@ async def _route(service: RouterService, path: str, content: bytes, body: dict[s
         service.metrics.decisions.labels(service.config.policy, decision.reason).inc()
         tried.add(decision.instance.url)
         sent = content
-        if service.prefill_router is not None and path != RESPONSES_PATH:
+        if service.prefill_router is not None and previous_response_id(path, body) is None:
             uncached = prompt.num_tokens - decision.predicted_cached_tokens \
                 if prompt.num_tokens and service.config.local_prefill_tokens else None
             sent = await with_prefilled_kv(service, path, body, headers, prompt.block_hashes,

@@ -180,6 +180,14 @@ def test_a_chat_prefill_asks_for_one_completion_token():
         "kv_transfer_params": {"transfer_id": "t", "consumer_address": "tcp://a:1"}}
 
 
+def test_a_responses_prefill_asks_for_one_output_token_and_is_not_stored():
+    body = {"input": "hi", "max_output_tokens": 9, "stream": True, "instructions": "x"}
+    assert prefill_body("/v1/responses", body, "t", "tcp://a:1") == {
+        "input": "hi", "instructions": "x", "max_output_tokens": 1, "store": False,
+        "stream": False,
+        "kv_transfer_params": {"transfer_id": "t", "consumer_address": "tcp://a:1"}}
+
+
 def test_pd_config_errors_name_the_flags():
     with pytest.raises(ValueError, match="not both"):
         RouterConfig(instances=("http://a:1",), decode=("http://b:1",))

@@ -156,3 +156,27 @@ def test_pd_prefill_instance_killed_the_decode_instance_computes(pd):
         metric(router.url, 'kvtier_router:prefills_total{outcome="no_instance"}')
     assert failed == len(prompts) - 1
     assert metric(router.url, "kvtier_router:retries_total") == 0
+
+
+def test_pd_responses_load_their_prompt_and_go_on_where_they_are_stored(pd):
+    router, prefill, decode, _ = pd
+    prefills = metric(router.url, 'kvtier_router:prefills_total{outcome="ok"}')
+    loaded = metric(decode.url, "kvtier:p2p_connector_blocks_loaded")
+    body = {"input": "disaggregated responses " * 3, "max_output_tokens": 4, "temperature": 0}
+    first = httpx.post(f"{router.url}/v1/responses", timeout=TIMEOUT_S, json=body)
+    assert first.status_code == 200, first.text
+    # The same request answered by one instance alone (the producer: no transfer asked).
+    alone = httpx.post(f"{prefill.url}/v1/responses", timeout=TIMEOUT_S,
+                       json={**body, "store": False})
+    text = [item["content"] for item in first.json()["output"]]
+    assert text == [item["content"] for item in alone.json()["output"]]
+    assert metric(router.url, 'kvtier_router:prefills_total{outcome="ok"}') == prefills + 1
+    assert metric(decode.url, "kvtier:p2p_connector_blocks_loaded") > loaded
+    # Stored on the decode instance: the next turn goes there, with no prefill (the prefill
+    # instance does not have the conversation).
+    second = httpx.post(f"{router.url}/v1/responses", timeout=TIMEOUT_S, json={
+        "input": "and then?", "previous_response_id": first.json()["id"],
+        "max_output_tokens": 4, "temperature": 0})
+    assert second.status_code == 200, second.text
+    assert second.headers["x-kvtier-instance"] == decode.url
+    assert metric(router.url, 'kvtier_router:prefills_total{outcome="ok"}') == prefills + 1

@@ -83,7 +83,9 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     answer = _answer(ctx, plan, completion)
     response = finish(shell, output_items(answer, _text_logprobs(ctx, plan, completion, 0)),
                       completion.finish_reason, _usage(ctx, plan, final, completion))
-    response = keep(response, answer)
+    # A P/D prefill's answer tells the router what to hand the decode instance.
+    response = keep(response.model_copy(update={"kv_transfer_params":
+                                                final.kv_transfer_params}), answer)
     return JSONResponse(response.model_dump(mode="json"), headers=headers)
 
 

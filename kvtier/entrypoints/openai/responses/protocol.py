@@ -144,3 +144,6 @@ class ResponseObject(BaseModel):
     usage: ResponseUsage | None = None
     user: str | None = None
     metadata: dict[str, str] = Field(default_factory=dict)
+    # vLLM's: a P/D producer's transfer parameters (left out of the JSON when None).
+    kv_transfer_params: dict[str, Any] | None = Field(default=None,
+                                                      exclude_if=lambda value: value is None)
