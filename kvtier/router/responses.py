@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
@@ -93,7 +94,7 @@ async def owner_of(service: Any, response_id: str, headers: dict[str, str]) -> I
         return known  # None: its instance is down, and the response with it
     if owners.missing_lately(response_id):
         return None
-    auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+    auth = _authorization(headers)
     for instance in healthy:
         try:
             answer = await service.client.get(f"{instance.url}{RESPONSES_PATH}/{response_id}",
@@ -110,7 +111,7 @@ async def owner_of(service: Any, response_id: str, headers: dict[str, str]) -> I
 async def at_owner(service: Any, method: str, response_id: str, suffix: str,
                    raw: Request) -> Response:
     """GET or DELETE `/v1/responses/{id}{suffix}` answered by the instance that stores it."""
-    headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
+    headers = _authorization(raw.headers)
     owner = await owner_of(service, response_id, headers)
     if owner is None:
         raise NotFoundError(f"no healthy instance stores a response with id {response_id!r}",
@@ -127,3 +128,8 @@ async def at_owner(service: Any, method: str, response_id: str, suffix: str,
         service.response_owners.forget(response_id)
     return Response(answer.content, answer.status_code,
                     media_type=answer.headers.get("content-type"))
+
+
+def _authorization(headers: Mapping[str, str]) -> dict[str, str]:
+    """The client's key, the one header an instance's stored responses need."""
+    return {k: v for k, v in headers.items() if k.lower() == "authorization"}

@@ -14,7 +14,7 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from .server_process import ServerProcess
-from .tool_template import TEMPLATE
+from .tool_template import template_file
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {
@@ -26,11 +26,10 @@ ITEMS = TypeAdapter(ResponseItem)
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "tools.jinja"
-    template.write_text(TEMPLATE)
     proc = ServerProcess(tiny_model[0], "--served-model-name", MODEL,
                          "--num-device-blocks", "64", "--block-size", "16",
-                         "--max-model-len", "384", "--chat-template", str(template))
+                         "--max-model-len", "384",
+                         "--chat-template", template_file(tmp_path_factory))
     yield proc
     proc.stop()
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from .server_process import ServerProcess
-from .tool_template import TEMPLATE
+from .tool_template import template_file
 
 MODEL = "tiny"
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -27,11 +27,10 @@ FORCED = ('Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Rome"
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    template = tmp_path_factory.mktemp("template") / "tools.jinja"
-    template.write_text(TEMPLATE)
     proc = ServerProcess(tiny_model[0], "--served-model-name", MODEL,
                          "--num-device-blocks", "64", "--block-size", "16",
-                         "--max-model-len", "512", "--chat-template", str(template),
+                         "--max-model-len", "512",
+                         "--chat-template", template_file(tmp_path_factory),
                          "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield proc
     proc.stop()

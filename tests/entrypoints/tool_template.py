@@ -6,3 +6,10 @@ TEMPLATE = (
     "| join(',') }}\n{% endif %}{% for m in messages %}{{ m.role }}:{{ m.content or '' }}"
     "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }}({{ c.function.arguments.city }})"
     "{% endfor %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def template_file(tmp_path_factory) -> str:
+    """TEMPLATE in a file of its own, for --chat-template."""
+    path = tmp_path_factory.mktemp("template") / "tools.jinja"
+    path.write_text(TEMPLATE)
+    return str(path)

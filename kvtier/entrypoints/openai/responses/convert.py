@@ -279,13 +279,11 @@ def new_id(prefix: str) -> str:
 
 
 def assistant_message(content: str | None, calls: list[dict[str, Any]]) -> Message:
-    """An answer as the chat message the next turn's template renders."""
+    """An answer as the chat message the next turn's template renders; `calls` are
+    parse_answer's, already in the chat API's tool call shape."""
     message: Message = {"role": "assistant", "content": content}
     if calls:
-        message["tool_calls"] = [{"id": c["id"], "type": "function",
-                                  "function": {"name": c["function"]["name"],
-                                               "arguments": c["function"]["arguments"]}}
-                                 for c in calls]
+        message["tool_calls"] = list(calls)
     return message
 
 
