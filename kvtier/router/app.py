@@ -14,7 +14,7 @@ from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES,
 from kvtier.entrypoints.openai.errors import ServiceUnavailableError, install_error_handlers
 from kvtier.router.instances import Instance
 from kvtier.router.policy import NoInstanceError
-from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
+from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH, MESSAGES_PATH, RESPONSES_PATH
 from kvtier.router.proxy import explain, from_any_instance, proxy
 from kvtier.router.responses import at_owner
 from kvtier.router.service import RouterService
@@ -89,6 +89,14 @@ def _add_generation_routes(app: FastAPI, service: RouterService) -> None:
     @app.post(RESPONSES_PATH)
     async def responses(raw: Request) -> Response:
         return await proxy(service, RESPONSES_PATH, raw)
+
+    @app.post(MESSAGES_PATH)
+    async def messages(raw: Request) -> Response:
+        return await proxy(service, MESSAGES_PATH, raw)
+
+    @app.post(MESSAGES_PATH + "/count_tokens")
+    async def count_tokens(raw: Request) -> Response:
+        return await from_any_instance(service, MESSAGES_PATH + "/count_tokens", raw)
 
     @app.api_route(RESPONSES_PATH + "/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str, raw: Request) -> Response:

@@ -25,7 +25,7 @@ import httpx
 
 from kvtier.router.instances import Instance
 from kvtier.router.policy import NoInstanceError
-from kvtier.router.prompts import CHAT_PATH, RESPONSES_PATH
+from kvtier.router.prompts import CHAT_PATH, MESSAGES_PATH, RESPONSES_PATH
 from kvtier.router.service import RouterService
 
 # Request fields that concern the answer, not the prompt: the prefill leaves them out.
@@ -78,6 +78,8 @@ def prefill_body(path: str, body: dict[str, Any], transfer_id: str,
     elif path == RESPONSES_PATH:  # and the prefill's answer is not kept as a response
         del request["max_tokens"], request["n"]
         request.update(max_output_tokens=1, store=False)
+    elif path == MESSAGES_PATH:  # Anthropic's API has no n
+        del request["n"]
     return request
 
 

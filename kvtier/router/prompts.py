@@ -12,6 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvtier.entrypoints.anthropic.convert import chat_request as messages_chat_request
+from kvtier.entrypoints.anthropic.protocol import MessagesRequest
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.prompts import chat_prompt, completion_prompts
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
@@ -30,6 +32,9 @@ from kvtier.models.tokenizer import Tokenizer
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
 RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
+# The paths that generate: routed by their prompt, and prefilled elsewhere in P/D mode.
+GENERATION_PATHS = (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH, MESSAGES_PATH)
 # Token ids are checked by the instance, which knows its vocabulary; the router takes any.
 _ANY_VOCAB = 1 << 62
 
@@ -88,6 +93,9 @@ class PromptHasher:
                                    ChatCompletionRequest.model_validate(body)).token_ids
             if path == RESPONSES_PATH:
                 return self._response_token_ids(body)
+            if path == MESSAGES_PATH:
+                request = messages_chat_request(MessagesRequest.model_validate(body))
+                return chat_prompt(self._context, request).token_ids
             # Several prompts are served together by one instance: the first one decides.
             return completion_prompts(self._context, body.get("prompt"))[0].token_ids
         except (BadRequestError, ValidationError, ChatTemplateError, TypeError):

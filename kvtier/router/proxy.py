@@ -23,17 +23,25 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from kvtier.entrypoints.anthropic.stream import error_event
 from kvtier.entrypoints.openai.connection import cancel_on_disconnect
-from kvtier.entrypoints.openai.errors import APIError, BadRequestError, ServiceUnavailableError
+from kvtier.entrypoints.openai.errors import (
+    APIError,
+    BadRequestError,
+    ServiceUnavailableError,
+    speaks_anthropic,
+)
 from kvtier.entrypoints.openai.streaming import sse_error
 from kvtier.router.disagg import with_prefilled_kv
 from kvtier.router.instances import Instance
 from kvtier.router.policy import Decision, NoInstanceError
-from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH
+from kvtier.router.prompts import GENERATION_PATHS, RESPONSES_PATH
 from kvtier.router.responses import owner_of, previous_response_id, response_id_in
 from kvtier.router.service import RouterService
 
-_REQUEST_HEADERS = ("authorization", "content-type", "x-request-id")
+# The client's key goes on as it came: Authorization, or x-api-key as Anthropic's clients send
+# it.
+_REQUEST_HEADERS = ("authorization", "x-api-key", "content-type", "x-request-id")
 _RESPONSE_HEADERS = ("content-type", "x-request-id", "retry-after", "cache-control",
                      "x-accel-buffering")
 _RETRY_STATUSES = frozenset({502, 503, 504})
@@ -75,9 +83,9 @@ async def explain(service: RouterService, raw: Request) -> dict[str, Any]:
     content = await raw.body()
     request = _json_object(content)
     path, body = request.get("path"), request.get("body")
-    if path not in (CHAT_PATH, COMPLETIONS_PATH, RESPONSES_PATH) or not isinstance(body, dict):
-        raise BadRequestError(f"give {{\"path\": \"{CHAT_PATH}\", \"{COMPLETIONS_PATH}\" or "
-                              f"\"{RESPONSES_PATH}\", \"body\": {{...}}}}", param="path",
+    if path not in GENERATION_PATHS or not isinstance(body, dict):
+        paths = ", ".join(f'"{p}"' for p in GENERATION_PATHS)
+        raise BadRequestError(f'give {{"path": one of {paths}, "body": {{...}}}}', param="path",
                               code="invalid_value")
     prompt = await _hash_prompt(service, path, body, len(content))
     block_size = service.hasher.block_size if service.hasher is not None else 1
@@ -162,15 +170,16 @@ async def _owner(service: RouterService, path: str, body: dict[str, Any],
 
 
 async def from_any_instance(service: RouterService, path: str, raw: Request) -> Response:
-    """GET `path` from the first healthy instance that answers (all serve the same model), the
-    client's Authorization passed on."""
-    key = raw.headers.get("authorization")
-    headers = {"authorization": key} if key is not None else {}
+    """The request (a GET, or a POST that generates nothing) answered by the first healthy
+    instance that answers (all serve the same model), the client's key passed on."""
+    headers = {name: raw.headers[name] for name in _REQUEST_HEADERS if name in raw.headers}
+    content = await raw.body()
     for instance in service.router.instances:
         if not instance.healthy:
             continue
         try:
-            upstream = await service.client.get(instance.url + path, headers=headers)
+            upstream = await service.client.request(raw.method, instance.url + path,
+                                                    headers=headers, content=content)
         except httpx.TransportError as exc:
             if not isinstance(exc, httpx.TimeoutException):
                 service.mark_down(instance, "unreachable")
@@ -232,8 +241,8 @@ async def _forward(service: RouterService, decision: Decision, path: str, conten
             await upstream.aclose()
             _raise_for(service, instance, exc)
         relaying = True
-        return StreamingResponse(_relay(service, decision, prompt, upstream, first, chunks),
-                                 upstream.status_code, out_headers)
+        return StreamingResponse(_relay(service, decision, path, prompt, upstream, first,
+                                        chunks), upstream.status_code, out_headers)
     finally:
         # The first token is out (a stream's first bytes), the answer is whole, or the request
         # failed: its prompt no longer waits ahead of the next request's.
@@ -279,7 +288,7 @@ def _raise_for(service: RouterService, instance: Instance,
     raise _TryElsewhere("connection_lost") from exc
 
 
-async def _relay(service: RouterService, decision: Decision, prompt: _Prompt,
+async def _relay(service: RouterService, decision: Decision, path: str, prompt: _Prompt,
                  upstream: httpx.Response, first: bytes,
                  chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     scanner = _UsageScanner()
@@ -297,9 +306,9 @@ async def _relay(service: RouterService, decision: Decision, prompt: _Prompt,
         if not isinstance(exc, httpx.TimeoutException):
             service.mark_down(decision.instance, "connection_lost")
         yield b"\n\n" if scanner.mid_event else b""
-        yield sse_error(BadGatewayError(
-            f"instance {decision.instance.url} failed mid-answer ({type(exc).__name__})",
-            code="upstream_failed")).encode()
+        error = BadGatewayError(f"instance {decision.instance.url} failed mid-answer "
+                                f"({type(exc).__name__})", code="upstream_failed")
+        yield (error_event(error) if speaks_anthropic(path) else sse_error(error)).encode()
     finally:
         # Before the await: a client that left cancels this generator, and the await may
         # raise again.

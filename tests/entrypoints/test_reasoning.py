@@ -161,3 +161,30 @@ def test_response_logprobs_are_the_answers_not_the_thinkings(server):
                   if line.startswith("data: ")]
     streamed = sum(len(e["logprobs"]) for e in events if e["type"] == "response.output_text.delta")
     assert streamed == answer[0]
+
+
+def anthropic_events(server, **fields) -> list[dict]:
+    with httpx.stream("POST", f"{server.url}/v1/messages", timeout=60.0, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Think, then answer."}],
+            "max_tokens": 40, "temperature": 0.0, "stream": True, **fields}) as response:
+        return [json.loads(line[6:]) for line in response.iter_lines()
+                if line.startswith("data: ")]
+
+
+def test_messages_give_the_thinking_as_a_thinking_block_streamed_or_not(server):
+    # The bias ends the thinking after a few tokens, so the answer has text of its own.
+    fields = {"logit_bias": {str(THINK_END_ID): 3.25}}
+    message = chat(server, max_tokens=40, **fields)["message"]
+    response = server.post("/v1/messages", {
+        "model": MODEL, "messages": [{"role": "user", "content": "Think, then answer."}],
+        "max_tokens": 40, "temperature": 0.0, **fields})
+    blocks = response.json()["content"]
+    assert message["reasoning"] and message["content"]
+    assert blocks == [{"type": "thinking", "thinking": message["reasoning"], "signature": ""},
+                      {"type": "text", "text": message["content"], "citations": None}]
+    events = anthropic_events(server, **fields)
+    starts = [e["content_block"]["type"] for e in events if e["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    deltas = [e["delta"] for e in events if e["type"] == "content_block_delta"]
+    assert "".join(d.get("thinking", "") for d in deltas) == message["reasoning"]
+    assert "".join(d.get("text", "") for d in deltas) == message["content"]

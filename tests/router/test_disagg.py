@@ -188,6 +188,13 @@ def test_a_responses_prefill_asks_for_one_output_token_and_is_not_stored():
         "kv_transfer_params": {"transfer_id": "t", "consumer_address": "tcp://a:1"}}
 
 
+def test_a_messages_prefill_asks_for_one_output_token():
+    body = {"messages": [], "max_tokens": 9, "stream": True, "system": "x"}
+    assert prefill_body("/v1/messages", body, "t", "tcp://a:1") == {
+        "messages": [], "system": "x", "max_tokens": 1, "stream": False,
+        "kv_transfer_params": {"transfer_id": "t", "consumer_address": "tcp://a:1"}}
+
+
 def test_pd_config_errors_name_the_flags():
     with pytest.raises(ValueError, match="not both"):
         RouterConfig(instances=("http://a:1",), decode=("http://b:1",))

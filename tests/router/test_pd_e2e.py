@@ -180,3 +180,19 @@ def test_pd_responses_load_their_prompt_and_go_on_where_they_are_stored(pd):
     assert second.status_code == 200, second.text
     assert second.headers["x-kvtier-instance"] == decode.url
     assert metric(router.url, 'kvtier_router:prefills_total{outcome="ok"}') == prefills + 1
+
+
+def test_pd_messages_load_their_prompt_on_the_decode_instance(pd):
+    router, prefill, decode, _ = pd
+    prefills = metric(router.url, 'kvtier_router:prefills_total{outcome="ok"}')
+    loaded = metric(decode.url, "kvtier:p2p_connector_blocks_loaded")
+    body = {"max_tokens": 4, "temperature": 0, "system": "Anthropic's shape",
+            "messages": [{"role": "user", "content": "disaggregated messages " * 3}]}
+    routed = httpx.post(f"{router.url}/v1/messages", timeout=TIMEOUT_S, json=body)
+    assert routed.status_code == 200, routed.text
+    # The same request answered by one instance alone (the producer: no transfer asked).
+    alone = httpx.post(f"{prefill.url}/v1/messages", timeout=TIMEOUT_S, json=body)
+    assert routed.json()["content"] == alone.json()["content"]
+    assert routed.headers["x-kvtier-instance"] == decode.url
+    assert metric(router.url, 'kvtier_router:prefills_total{outcome="ok"}') == prefills + 1
+    assert metric(decode.url, "kvtier:p2p_connector_blocks_loaded") > loaded

@@ -9,7 +9,13 @@ import pytest
 from kvtier.engine.kv_events import to_wire_event
 from kvtier.engine.llm import LLM
 from kvtier.events import BlockRemoved, BlockStored
-from kvtier.router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptHasher, load_tokenizer
+from kvtier.router.prompts import (
+    CHAT_PATH,
+    COMPLETIONS_PATH,
+    MESSAGES_PATH,
+    PromptHasher,
+    load_tokenizer,
+)
 from kvtier.sampling_params import SamplingParams
 
 from ..tiny_models import make_hf_model
@@ -45,6 +51,9 @@ def hashes_of(events, kind, medium) -> list[int]:
 BODIES = [
     (CHAT_PATH, {"messages": [{"role": "system", "content": "Be brief."},
                               {"role": "user", "content": "Which tier holds my prefix?"}]}),
+    # No system prompt: its blocks would be the chat body's, found in the host tier.
+    (MESSAGES_PATH, {"max_tokens": 4, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Which tier holds my turn?"}]}]}),
     (COMPLETIONS_PATH, {"prompt": "a plain text prompt of a few blocks"}),
     (COMPLETIONS_PATH, {"prompt": [[5, 6, 7, 8, 9, 10, 11, 12, 13]]}),
     (COMPLETIONS_PATH, {"prompt": "a plain text prompt of a few blocks",
@@ -57,8 +66,11 @@ def test_router_and_engine_agree_on_every_block_hash(engine_and_hasher, path, bo
     llm, hasher, model = engine_and_hasher
     body = {"model": model, **body}
     token_ids = hasher.token_ids(path, body)
-    if path == CHAT_PATH:  # the chat template's own tokens lead the prompt
+    if path in (CHAT_PATH, MESSAGES_PATH):  # the chat template's own tokens lead the prompt
         assert token_ids[0] == llm.engine.tokenizer.backend.token_to_id("<|im_start|>")
+    if path == MESSAGES_PATH:  # the same prompt as the chat it becomes
+        assert token_ids == hasher.token_ids(CHAT_PATH, {"model": model, "messages": [
+            {"role": "user", "content": "Which tier holds my turn?"}]})
     expected = hasher.block_hashes_of(token_ids, body.get("cache_salt"))
     assert len(expected) == len(token_ids) // BLOCK >= 2
     events = engine_events(llm, token_ids, body.get("cache_salt"))

@@ -91,6 +91,24 @@ def test_model_endpoints_and_probes_answer_as_the_instance(cluster):
     assert "version" in httpx.get(f"{router.url}/version", timeout=10.0).json()
 
 
+def test_anthropic_clients_key_and_count_tokens_pass_through(cluster):
+    router, instance = cluster
+    key = {"x-api-key": KEY}
+    body = {"model": NAME, "max_tokens": 3, "temperature": 0.0,
+            "messages": [{"role": "user", "content": "Hello"}]}
+    via = httpx.post(f"{router.url}/v1/messages", json=body, headers=key, timeout=30.0)
+    direct = httpx.post(f"{instance.url}/v1/messages", json=body, headers=key, timeout=30.0)
+    assert via.status_code == 200, via.text
+    assert via.json()["content"] == direct.json()["content"]
+    counted = httpx.post(f"{router.url}/v1/messages/count_tokens", json=body, headers=key,
+                         timeout=30.0)
+    assert counted.json() == {"input_tokens": via.json()["usage"]["input_tokens"]}
+    # The instance's refusal, in Anthropic's shape, reaches the client as it was.
+    refused = httpx.post(f"{router.url}/v1/messages", json=body, timeout=30.0)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["type"] == "authentication_error"
+
+
 def test_a_full_queue_s_503_reaches_the_client_with_its_retry_after(cluster):
     router, instance = cluster
 
@@ -143,18 +161,27 @@ def test_a_slow_answer_is_a_504_and_leaves_the_instance_in_routing(cluster):
     _wait_idle(instance)  # the closed connection ended the request there
 
 
-def test_an_instance_lost_mid_stream_ends_the_stream_with_an_error_event(model_dir):
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/messages"])
+def test_an_instance_lost_mid_stream_ends_the_stream_with_an_error_event(model_dir, path):
     instance = _instance(model_dir)
     service = RouterService(RouterConfig(instances=(instance.url,)))
+    body = {**LONG, "stream": True}
+    if path == "/v1/messages":
+        body = {**body, "messages": [{"role": "user", "content": "Go on"}]}
+        del body["prompt"]
 
     async def scenario(service, client) -> None:
         await service.check(service.instances[0])
         asyncio.get_running_loop().call_later(1.0, instance.process.kill)
-        response = await client.post("/v1/completions", json={**LONG, "stream": True})
+        response = await client.post(path, json=body)
         events = [line[len("data: "):] for line in response.text.splitlines()
                   if line.startswith("data: ")]
         assert len(events) > 1 and "[DONE]" not in events
-        assert json.loads(events[-1])["error"]["code"] == "upstream_failed"
+        if path == "/v1/messages":  # Anthropic's error event, as its clients read it
+            assert response.text.splitlines()[-3] == "event: error"
+            assert json.loads(events[-1])["error"]["type"] == "api_error"
+        else:
+            assert json.loads(events[-1])["error"]["code"] == "upstream_failed"
         assert not service.instances[0].healthy
 
     try:

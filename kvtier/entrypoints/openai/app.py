@@ -11,6 +11,7 @@ from fastapi import FastAPI
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvtier.entrypoints.anthropic import api as messages
 from kvtier.entrypoints.openai import chat, completions, lora, system, tokenize
 from kvtier.entrypoints.openai.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodyLimitMiddleware
 from kvtier.entrypoints.openai.context import ServerContext
@@ -38,7 +39,7 @@ def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0,
     app = FastAPI(title="kvtier", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (completions, chat, responses, system, tokenize):
+    for module in (completions, chat, responses, messages, system, tokenize):
         app.include_router(module.router)
     if lora.runtime_updating_allowed():
         app.include_router(lora.router)
@@ -52,8 +53,9 @@ def build_app(ctx: ServerContext, shutdown_timeout_s: float = 30.0,
 
 
 class APIKeyMiddleware:
-    """401 for model API and tokenizer requests without `Authorization: Bearer <key>` (plain
-    ASGI, so streaming responses and disconnect detection pass through untouched)."""
+    """401 for model API and tokenizer requests without `Authorization: Bearer <key>` or, as
+    Anthropic's clients send it, `x-api-key: <key>` (plain ASGI, so streaming responses and
+    disconnect detection pass through untouched)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -61,16 +63,20 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(_PROTECTED_PREFIXES) and \
-                not self._has_key(Headers(scope=scope).get("authorization", "")):
+                not self._has_key(Headers(scope=scope)):
             error = AuthenticationError("invalid or missing API key; send 'Authorization: "
-                                        "Bearer <key>'", code="invalid_api_key")
-            await error.to_response()(scope, receive, send)
+                                        "Bearer <key>' or 'x-api-key: <key>'",
+                                        code="invalid_api_key")
+            await error.to_response(scope["path"])(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
-    def _has_key(self, header: str) -> bool:
-        scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.api_key)
+    def _has_key(self, headers: Headers) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.api_key):
+            return True
+        key = headers.get("x-api-key")
+        return key is not None and hmac.compare_digest(key.encode(), self.api_key)
 
 
 class HTTPMetricsMiddleware:

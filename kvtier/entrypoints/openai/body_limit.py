@@ -60,7 +60,7 @@ class BodyLimitMiddleware:
             f"the request body is larger than this server's limit of {self.max_bytes} bytes "
             "(--max-request-body-bytes)", code="request_too_large",
             headers={"Connection": "close"})
-        await error.to_response()(scope, receive, send)
+        await error.to_response(scope["path"])(scope, receive, send)
 
 
 def _replay(first: Message, receive: Receive) -> Receive:

@@ -1,12 +1,15 @@
 """OpenAI-style error bodies: {"error": {"message", "type", "param", "code"}}.
 
 Every failure a client can cause ends here as a JSON error with the field it concerns in
-`param`; anything else becomes a 500 with the same shape, and the server keeps serving.
+`param`; anything else becomes a 500 with the same shape, and the server keeps serving. On
+the paths of Anthropic's Messages API the same errors take Anthropic's shape, {"type":
+"error", "error": {"type", "message"}}, which its clients read.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +22,11 @@ logger = logging.getLogger(__name__)
 
 # Seconds a client should wait before retrying a request refused for load.
 RETRY_AFTER_S = 1
+# The paths answered in Anthropic's dialect, and its error types by status.
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error"}
 
 
 class APIError(Exception):
@@ -35,11 +43,14 @@ class APIError(Exception):
         self.code = code
         self.headers = headers or {}
 
-    def to_response(self) -> JSONResponse:
-        info = ErrorInfo(message=self.message, type=self.error_type, param=self.param,
-                         code=self.code)
-        return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=self.status_code,
-                            headers=self.headers)
+    def to_response(self, path: str = "") -> JSONResponse:
+        """The error as the API of `path` writes errors."""
+        if speaks_anthropic(path):
+            body = anthropic_error_body(self)
+        else:
+            body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.error_type,
+                                                 param=self.param, code=self.code)).model_dump()
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
 
 
 class BadRequestError(APIError):
@@ -67,6 +78,18 @@ class ServiceUnavailableError(APIError):
 class InternalServerError(APIError):
     status_code = 500
     error_type = "internal_server_error"
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    return {"type": "error", "error": {
+        "type": _ANTHROPIC_TYPES.get(error.status_code,
+                                     "invalid_request_error" if error.status_code < 500
+                                     else "api_error"),
+        "message": error.message}}
 
 
 def param_from_location(location: tuple) -> str | None:
@@ -97,20 +120,21 @@ def validation_error(exc: RequestValidationError) -> BadRequestError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.to_response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.to_response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).to_response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).to_response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         error = APIError(str(exc.detail), code=str(exc.status_code))
         error.status_code = exc.status_code
-        return error.to_response()
+        return error.to_response(request.url.path)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error serving %s", request.url.path)
-        return InternalServerError(f"internal server error: {exc!r}").to_response()
+        return InternalServerError(f"internal server error: {exc!r}").to_response(
+            request.url.path)

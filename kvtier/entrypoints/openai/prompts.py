@@ -66,16 +66,16 @@ def message_chars(messages: list[ChatMessage], tools: Any = None) -> int:
     """Characters of text a chat renders: the messages' content and other fields (tool calls),
     and the tools (the template prints them too); a message costs as much as a short text
     however empty (250k empty messages render for seconds)."""
-    total = _chars(tools)
+    total = json_chars(tools)
     for message in messages:
         content = message.content
         parts = [content] if isinstance(content, str) else [p.text for p in content or ()]
-        total += sum(len(part) for part in parts if part) + _chars(message.model_extra) \
+        total += sum(len(part) for part in parts if part) + json_chars(message.model_extra) \
             + PER_MESSAGE_CHARS
     return total
 
 
-def _chars(value: Any) -> int:
+def json_chars(value: Any) -> int:
     """Characters of the strings in parsed JSON, walked without recursion (it may nest
     deeply)."""
     total, stack = 0, [value]
