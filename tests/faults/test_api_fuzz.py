@@ -74,7 +74,8 @@ def test_fuzzed_requests_get_no_server_error_and_change_no_other_output(server):
     failures: list[str] = []
     statuses: dict[int, int] = {}
     for method, path in (("post", "/v1/completions"), ("post", "/v1/chat/completions"),
-                         ("post", "/v1/responses")):
+                         ("post", "/v1/responses"), ("post", "/v1/messages"),
+                         ("post", "/v1/messages/count_tokens")):
         failures += _fuzz_operation(server.url, schema, method, path, statuses)
     assert not failures, "\n".join(failures[:20])
     # Cases that reached the engine (most generated completions requests break some rule, so
