@@ -97,12 +97,13 @@ def _add_target_arguments(parser: argparse.ArgumentParser,
                        help=f"the server to benchmark (default {TARGET_DEFAULTS.url}); server "
                             "target only")
     if with_api:
-        group.add_argument("--api", choices=("chat", "completions", "responses"),
+        group.add_argument("--api", choices=("chat", "completions", "responses", "messages"),
                            default=TARGET_DEFAULTS.api,
                            help="request shape; in-process runs the server's code for the same "
                                 "endpoint (chat template or plain prompt); responses (server "
                                 "only) sends each turn's new messages with the "
-                                "previous_response_id of the conversation's last turn")
+                                "previous_response_id of the conversation's last turn; "
+                                "messages (server only) is Anthropic's Messages API")
     else:
         parser.set_defaults(api="completions")
     group.add_argument("--request-timeout", type=float, default=TARGET_DEFAULTS.request_timeout_s)

@@ -98,6 +98,12 @@ def request_body(api: ApiKind, model: str, messages: list[dict[str, str]],
         fields = {k: v for k, v in body.items() if k not in ("stream_options", "max_tokens")}
         return "/v1/responses", {**fields, "max_output_tokens": output_tokens,
                                  "input": messages}
+    if api == "messages":  # Anthropic's: the system prompt beside the messages
+        fields = {k: v for k, v in body.items() if k != "stream_options"}
+        system = [m["content"] for m in messages if m["role"] == "system"]
+        turns = [m for m in messages if m["role"] != "system"]
+        return "/v1/messages", {**fields, "messages": turns,
+                                **({"system": "\n".join(system)} if system else {})}
     return "/v1/completions", {**body, "prompt": render_completion_prompt(messages)}
 
 
@@ -106,6 +112,10 @@ def new_messages(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     previous_response_id (the server holds the rest)."""
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
     return messages[last + 1:]
+
+
+# The event types of an Anthropic Messages stream the client reads.
+_MESSAGES_EVENTS = ("content_block_delta", "message_delta", "error")
 
 
 @dataclass
@@ -194,8 +204,12 @@ class OpenAIStreamClient:
         if payload == "[DONE]":
             return
         chunk = json.loads(payload)
-        if isinstance(chunk.get("type"), str) and chunk["type"].startswith("response."):
+        kind = chunk.get("type")
+        if isinstance(kind, str) and kind.startswith("response."):
             self._consume_event(chunk, stream)
+            return
+        if kind in _MESSAGES_EVENTS:
+            self._consume_message_event(chunk, stream)
             return
         if "error" in chunk:
             # A failure after the 200 status arrives in-band; the turn did not complete.
@@ -223,6 +237,21 @@ class OpenAIStreamClient:
         elif kind == "response.failed":
             error = event["response"].get("error") or {}
             raise BenchClientError(f"response failed: {error.get('message')}")
+
+    def _consume_message_event(self, event: dict[str, Any], stream: _Stream) -> None:
+        """One event of an Anthropic Messages stream."""
+        kind = event["type"]
+        if kind == "content_block_delta" and event["delta"].get("text"):
+            self._add_piece(event["delta"]["text"], stream)
+        elif kind == "message_delta":
+            usage = event.get("usage") or {}
+            stream.usage = {"prompt_tokens": (usage.get("input_tokens") or 0)
+                            + (usage.get("cache_read_input_tokens") or 0)
+                            + (usage.get("cache_creation_input_tokens") or 0),
+                            "completion_tokens": usage.get("output_tokens")}
+        elif kind == "error":
+            raise BenchClientError(f"error event in the stream: "
+                                   f"{(event.get('error') or {}).get('message')}")
 
     @staticmethod
     def _add_piece(piece: str, stream: _Stream) -> None:

@@ -10,7 +10,7 @@ from typing import Literal
 from kvtier.common.urls import check_http_url
 from kvtier.config import EngineConfig
 
-ApiKind = Literal["chat", "completions", "responses"]
+ApiKind = Literal["chat", "completions", "responses", "messages"]
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ def _check_api_and_timeouts(target: str, api: str, request_timeout_s: float,
                             run_timeout_s: float) -> None:
     """ValueError naming the field and its flag. A NaN timeout passes any `<=` test and then
     bounds nothing; an infinite one bounds nothing either."""
-    apis = ("chat", "completions", "responses") if target == "ServerTarget" \
+    apis = ("chat", "completions", "responses", "messages") if target == "ServerTarget" \
         else ("chat", "completions")  # the in-process engine stores no responses
     if api not in apis:
         names = [repr(name) for name in apis]

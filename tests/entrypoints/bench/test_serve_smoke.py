@@ -63,3 +63,9 @@ def test_bench_cli_against_kvtier_serve(kvtier_server, tmp_path):
     assert (responses["num_requests"], responses["num_failed"]) == (4, 0)
     assert (responses["input_tokens"], responses["output_tokens"]) == \
         (report["input_tokens"], report["output_tokens"])
+    # And through Anthropic's Messages API: the system prompt beside the turns, the same
+    # prompts rendered.
+    messages = run_bench(kvtier_server, "messages", tmp_path)
+    assert (messages["num_requests"], messages["num_failed"]) == (4, 0)
+    assert (messages["input_tokens"], messages["output_tokens"]) == \
+        (report["input_tokens"], report["output_tokens"])
