@@ -198,6 +198,7 @@ def test_count_tokens_counts_the_prompt_the_message_would_have(server, client):
 
 @pytest.mark.parametrize(("fields", "named"), [
     ({"max_tokens": None}, "max_tokens"),
+    ({"system": "x", "messages": []}, "messages"),
     ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "url", "url": "http://x"}}]}]},

@@ -50,10 +50,12 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         if extra.get(name) is not None:
             raise BadRequestError(f"{name} is not supported by this server", param=name,
                                   code="unsupported_parameter")
+    if not body.messages:  # a system prompt alone is no conversation
+        raise BadRequestError("messages must hold at least one message", param="messages",
+                              code="invalid_value")
     messages = _system(body.system) + chat_messages(body.messages)
-    last = body.messages[-1] if body.messages else None
     # A final assistant message with text is the start of the answer, which goes on from it.
-    goes_on = last is not None and last.get("role") == "assistant" and \
+    goes_on = body.messages[-1].get("role") == "assistant" and \
         bool(messages[-1].get("content"))
     choice = _tool_choice(body.tool_choice)
     fields: dict[str, Any] = {
