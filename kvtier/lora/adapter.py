@@ -120,9 +120,10 @@ def _read_config(path: str) -> dict:
         raise LoRAError(f"LoRA adapter {path}: {ADAPTER_CONFIG} must be an object with "
                         "\"peft_type\": \"LORA\"")
     alpha = config.get("lora_alpha")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise LoRAError(f"LoRA adapter {path}: lora_alpha must be a positive number, got "
-                        f"{alpha!r}")
+    if not _is_positive_finite(alpha):
+        # Python's json reads NaN and Infinity: such an alpha would scale every output to NaN.
+        raise LoRAError(f"LoRA adapter {path}: lora_alpha must be a positive finite number, "
+                        f"got {alpha!r}")
     if config.get("bias", "none") != "none":
         raise LoRAError(f"LoRA adapter {path}: bias {config['bias']!r} is not supported "
                         "(only \"none\")")
@@ -131,6 +132,15 @@ def _read_config(path: str) -> dict:
             raise LoRAError(f"LoRA adapter {path}: {key} is not supported by kvtier "
                             f"(got {config[key]!r})")
     return config
+
+
+def _is_positive_finite(value: object) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value) and value > 0
+    except OverflowError:  # an int past float's range: it could not scale a weight
+        return False
 
 
 def _read_pairs(path: str, targets: dict[str, LoRATarget],
@@ -166,9 +176,19 @@ def _read_pairs(path: str, targets: dict[str, LoRATarget],
         raise LoRAError(f"LoRA adapter {path}: corrupt or truncated {ADAPTER_WEIGHTS} "
                         f"({exc})") from exc
     for module, (lora_a, lora_b) in pairs.items():
-        if not lora_a.is_floating_point() or not lora_b.is_floating_point():
-            raise LoRAError(f"LoRA adapter {path}: {module!r} weights must be floating point")
+        _check_values(path, module, lora_a, lora_b)
     return pairs
+
+
+def _check_values(path: str, module: str, lora_a: torch.Tensor, lora_b: torch.Tensor) -> None:
+    if not lora_a.is_floating_point() or not lora_b.is_floating_point():
+        raise LoRAError(f"LoRA adapter {path}: {module!r} weights must be floating point")
+    # Once per load: a NaN or inf here would turn the logits of every request using the
+    # adapter to NaN, each of which would then fail only at sampling.
+    for name, tensor in (("lora_A", lora_a), ("lora_B", lora_b)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise LoRAError(f"LoRA adapter {path}: {module!r} {name} holds NaN or infinite "
+                            "values (a diverged training run or a corrupt file?)")
 
 
 def _split_name(path: str, name: str) -> tuple[str, int]:

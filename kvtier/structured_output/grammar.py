@@ -33,7 +33,13 @@ _REGEX_META = frozenset("\\.+*?()|[]{}^$#&-~")
 
 
 class GrammarError(ValueError):
-    """A structured outputs constraint that does not compile (the message says why)."""
+    """A structured outputs constraint that does not compile. The message names the
+    SamplingParams field; `problem` says what is wrong without naming one, for an API whose
+    client gave the constraint in a field of its own (OpenAI's response_format)."""
+
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"SamplingParams.{field} {problem}")
+        self.problem = problem
 
 
 class StructuredOutputGrammar:
@@ -116,22 +122,22 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
         """GrammarError naming the field if the constraint is invalid."""
-        where = f"SamplingParams.structured_outputs.{params.kind}"
+        where = f"structured_outputs.{params.kind}"
         try:
             grammar = _llguidance_grammar(params)
         except RecursionError:
-            raise GrammarError(f"{where} is invalid: nested too deeply") from None
+            raise GrammarError(where, "is invalid: nested too deeply") from None
         except ValueError as exc:
-            raise GrammarError(f"{where} is invalid: {exc}") from None
+            raise GrammarError(where, f"is invalid: {exc}") from None
         matcher = llguidance.LLMatcher(self._llguidance_tokenizer(), grammar, log_level=0)
         if matcher.is_error():
-            raise GrammarError(f"{where} is invalid: {matcher.get_error().strip()}")
+            raise GrammarError(where, f"is invalid: {matcher.get_error().strip()}")
         # The grammar's first mask builds its lexer states (~0.2 s for a schema of 10,000
         # properties): here, off the engine thread, whose first mask then takes under 1 ms.
         # Computing a mask leaves the matcher where it is.
         matcher.compute_bitmask()
         if matcher.is_error():  # some grammars fail only at their first mask
-            raise GrammarError(f"{where} is invalid: {matcher.get_error().strip()}")
+            raise GrammarError(where, f"is invalid: {matcher.get_error().strip()}")
         return StructuredOutputGrammar(matcher)
 
     def _llguidance_tokenizer(self) -> llguidance.LLTokenizer:
@@ -139,11 +145,11 @@ class GrammarCompiler:
         with self._lock:
             if self._ll_tokenizer is None:
                 if self._tokenizer is None:
-                    raise GrammarError("SamplingParams.structured_outputs needs the model's "
-                                       "tokenizer; this model has none")
+                    raise GrammarError("structured_outputs", "needs the model's tokenizer; "
+                                       "this model has none")
                 if not self._eos_token_ids:
-                    raise GrammarError("SamplingParams.structured_outputs needs an EOS token "
-                                       "to end the output; this model names none")
+                    raise GrammarError("structured_outputs", "needs an EOS token to end the "
+                                       "output; this model names none")
                 self._ll_tokenizer = llguidance.LLTokenizer(
                     self._tokenizer.backend.to_str(), n_vocab=self._vocab_size,
                     eos_token=self._eos_token_ids)

@@ -111,10 +111,8 @@ class Sampler:
         logits = _ban_bad_words(_keep_allowed_tokens(logits, rows), rows)
         logits = _mask_early_stops(logits, rows)
         logits = _apply_penalties(_apply_logit_bias(logits, rows), rows)
-        if not bool(torch.isfinite(logits).any(dim=-1).all()):
-            # Before any draw: the rows apart then draw what they would have drawn here.
-            raise ValueError("no token is allowed: the structured output grammar, "
-                             "allowed_token_ids, bad_words and min_tokens ruled out every one")
+        # Before any draw: the rows apart then draw what they would have drawn here.
+        _check_drawable(logits)
         is_greedy = [r.params.is_greedy for r in rows]
         if all(is_greedy):
             token_ids = logits.argmax(dim=-1)
@@ -196,6 +194,24 @@ def inverse_cdf_sample(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor
                                                             torch.zeros_like(point)))
     offset = torch.searchsorted(inner_cdf, inside, right=True)
     return (block * _CDF_BLOCK + offset).squeeze(1).clamp_(max=vocab - 1)
+
+
+def _check_drawable(logits: torch.Tensor) -> None:
+    """ValueError naming the cause if a row has nothing to draw from. The processing only
+    ever writes -inf (a ruled-out token) and keeps the rest finite, so a NaN or +inf comes
+    from the model itself; a row of -inf alone had every token ruled out."""
+    # One pass over the logits: a row's max is NaN if it holds a NaN, +inf if it holds one,
+    # -inf if every token was ruled out. One read back (a device sync) for both checks.
+    peaks = logits.amax(dim=-1)
+    model_broken, all_ruled_out = torch.stack([
+        (peaks.isnan() | (peaks == float("inf"))).any(),
+        (peaks == float("-inf")).any()]).tolist()
+    if model_broken:
+        raise ValueError("the model produced NaN or infinite logits (a LoRA adapter or model "
+                         "weights with NaN / inf values, or an overflow in its dtype?)")
+    if all_ruled_out:
+        raise ValueError("no token is allowed: the structured output grammar, "
+                         "allowed_token_ids, bad_words and min_tokens ruled out every one")
 
 
 def _keep_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

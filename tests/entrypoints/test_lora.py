@@ -4,12 +4,15 @@ and chat, token for token against PEFT), /v1/models, and loading / unloading at 
 from __future__ import annotations
 
 import json
+import math
+import shutil
 import time
 
 import httpx
 import openai
 import pytest
 import zmq
+from safetensors.torch import load_file, save_file
 
 from kvtier.events import BlockStored, decode_batch
 from kvtier.models.tokenizer import Tokenizer
@@ -121,6 +124,27 @@ def test_load_and_unload_at_run_time(server, client, tiny_model, adapters):
     gone = httpx.post(f"{server.url}/v1/unload_lora_adapter", json={"lora_name": "late"},
                       timeout=30)
     assert gone.status_code == 404
+
+
+def test_an_adapter_with_nan_values_is_refused_at_load(server, client, adapters, tmp_path):
+    """Such adapters once loaded, then every request using one failed as a 500 that blamed
+    the grammar, allowed_token_ids, bad_words and min_tokens."""
+    alpha = tmp_path / "nan_alpha"
+    shutil.copytree(adapters["late"][0], alpha)
+    config = json.loads((alpha / "adapter_config.json").read_text())
+    (alpha / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": math.nan}))
+    weights = tmp_path / "nan_weights"
+    shutil.copytree(adapters["late"][0], weights)
+    tensors = load_file(weights / "adapter_model.safetensors")
+    next(t for name, t in sorted(tensors.items()) if "lora_A" in name)[0, 0] = math.nan
+    save_file(tensors, weights / "adapter_model.safetensors")
+    for name, path, problem in (("nan_alpha", alpha, "lora_alpha must be a positive finite"),
+                                ("nan_weights", weights, "lora_A holds NaN or infinite")):
+        load = httpx.post(f"{server.url}/v1/load_lora_adapter",
+                          json={"lora_name": name, "lora_path": str(path)}, timeout=30)
+        assert load.status_code == 400 and problem in load.json()["error"]["message"], \
+            load.text
+        assert name not in [c.id for c in client.models.list().data]
 
 
 def test_bad_lora_options_fail_at_start(tiny_model, tmp_path):

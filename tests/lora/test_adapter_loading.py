@@ -58,8 +58,14 @@ def _set(key, value):
     (_set("bias", "all"), ("bias 'all' is not supported",)),
     (_set("modules_to_save", ["lm_head"]), ("modules_to_save",)),
     (_set("peft_type", "IA3"), ('"peft_type": "LORA"',)),
-    (_set("lora_alpha", 0), ("lora_alpha must be a positive number",)),
-], ids=["dora", "bias", "modules_to_save", "peft_type", "lora_alpha"])
+    (_set("lora_alpha", 0), ("lora_alpha must be a positive finite number",)),
+    # Python's json reads these (NaN, Infinity, an int past float's range) without a word.
+    (_set("lora_alpha", float("nan")), ("lora_alpha must be a positive finite number",
+                                         "got nan")),
+    (_set("lora_alpha", float("inf")), ("lora_alpha must be a positive finite number",)),
+    (_set("lora_alpha", 10 ** 400), ("lora_alpha must be a positive finite number",)),
+], ids=["dora", "bias", "modules_to_save", "peft_type", "lora_alpha", "nan_alpha",
+        "inf_alpha", "huge_alpha"])
 def test_unsupported_config_options_are_refused(setup, tmp_path, edit, fragments):
     root, llm = setup
     _refused(llm, _copy(root, tmp_path, edit_config=edit), *fragments)
@@ -84,6 +90,19 @@ def test_tensor_problems_are_refused(setup, tmp_path):
         del tensors[a_name.replace("lora_A", "lora_B")]
 
     _refused(llm, _copy(root, tmp_path / "3", edit_tensors=lone_a), "only one of lora_A")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_weights_are_refused_at_load(setup, tmp_path, value):
+    """Such an adapter once loaded, then failed every request using it at sampling."""
+    root, llm = setup
+    b_name = "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"
+
+    def poison(tensors):
+        tensors[b_name][0, 0] = value
+
+    _refused(llm, _copy(root, tmp_path, edit_tensors=poison),
+             "'model.layers.1.mlp.down_proj' lora_B holds NaN or infinite values")
 
 
 def test_rank_above_max_lora_rank_is_refused(setup, tmp_path):

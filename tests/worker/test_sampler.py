@@ -272,3 +272,29 @@ def test_bad_words_ban_the_token_that_would_complete_them():
     assert Sampler(CPU, 0).sample(logits, rows).token_ids == [2, 2, 2]
     logits[:, 2] = -1.0  # now 3 leads, unless it completes "2 3"
     assert Sampler(CPU, 0).sample(logits, rows).token_ids == [0, 3, 3]
+
+
+@pytest.mark.parametrize("broken", [float("nan"), float("inf")])
+def test_non_finite_model_logits_fail_their_row_alone_naming_the_model(broken):
+    """NaN logits (e.g. from an adapter with NaN weights) once failed as "no token is
+    allowed", blaming the grammar, allowed_token_ids, bad_words and min_tokens."""
+    logits = torch.tensor([[0.1, 2.0, -1.0], [0.1, 2.0, -1.0], [3.0, 0.0, 1.0]])
+    logits[1] = broken
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=1),
+              SamplingParams(temperature=0.0)]
+    out = Sampler(CPU, 0).sample(logits, [row(p) for p in params])
+    assert out.token_ids[0] == 1 and out.token_ids[1] is None and out.token_ids[2] == 0
+    assert list(out.errors) == [1]
+    assert "the model produced NaN or infinite logits" in out.errors[1]
+    assert "no token is allowed" not in out.errors[1]
+
+
+def test_every_token_ruled_out_still_names_the_request_fields():
+    logits = torch.tensor([[0.1, float("nan"), 1.0], [0.1, 2.0, 1.0]])
+    rows = [row(SamplingParams(temperature=0.0, allowed_token_ids=[0])),
+            row(SamplingParams(temperature=0.0, allowed_token_ids=[1], min_tokens=1),
+                stop_ids=(1,))]
+    out = Sampler(CPU, 0).sample(logits, rows)
+    # Row 0's NaN is on a token it rules out: nothing is broken for it.
+    assert out.token_ids == [0, None]
+    assert "no token is allowed" in out.errors[1]

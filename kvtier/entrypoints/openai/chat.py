@@ -53,6 +53,7 @@ from kvtier.entrypoints.openai.streaming import (
     sse_error,
     usage_info,
 )
+from kvtier.entrypoints.openai.structured import check_min_tokens, constraint_field
 from kvtier.entrypoints.openai.tools import (
     ParsedAnswer,
     ToolChoice,
@@ -77,6 +78,9 @@ class ChatPlan:
     # With a reasoning parser: whether the prompt already ended the thinking.
     closed: bool
     options: dict[str, Any]
+    # The request field its structured output constraint came from, for the 400 if the engine
+    # cannot compile it (see open_or_none).
+    constraint_param: str
 
 
 async def plan_chat(ctx: ServerContext, body: ChatCompletionRequest,
@@ -88,7 +92,9 @@ async def plan_chat(ctx: ServerContext, body: ChatCompletionRequest,
     ctx.check_model(body.model)
     check_token_ids(body, ctx.vocab_size)
     tools = tool_choice(body, ctx.tool_call_parser)
-    params = chat_sampling_params(body, ctx.sampling_defaults, tool_constraint(body, tools))
+    calls_constraint = tool_constraint(body, tools)
+    params = chat_sampling_params(body, ctx.sampling_defaults, calls_constraint)
+    given_in = "tools" if calls_constraint is not None else constraint_field(body)
     prompt = await ctx.prepare(message_chars(body.messages, body.tools), chat_prompt, ctx, body)
     prompt = truncate(ctx, prompt, body, params.max_tokens)
     if max_tokens_param is None:
@@ -97,8 +103,11 @@ async def plan_chat(ctx: ServerContext, body: ChatCompletionRequest,
     check_context(ctx, prompt, params.max_tokens, prompt_param, max_tokens_param)
     closed = ctx.thinking_token_ids is not None and thinking_closed(prompt.token_ids,
                                                                     *ctx.thinking_token_ids)
-    options = {**engine_options(ctx, body), **await _answer_grammar(ctx, params, closed)}
-    return ChatPlan(prompt, params, tools, closed, options)
+    if ctx.thinking_token_ids is None or closed:  # else the thinking counts to min_tokens
+        check_min_tokens(params)
+    options = {**engine_options(ctx, body),
+               **await _answer_grammar(ctx, params, closed, given_in)}
+    return ChatPlan(prompt, params, tools, closed, options, given_in)
 
 
 @router.post("/v1/chat/completions")
@@ -109,7 +118,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     request_id = base_request_id(raw)
     response_id = f"chatcmpl-{request_id}"
     generations = await open_or_none(raw, ctx, [plan.prompt], plan.params, [response_id],
-                                     plan.options)
+                                     plan.options, constraint_param=plan.constraint_param)
     if generations is None:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
@@ -127,8 +136,8 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     return JSONResponse(response.model_dump(), headers=headers)
 
 
-async def _answer_grammar(ctx: ServerContext, params: SamplingParams,
-                          closed: bool) -> dict[str, Any]:
+async def _answer_grammar(ctx: ServerContext, params: SamplingParams, closed: bool,
+                          constraint_param: str) -> dict[str, Any]:
     """With a reasoning parser, a structured output constraint holds the answer only: its
     grammar, compiled here, starts after the thinking ends (engine option `grammar`)."""
     if params.structured_outputs is None or ctx.thinking_token_ids is None or closed:
@@ -136,7 +145,7 @@ async def _answer_grammar(ctx: ServerContext, params: SamplingParams,
     try:
         grammar = await ctx.async_llm.compile_grammar(params)
     except Exception as exc:  # a bad constraint (400), a dead or busy engine (503)
-        raise to_api_error(exc) from exc
+        raise to_api_error(exc, constraint_param) from exc
     grammar.starts_after = ctx.thinking_token_ids[1]
     return {"grammar": grammar}
 

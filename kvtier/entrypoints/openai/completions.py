@@ -44,6 +44,7 @@ from kvtier.entrypoints.openai.streaming import (
     sse_error,
     usage_info,
 )
+from kvtier.entrypoints.openai.structured import check_min_tokens, constraint_field
 
 router = APIRouter()
 
@@ -56,6 +57,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     check_token_ids(body, ctx.vocab_size)
     prompts = await ctx.prepare(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
     params = completion_sampling_params(body, len(prompts), ctx.sampling_defaults)
+    check_min_tokens(params)
     prompts = [truncate(ctx, prompt, body, params.max_tokens) for prompt in prompts]
     if body.echo:  # each choice (and chunk) shows the prompt's text: decode token ids once
         prompts = [_with_text(ctx, prompt) for prompt in prompts]
@@ -68,7 +70,8 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     request_ids = [response_id] if len(prompts) == 1 else \
         [f"{response_id}-{i}" for i in range(len(prompts))]
     generations = await open_or_none(raw, ctx, prompts, params, request_ids,
-                                     engine_options(ctx, body))
+                                     engine_options(ctx, body),
+                                     constraint_param=constraint_field(body))
     if generations is None:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it

@@ -30,17 +30,23 @@ from kvtier.entrypoints.openai.errors import (
 )
 from kvtier.entrypoints.openai.prompts import Prompt
 from kvtier.entrypoints.openai.protocol import SamplingFields
+from kvtier.entrypoints.openai.structured import grammar_error
 from kvtier.lora import LoRAError, LoRANotLoadedError
 from kvtier.sampling_params import SamplingParams
 from kvtier.sched.errors import SchedulerQueueFullError
+from kvtier.structured_output import GrammarError
 
 Outputs = AsyncIterator[RequestOutput]
 
 
-def to_api_error(exc: BaseException) -> APIError:
-    """The client-facing form of whatever adding or running a request raised."""
+def to_api_error(exc: BaseException,
+                 constraint_param: str = "structured_outputs") -> APIError:
+    """The client-facing form of whatever adding or running a request raised;
+    `constraint_param`: the request field its structured output constraint came from."""
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, GrammarError):
+        return grammar_error(exc, constraint_param)
     if isinstance(exc, (SchedulerQueueFullError, EngineQueueFullError)):
         return ServiceUnavailableError(f"the server is at capacity ({exc}); retry later",
                                        code="queue_full")
@@ -83,11 +89,13 @@ def engine_options(ctx: ServerContext, body: SamplingFields) -> dict[str, Any]:
 
 async def open_or_none(raw: Request, ctx: ServerContext, prompts: list[Prompt],
                        params: SamplingParams, request_ids: list[str],
-                       options: dict[str, Any]) -> list[Outputs] | None:
+                       options: dict[str, Any], *,
+                       constraint_param: str = "structured_outputs") -> list[Outputs] | None:
     """open_generations, or None (its requests aborted) if the client leaves first: a request
     queued behind others must not outlive its client."""
     return await cancel_on_disconnect(
-        raw, open_generations(ctx, prompts, params, request_ids, options))
+        raw, open_generations(ctx, prompts, params, request_ids, options,
+                              constraint_param=constraint_param))
 
 
 def engine_request_id(request_id: str) -> str:
@@ -97,9 +105,11 @@ def engine_request_id(request_id: str) -> str:
 
 
 async def open_generations(ctx: ServerContext, prompts: list[Prompt], params: SamplingParams,
-                           request_ids: list[str], options: dict[str, Any]) -> list[Outputs]:
+                           request_ids: list[str], options: dict[str, Any], *,
+                           constraint_param: str = "structured_outputs") -> list[Outputs]:
     """One started generation per prompt (request_ids: the ids responses carry); if any is
-    refused, the others are aborted."""
+    refused, the others are aborted. `constraint_param`: the request field a structured
+    output constraint that does not compile is named by in the 400."""
     results = await asyncio.gather(
         *(_open_one(ctx, p, params, rid, options) for p, rid in zip(prompts, request_ids)),
         return_exceptions=True)
@@ -113,7 +123,7 @@ async def open_generations(ctx: ServerContext, prompts: list[Prompt], params: Sa
     for result in results:
         if not isinstance(result, BaseException):
             await result.aclose()
-    raise to_api_error(failure) from failure
+    raise to_api_error(failure, constraint_param) from failure
 
 
 async def _open_one(ctx: ServerContext, prompt: Prompt, params: SamplingParams,
