@@ -257,3 +257,10 @@ def test_an_output_format_holds_the_text_to_the_schema(server):
                    output_config={"format": {"type": "json_schema", "schema": schema},
                                   "effort": "low"})
     assert isinstance(json.loads(text_of(body))["ok"], bool)
+
+
+def test_an_output_format_that_does_not_compile_is_a_400_naming_it(server):
+    error = message(server, 400, messages=[{"role": "user", "content": "JSON"}],
+                    output_config={"format": {"type": "json_schema",
+                                              "schema": {"type": "nonsense"}}})
+    assert error["error"]["message"].startswith("output_config.format: ")

@@ -272,6 +272,8 @@ def nested(depth: int) -> list:
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include"),
     ({"input": "x", "text": {"format": {"type": "yaml"}}}, "text.format"),
+    ({"input": "x", "text": {"format": {"type": "json_schema", "name": "r",
+                                        "schema": {"type": "nonsense"}}}}, "text.format"),
     ({"input": "x", "max_output_tokens": 100000}, "max_output_tokens"),
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "truncation": "sometimes"}, "truncation"),

@@ -46,8 +46,12 @@ async def create_message(body: MessagesRequest, raw: Request) -> Response:
     ctx.metrics.observe_params(plan.params.n, plan.params.max_tokens)
     shell = MessageObject(model=ctx.response_model(body.model),
                           usage=usage(ctx, len(plan.prompt.token_ids), 0, 0))
-    generations = await open_or_none(raw, ctx, [plan.prompt], plan.params, [shell.id],
-                                     plan.options)
+    try:
+        generations = await open_or_none(raw, ctx, [plan.prompt], plan.params, [shell.id],
+                                         plan.options, constraint_param=plan.constraint_param)
+    except APIError as exc:  # a constraint that does not compile names a chat field
+        exc.param = messages_param(exc.param)
+        raise
     if generations is None:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: base_request_id(raw)}

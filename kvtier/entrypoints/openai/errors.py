@@ -85,11 +85,16 @@ def speaks_anthropic(path: str) -> bool:
 
 
 def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """Anthropic's bodies have no `param`: the message leads with the field, as Anthropic's
+    own do ("max_tokens: Field required"), unless it names it already."""
+    message = error.message
+    if error.param is not None and error.param not in message:
+        message = f"{error.param}: {message}"
     return {"type": "error", "error": {
         "type": _ANTHROPIC_TYPES.get(error.status_code,
                                      "invalid_request_error" if error.status_code < 500
                                      else "api_error"),
-        "message": error.message}}
+        "message": message}}
 
 
 def param_from_location(location: tuple) -> str | None:

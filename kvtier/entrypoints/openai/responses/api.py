@@ -65,8 +65,12 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     ctx.metrics.observe_params(plan.params.n, plan.params.max_tokens)
     response_id = new_id("resp")
     shell = _shell(ctx, body, response_id)
-    generations = await open_or_none(raw, ctx, [plan.prompt], plan.params, [response_id],
-                                     plan.options)
+    try:
+        generations = await open_or_none(raw, ctx, [plan.prompt], plan.params, [response_id],
+                                         plan.options, constraint_param=plan.constraint_param)
+    except APIError as exc:  # a constraint that does not compile names a chat field
+        exc.param = responses_param(exc.param)
+        raise
     if generations is None:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: base_request_id(raw)}
