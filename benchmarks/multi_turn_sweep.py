@@ -93,7 +93,8 @@ class SweepConfig:
     out_json: Path
     out_plot: Path
     log_dir: Path
-    # The request shape ("chat", "completions" or "responses": previous_response_id turns).
+    # The request shape ("chat", "completions", "responses": previous_response_id turns, or
+    # "messages": Anthropic's Messages API).
     api: str = "chat"
 
     def __post_init__(self) -> None:
@@ -323,9 +324,11 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p.add_argument("--start-interval", type=float, default=0.5,
                    help="seconds between the first turns of consecutive conversations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--api", choices=("chat", "completions", "responses"), default="chat",
+    p.add_argument("--api", choices=("chat", "completions", "responses", "messages"),
+                   default="chat",
                    help="request shape; responses sends each later turn's new messages with "
-                        "the previous_response_id (vLLM runs with its responses store on)")
+                        "the previous_response_id (vLLM runs with its responses store on); "
+                        "messages is Anthropic's Messages API")
     p.add_argument("--device-kv-bytes", type=int, default=384 << 20,
                    help="device KV budget of every configuration but the -full ones (SmolLM2 "
                         "bf16: 23,040 B/token)")
