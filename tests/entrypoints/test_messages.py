@@ -208,6 +208,7 @@ def test_count_tokens_counts_the_prompt_the_message_would_have(server, client):
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
     ({"thinking": {"type": "maybe"}}, "thinking.type"),
+    ({"thinking": {"type": "enabled"}, "chat_template_kwargs": "x"}, "chat_template_kwargs"),
     ({"max_tokens": 100000}, "max_tokens"),
     ({"stop_sequences": "x"}, "stop_sequences"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}, "mcp_servers"),

@@ -65,10 +65,9 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         "parallel_tool_calls": False if (body.tool_choice or {}).get(
             "disable_parallel_tool_use") is True else None}
     fields.update({name: extra[name] for name in _PASSED_ON if name in extra})
-    thinking = _thinking(body.thinking)
-    if thinking is not None:
-        fields["chat_template_kwargs"] = {"enable_thinking": thinking,
-                                          **(fields.get("chat_template_kwargs") or {})}
+    thinking, given = _thinking(body.thinking), fields.get("chat_template_kwargs")
+    if thinking is not None and (given is None or isinstance(given, dict)):  # else a 400
+        fields["chat_template_kwargs"] = {"enable_thinking": thinking, **(given or {})}
     if isinstance(body, MessagesRequest):
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
