@@ -11,7 +11,8 @@ An optional ROUTER replay socket answers a request [start seq (8-byte big-endian
 seq, payload] message per buffered batch from that seq on, then [b"", END_SEQ, b""] (vLLM 0.32's
 framing). A subscriber that sees a gap in the sequence numbers asks it for the missing batches; if
 the first seq replayed is past the one it asked for, the buffer no longer holds them and it must
-resync.
+resync. A batch that is lost here (dropped because the queue was full, or that cannot be encoded)
+still takes its seq, so that subscribers see the gap, find it missing from the replay, and resync.
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ _ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 _BIND_DEADLINE_S = 10.0
 _POLL_INTERVAL_S = 0.05
 _CLOSE_LINGER_MS = 500
+# At most one warning about lost batches this often (per cause), with the totals so far.
+_LOSS_WARNING_INTERVAL_S = 10.0
+# A replay request is [empty delimiter, 8-byte start seq]. zmq checks the frames of its own
+# handshake against the same limit (the peer's socket type and routing id, a few hundred bytes).
+_MAX_REPLAY_FRAME_BYTES = 1024
 
 
 # The config's fields by type (KVEventsConfig checks each).
@@ -175,6 +181,21 @@ def encode_events(ts: float, events: Iterable[Any], data_parallel_rank: int = 0,
                                    data_parallel_rank))
 
 
+class _Throttle:
+    """Says when to log again: at most once per `interval_s`."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval_s = interval_s
+        self._next = 0.0
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return False
+        self._next = now + self._interval_s
+        return True
+
+
 class EventPublisher:
     """Takes event lists from the engine thread; the base class drops them (publisher "null")."""
 
@@ -195,10 +216,17 @@ class ZmqEventPublisher(EventPublisher):
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
         self.config = config
         self.data_parallel_rank = data_parallel_rank
+        # Batches dropped because the queue was full (written by the engine thread only), and
+        # those of them not yet numbered: the next batch queued carries that count.
         self.num_dropped = 0
+        self._num_dropped_unnumbered = 0
+        self._drop_warnings = _Throttle(_LOSS_WARNING_INTERVAL_S)
         # Batches with an event that cannot be encoded (written by the publisher thread only).
         self.num_encode_errors = 0
-        self._queue: queue.Queue[tuple[float, list[Any]]] = queue.Queue(config.max_queue_size)
+        self._encode_error_warnings = _Throttle(_LOSS_WARNING_INTERVAL_S)
+        # (time, events, batches dropped just before this one)
+        self._queue: queue.Queue[tuple[float, list[Any], int]] = queue.Queue(
+            config.max_queue_size)
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._bind_error: BaseException | None = None
@@ -218,9 +246,19 @@ class ZmqEventPublisher(EventPublisher):
         if not events:
             return
         try:
-            self._queue.put_nowait((time.time(), events))
+            self._queue.put_nowait((time.time(), events, self._num_dropped_unnumbered))
         except queue.Full:
-            self.num_dropped += 1
+            self._drop()
+            return
+        self._num_dropped_unnumbered = 0
+
+    def _drop(self) -> None:
+        self.num_dropped += 1
+        self._num_dropped_unnumbered += 1
+        if self._drop_warnings.ready():
+            logger.warning("KV event publisher dropped a batch (%d so far): its queue of %d "
+                           "batches is full (the publisher thread falls behind); subscribers "
+                           "see the gap and resync", self.num_dropped, self.config.max_queue_size)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
@@ -236,6 +274,7 @@ class ZmqEventPublisher(EventPublisher):
             pub.setsockopt(zmq.SNDHWM, self.config.hwm)
             pub.bind(self.config.endpoint)
             if replay is not None:
+                self._configure_replay(replay)
                 replay.bind(self.config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._bind_error = exc
@@ -248,37 +287,76 @@ class ZmqEventPublisher(EventPublisher):
         finally:
             _close(pub, replay)
 
+    def _configure_replay(self, replay: zmq.Socket) -> None:
+        # zmq disconnects a client that announces a larger frame, before allocating it.
+        replay.setsockopt(zmq.MAXMSGSIZE, _MAX_REPLAY_FRAME_BYTES)
+        # One whole answer (every buffered batch and the END) fits in a client's queue, so it
+        # is never cut short by a client that reads slower than we write. A client that asks
+        # again before reading the last answer finds its queue full: that answer stops before
+        # its END (EAGAIN instead of zmq's silent drop), which the client sees. The queue holds
+        # at most one answer, a copy of the buffer, per client.
+        replay.setsockopt(zmq.SNDHWM, min(self.config.buffer_steps + 1, _MAX_COUNT))
+        replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
+
     def _serve(self, pub: zmq.Socket, replay: zmq.Socket | None) -> None:
+        """Alternate one replay answer with the live batches queued meanwhile, so that
+        clients that keep asking cannot hold up the live stream (nor the stop)."""
         topic = self.config.topic.encode()
         while not (self._stop.is_set() and self._queue.empty()):
-            if replay is not None:
-                self._answer_replays(replay, topic)
-            try:
-                ts, events = self._queue.get(timeout=_POLL_INTERVAL_S)
-            except queue.Empty:
-                continue
-            try:
-                payload = encode_events(ts, events, self.data_parallel_rank,
-                                        self.config.include_token_ids)
-            except Exception:
-                # One bad event must not end the thread: every later batch would be lost.
-                logger.exception("dropping a KV event batch that cannot be encoded")
-                self.num_encode_errors += 1
-                continue
-            seq = self._seq.to_bytes(8, "big")
-            pub.send_multipart([topic, seq, payload])
-            self._replay_buffer.append((self._seq, payload))
-            self._seq += 1
+            asking = (replay is not None and not self._stop.is_set()
+                      and self._answer_replay(replay, topic))
+            self._publish_queued(pub, topic, wait_s=0.0 if asking else _POLL_INTERVAL_S)
 
-    def _answer_replays(self, replay: zmq.Socket, topic: bytes) -> None:
-        while replay.poll(0):
-            frames = replay.recv_multipart()
-            client, start = frames[0], int.from_bytes(frames[-1], "big")
-            for seq, payload in list(self._replay_buffer):
-                if seq >= start:
-                    replay.send_multipart([client, b"", topic, seq.to_bytes(8, "big"),
-                                           payload])
-            replay.send_multipart([client, b"", b"", END_SEQ, b""])
+    def _publish_queued(self, pub: zmq.Socket, topic: bytes, wait_s: float) -> None:
+        """Publish the batches queued now, waiting up to `wait_s` for the first."""
+        try:
+            batch = self._queue.get(timeout=wait_s) if wait_s else self._queue.get_nowait()
+        except queue.Empty:
+            return
+        num_more = self._queue.qsize()  # those queued now; then it is the replays' turn
+        self._publish(pub, topic, *batch)
+        for _ in range(num_more):
+            try:
+                batch = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            self._publish(pub, topic, *batch)
+
+    def _publish(self, pub: zmq.Socket, topic: bytes, ts: float, events: list[Any],
+                 num_dropped_before: int) -> None:
+        self._seq += num_dropped_before  # their seqs: subscribers see the gap
+        try:
+            payload = encode_events(ts, events, self.data_parallel_rank,
+                                    self.config.include_token_ids)
+        except Exception:
+            # One bad event must not end the thread: every later batch would be lost. Its seq
+            # goes unsent, a gap subscribers see.
+            self.num_encode_errors += 1
+            self._seq += 1
+            if self._encode_error_warnings.ready():
+                logger.exception("dropping a KV event batch that cannot be encoded (%d so far)",
+                                 self.num_encode_errors)
+            return
+        pub.send_multipart([topic, self._seq.to_bytes(8, "big"), payload])
+        self._replay_buffer.append((self._seq, payload))
+        self._seq += 1
+
+    def _answer_replay(self, replay: zmq.Socket, topic: bytes) -> bool:
+        """Answer one replay request, if one waits; whether one did."""
+        if not replay.poll(0):
+            return False
+        frames = replay.recv_multipart()
+        if len(frames) != 3 or frames[1] or len(frames[2]) != 8:
+            return True  # not [client, b"", start seq]: nothing to answer
+        client, start = frames[0], int.from_bytes(frames[2], "big")
+        answer = [[client, b"", topic, seq.to_bytes(8, "big"), payload]
+                  for seq, payload in self._replay_buffer if seq >= start]
+        try:
+            for message in [*answer, [client, b"", b"", END_SEQ, b""]]:
+                replay.send_multipart(message, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # gone, or its queue is full (see _configure_replay): the END never comes
+        return True
 
 
 def _close(*sockets: zmq.Socket | None) -> None:

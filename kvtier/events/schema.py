@@ -20,6 +20,7 @@ The decoder also reads the older array-encoded events of vLLM (before 0.32).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -98,6 +99,12 @@ _WHEN_SET = {"BlockStored": ("group_idx", "kv_cache_spec_kind", "kv_cache_spec_s
              "AllBlocksCleared": ()}
 _TYPES = {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved,
           "AllBlocksCleared": AllBlocksCleared}
+# The wire type of each of those fields when it is not null (an int never a bool or a float).
+_FIELD_TYPES: dict[str, type] = {
+    "block_hashes": list, "parent_block_hash": int, "token_ids": list, "block_size": int,
+    "lora_id": int, "medium": str, "lora_name": str, "group_idx": int,
+    "kv_cache_spec_kind": str, "kv_cache_spec_sliding_window": int, "locality": str,
+    "ownership": str}
 
 
 def external_block_hash(block_hash: bytes | int | None) -> BlockHash64 | None:
@@ -132,30 +139,52 @@ def encode_batch(batch: EventBatch) -> bytes:
 
 def decode_batch(payload: bytes) -> EventBatch:
     """The batch in `payload`; event types this schema does not know are skipped, so a newer
-    publisher's additions do not break an older subscriber."""
+    publisher's additions do not break an older subscriber. Anything else that is not this
+    schema raises EventDecodeError, never another exception: a subscriber skips the batch and
+    goes on."""
     try:
-        ts, raw_events, *rest = msgpack.unpackb(payload, raw=False, strict_map_key=True)
-        events = [event for event in map(_decode_event, raw_events) if event is not None]
-        rank = rest[0] if rest and rest[0] is not None else 0
-        return EventBatch(float(ts), events, int(rank))
-    except (ValueError, TypeError, IndexError, KeyError, AttributeError,
-            msgpack.UnpackException) as exc:
+        return _decode_batch(msgpack.unpackb(payload, raw=False, strict_map_key=True))
+    except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise EventDecodeError(f"not a KV event batch: {exc!r}") from exc
 
 
-def _decode_event(raw: dict[str, Any] | list[Any]) -> WireEvent | None:
-    fields = raw if isinstance(raw, dict) else _array_fields(raw)
+def _decode_batch(batch: Any) -> EventBatch:
+    if not isinstance(batch, list) or len(batch) < 2:
+        raise ValueError("a batch is an array [ts, events, data_parallel_rank]")
+    ts, raw_events, *rest = batch
+    rank = rest[0] if rest and rest[0] is not None else 0
+    # type() rather than isinstance(): a bool is no number here.
+    if type(ts) not in (int, float) or not math.isfinite(ts):
+        raise ValueError(f"ts must be a finite number, got {ts!r:.80}")
+    if type(rank) is not int:
+        raise ValueError(f"data_parallel_rank must be an integer, got {rank!r:.80}")
+    if not isinstance(raw_events, list):
+        raise ValueError(f"events must be an array, got {raw_events!r:.80}")
+    events = [event for event in map(_decode_event, raw_events) if event is not None]
+    return EventBatch(float(ts), events, rank)
+
+
+def _decode_event(raw: Any) -> WireEvent | None:
+    if isinstance(raw, list) and raw:
+        fields = _array_fields(raw)
+    elif isinstance(raw, dict):
+        fields = raw
+    else:
+        raise ValueError(f"an event is a map or an array, got {raw!r:.80}")
     name = fields.get("type")
-    if name not in _TYPES:
+    if not isinstance(name, str) or name not in _TYPES:
         return None
     if name == "AllBlocksCleared":
         return AllBlocksCleared()
     known = {k: fields[k] for k in _ALWAYS[name] + _WHEN_SET[name]
              if fields.get(k) is not None}
-    if "block_hashes" in known:
-        known["block_hashes"] = _hashes(known["block_hashes"])
-    if "token_ids" in known:
-        known["token_ids"] = list(known["token_ids"])
+    for field, value in known.items():
+        if type(value) is not _FIELD_TYPES[field]:
+            raise ValueError(f"{name}.{field} must be of type {_FIELD_TYPES[field].__name__}, "
+                             f"got {value!r:.80}")
+    for field in ("block_hashes", "token_ids"):
+        if not all(type(v) is int for v in known.get(field, ())):
+            raise ValueError(f"{name}.{field} must be integers")
     if "locality" in known:
         known["locality"] = _locality(known["locality"])
     known.setdefault("medium", MEDIUM_GPU)  # unspecified: the device cache's, as vLLM's were
@@ -163,7 +192,6 @@ def _decode_event(raw: dict[str, Any] | list[Any]) -> WireEvent | None:
         known.setdefault("parent_block_hash", None)
         known.setdefault("token_ids", [])
         known.setdefault("lora_id", None)
-        known["block_size"] = int(known["block_size"])
     return _TYPES[name](**known)
 
 
@@ -175,13 +203,7 @@ def _array_fields(raw: list[Any]) -> dict[str, Any]:
     return {"type": name, **dict(zip(_ALWAYS.get(name, ()), raw[1:]))}
 
 
-def _hashes(values: list[Any]) -> list[BlockHash64]:
-    if not all(isinstance(v, int) for v in values):
-        raise ValueError("block hashes must be integers")
-    return list(values)
-
-
-def _locality(value: Any) -> Locality:
-    if not isinstance(value, str) or value.lower() not in ("local", "remote"):
+def _locality(value: str) -> Locality:
+    if value.lower() not in ("local", "remote"):
         raise ValueError(f"locality must be 'LOCAL' or 'REMOTE', got {value!r}")
     return value.lower()  # type: ignore[return-value]

@@ -3,10 +3,12 @@
 The PUB socket numbers its batches. The first batch received (the router started, or the
 instance restarted) has the replay socket send everything it still buffers from seq 0, so the
 index starts with what the instance cached before. Later, a batch whose seq skips ahead asks
-for the missing ones; if the replay buffer no longer holds them (its first batch is past the
-one asked for, or it does not answer in time), the instance's entries are dropped (resync):
-the index never keeps blocks whose removal it may have missed. A seq that goes backwards is a
-restarted publisher: its old entries are dropped too.
+for the missing ones; if the replay buffer no longer holds them all (its first batch is past the
+one asked for, or one in between is missing: a batch the publisher lost) or does not answer in
+time, the instance's entries are dropped (resync): the index never keeps blocks whose removal
+it may have missed. A seq that goes backwards is a restarted publisher: its old entries are
+dropped too. A batch that cannot be decoded is logged and skipped; nothing a publisher sends
+ends the subscription.
 """
 
 from __future__ import annotations
@@ -61,7 +63,16 @@ class EventSubscriber:
                 frames = await sub.recv_multipart()
                 if len(frames) != 3:
                     continue
-                await self.receive(int.from_bytes(frames[1], "big"), frames[2])
+                seq = int.from_bytes(frames[1], "big")
+                try:
+                    await self.receive(seq, frames[2])
+                except Exception:
+                    # A bug costs this batch and the entries built so far, never the
+                    # subscription: the index would stop following the instance for good.
+                    logger.exception("failed to apply KV event batch %d from %s; resyncing",
+                                     seq, self.endpoint)
+                    self._reset("lost")
+                    self.next_seq = seq + 1
         finally:
             sub.close(linger=0)
 
@@ -81,17 +92,16 @@ class EventSubscriber:
 
     async def _replay(self, start: int, end: int, first: bool) -> None:
         """Apply batches [start, end) from the replay socket; reset when they are not all there
-        (on the first batch, a missing start only means the buffer began later: that history is
-        simply not known)."""
+        (on the first batch, missing ones only mean that history is not known: the batches
+        after the last one missing are applied)."""
         batches = await self._fetch(start) if self.replay_endpoint else None
-        if batches is None or (not first and (not batches or batches[0][0] != start)):
-            if not first:
-                self._on_gap("lost")
-                self._reset("lost")
+        run = _run_before(batches or [], end)
+        if not first and (not run or run[0][0] != start):
+            self._on_gap("lost")
+            self._reset("lost")
             return
-        for seq, payload in batches:
-            if seq < end:
-                self._decode_and_apply(payload)
+        for _, payload in run:
+            self._decode_and_apply(payload)
         if not first:
             self._on_gap("replayed")
 
@@ -106,6 +116,8 @@ class EventSubscriber:
                 if not await socket.poll(REPLAY_TIMEOUT_MS):
                     return None
                 frames = await socket.recv_multipart()
+                if len(frames) < 2:
+                    return None  # not the replay framing: as good as no answer
                 if frames[-2] == END_SEQ:
                     return batches
                 batches.append((int.from_bytes(frames[-2], "big"), frames[-1]))
@@ -119,3 +131,14 @@ class EventSubscriber:
             logger.warning("skipping a KV event batch from %s: %s", self.endpoint, exc)
             return
         self._apply(batch)
+
+
+def _run_before(batches: list[tuple[int, bytes]], end: int) -> list[tuple[int, bytes]]:
+    """The batches of consecutive seqs that end just before `end`, in order (none when the one
+    just before `end` is missing)."""
+    run: list[tuple[int, bytes]] = []
+    for seq, payload in reversed([batch for batch in batches if batch[0] < end]):
+        if seq != end - 1 - len(run):
+            break
+        run.append((seq, payload))
+    return run[::-1]

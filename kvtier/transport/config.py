@@ -42,7 +42,10 @@ class TransportConfig:
     # post it: e.g. it refused the request the transfer was for), and a recv posted for it
     # later fails at once. None: an offer waits until its sender gives up.
     unclaimed_offer_timeout_s: float | None = None
-    # One of BACKENDS; both ends of a transfer must use the same.
+    # One of BACKENDS; both ends of a transfer must use the same. "mooncake" also opens two
+    # ports of Mooncake's own that listen on every interface whatever bind_host says and serve
+    # registered memory, for reading and writing, without the handshake or the secret
+    # (mooncake_engine.py): firewall them, or keep to "zmq" where the network is not trusted.
     backend: str = "zmq"
 
     def __post_init__(self) -> None:

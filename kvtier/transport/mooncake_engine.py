@@ -23,12 +23,18 @@ Only a shutdown (or a new `connect` to the same peer, which replaces the connect
 sooner. After the result Mooncake may still serve a read already under way from the source
 memory (never write it); unregistering the buffer makes Mooncake refuse any further read of it.
 
-Security: the handshake guards the control connection only. Mooncake's own ports take requests
-from anyone who reaches them, for any registered memory: keep them on a trusted network.
+Security: the handshake guards the control connection only. Mooncake listens on two ports of
+its own, its handshake port (`get_rpc_port`) and its TCP data port, and binds both to every
+interface whatever `bind_host` says (0.0.0.0 and [::]; Mooncake has no option to bind them to
+an address). Whoever reaches them, without the handshake or the secret, can learn the
+registered buffers' addresses from the handshake port and read and overwrite any registered
+memory through the data port: the caller's KV buffers and the reader's staging buffers. So the
+engine logs a warning at start: firewall those ports to the peers, or use the zmq backend.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from types import ModuleType
@@ -48,6 +54,8 @@ from kvtier.transport.mooncake_reader import Read, Reader, address_of
 from kvtier.transport.zmq_engine import ZmqTransferEngine
 from kvtier.transport.zmq_loop import IOLoop
 from kvtier.transport.zmq_state import Offer, Receiving, Sending
+
+logger = logging.getLogger(__name__)
 
 # Covers the time a receiver's done or fail takes to arrive after the sender's deadline.
 ABORT_GRACE_S = 0.5
@@ -144,6 +152,11 @@ class MooncakeTransferEngine(ZmqTransferEngine):
             raise TransportError(f"Mooncake's transfer engine did not start on "
                                  f"{config.bind_host} (see its log above)")
         self._session = f"{config.bind_host}:{self._mooncake.get_rpc_port()}"
+        logger.warning(
+            "transport: Mooncake's handshake port %d and its data port listen on all "
+            "interfaces, whatever bind_host says, and let anyone who reaches them read and "
+            "overwrite every registered buffer, without the handshake or the secret: firewall "
+            "them to the peers, or use the zmq transport", self._mooncake.get_rpc_port())
         self._addresses: dict[BufferId, int] = {}
         self._reader = Reader(self._mooncake, on_ended=self._wake_loop)
         try:

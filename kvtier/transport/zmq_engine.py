@@ -30,7 +30,14 @@ from kvtier.transport.base import (
 from kvtier.transport.config import TransportConfig
 from kvtier.transport.handshake import LocalIdentity
 from kvtier.transport.zmq_loop import IOLoop
-from kvtier.transport.zmq_state import Receiving, Sending, State, Stop, make_socket
+from kvtier.transport.zmq_state import (
+    Receiving,
+    Sending,
+    State,
+    Stop,
+    make_listener,
+    make_socket,
+)
 
 MAX_ID_CHARS = 1024
 
@@ -42,7 +49,7 @@ class ZmqTransferEngine(TransferEngine):
         self.config = config
         self._engine_id = PeerId(engine_id or uuid.uuid4().hex)
         self._ctx = zmq.Context(io_threads=1)
-        listener = self._socket(zmq.ROUTER)
+        listener = make_listener(self._ctx, config.max_frame_bytes)
         try:
             listener.bind(f"tcp://{config.bind_host}:{config.port}")
         except zmq.ZMQError as exc:

@@ -260,11 +260,12 @@ class IOLoop(SenderSide, ReceiverSide):
             self.welcomed.popitem(last=False)
 
     def _reply(self, source: bytes, frame: bytes) -> None:
-        # ROUTER drops what a gone or stuck peer cannot take; it never blocks this thread.
+        # Never blocks this thread: a peer that is gone, or that has MAX_QUEUED_REPLIES unread,
+        # loses the reply (see `make_listener`).
         try:
             self.listener.send_multipart([source, frame], flags=zmq.NOBLOCK)
         except zmq.ZMQError:
-            self.counts["late_messages"] += 1
+            self.counts["replies_dropped"] += 1
 
     def _malformed(self, source: bytes, exc: MalformedMessageError) -> None:
         self.malformed_logged.record(source, exc)

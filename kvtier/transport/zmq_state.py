@@ -28,11 +28,14 @@ logger = logging.getLogger(__name__)
 
 COUNTERS = ("sent", "send_failed", "received", "recv_failed", "bytes_sent", "bytes_received",
             "refused_namespace", "refused_secret", "refused_protocol", "malformed",
-            "late_messages", "internal_errors")
+            "late_messages", "replies_dropped", "internal_errors")
 # Connections MalformedLog remembers having logged; the least recent is forgotten beyond.
 MAX_MALFORMED_LOGGED = 1024
 # At most one malformed-message warning this often; those held back are counted in the next.
 MALFORMED_WARNING_INTERVAL_S = 10.0
+# Replies the listener queues for one connection that dialed us, a few MiB of small messages;
+# beyond it that connection's replies are dropped (see `make_listener`).
+MAX_QUEUED_REPLIES = 8192
 
 
 @dataclass
@@ -186,14 +189,30 @@ class MalformedLog:
 
 
 def make_socket(ctx: zmq.Context, kind: int, max_frame_bytes: int) -> zmq.Socket:
+    """A socket with the engine's options (the listener adds its own: `make_listener`)."""
     socket = ctx.socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
-    # No send limit: a full queue would block or drop accepts and dones. Queued frames are
+    # No send limit: a full queue would block or drop our offers and data. Queued frames are
     # headers and zero-copy views of the caller's buffers, so pending transfers bound them.
     socket.setsockopt(zmq.SNDHWM, 0)
     # zmq refuses a larger frame before allocating it and drops the peer. Per frame only: it
     # buffers a message's frames until the last, which no zmq option bounds.
     socket.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    return socket
+
+
+def make_listener(ctx: zmq.Context, max_frame_bytes: int) -> zmq.Socket:
+    """The ROUTER peers dial. It sends only replies (`IOLoop._reply`), never payload: one for
+    each handshake message, and accepts, dones and fails, a few per transfer at most."""
+    socket = make_socket(ctx, zmq.ROUTER, max_frame_bytes)
+    # A peer's I/O thread reads its replies as they come, so only one that stopped reading
+    # (or never meant to) gets near this many; the rest of its replies are dropped and
+    # counted rather than held in our memory. A dropped accept or done fails its transfer at
+    # the deadline, on both sides; it never corrupts one.
+    socket.setsockopt(zmq.SNDHWM, MAX_QUEUED_REPLIES)
+    # A full queue (or a peer that is gone) makes the send raise EAGAIN (EHOSTUNREACH) rather
+    # than drop the reply silently: `IOLoop._reply` counts it.
+    socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
     return socket
 
 

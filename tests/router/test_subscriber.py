@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import time
 
+import msgpack
+import zmq
+
 from kvtier.engine.kv_events import KVEventsConfig, ZmqEventPublisher, encode_events
 from kvtier.kv import BlockRemoved
 from kvtier.router.subscriber import EventSubscriber, instance_endpoint
@@ -112,6 +115,85 @@ def test_a_gap_the_buffer_no_longer_holds_resets_the_instance():
         publisher.shutdown()
     assert recorder.gaps == ["detected", "lost"]
     assert recorder.resets == ["lost", "restarted"] and recorder.applied == [0, 4, 9]
+
+
+def test_a_gap_the_replay_answers_with_a_batch_missing_resets_the_instance():
+    publisher = start_publisher()
+    recorder = Recorder()
+    try:
+        publisher.publish([removed(0)])
+        publisher.publish([removed(1)])
+        publisher.publish([object()])  # seq 2: it cannot be encoded, so never sent nor kept
+        publisher.publish([removed(3)])
+        wait_published(publisher, 4)
+        subscriber = recorder.subscriber(publisher)
+
+        async def receive() -> None:
+            await subscriber.receive(0, encode_events(0.0, [removed(0)]))
+            await subscriber.receive(3, encode_events(0.0, [removed(3)]))  # replays 1, not 2
+
+        asyncio.run(receive())
+    finally:
+        publisher.shutdown()
+    assert recorder.gaps == ["detected", "lost"] and recorder.resets == ["lost"]
+    assert recorder.applied == [0, 3]
+
+
+def test_history_with_a_batch_missing_is_applied_from_after_it():
+    publisher = start_publisher()
+    recorder = Recorder()
+    try:
+        publisher.publish([removed(0)])
+        publisher.publish([object()])  # seq 1: lost
+        publisher.publish([removed(2)])
+        wait_published(publisher, 3)
+        subscriber = recorder.subscriber(publisher)
+        asyncio.run(subscriber.receive(3, encode_events(0.0, [removed(3)])))
+    finally:
+        publisher.shutdown()
+    # Batch 0 may hold blocks that the lost batch 1 removed: it is not applied.
+    assert recorder.applied == [2, 3] and recorder.resets == [] and recorder.gaps == []
+
+
+def test_batches_that_cannot_be_decoded_are_skipped_and_the_subscription_goes_on():
+    recorder = Recorder()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.XPUB)  # says when the subscription arrived
+    pub.setsockopt(zmq.LINGER, 0)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub.bind(endpoint)
+    undecodable = [[0.0, [], float("inf")],  # a rank that int() cannot take
+                   [0.0, [{"type": "BlockStored", "block_hashes": [1], "block_size":
+                           float("inf"), "medium": "GPU"}], 0],
+                   [float("nan"), [], 0]]
+    payloads = [encode_events(0.0, [removed(0)]), *map(msgpack.packb, undecodable),
+                encode_events(0.0, [removed(4)])]
+    subscriber = EventSubscriber(endpoint, None, "", apply=lambda b: recorder.applied.extend(
+        e.block_hashes[0] for e in b.events), reset=recorder.resets.append,
+        on_gap=recorder.gaps.append)
+
+    async def follow() -> None:
+        task = asyncio.create_task(subscriber.run())
+        deadline = time.monotonic() + DEADLINE_S
+        while not pub.poll(0):  # the subscription message
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.01)
+        for seq, payload in enumerate(payloads):
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+        while len(recorder.applied) < 2 and not task.done():
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert not task.done()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    try:
+        asyncio.run(follow())
+    finally:
+        ctx.destroy(linger=0)
+    assert recorder.applied == [0, 4] and recorder.resets == [] and recorder.gaps == []
+    assert subscriber.next_seq == len(payloads)
 
 
 def test_a_wildcard_bind_address_becomes_the_instances_host():

@@ -6,6 +6,7 @@ mismatched backends."""
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import socket
 import sys
@@ -69,6 +70,35 @@ def test_a_missing_wheel_is_a_typed_error_naming_the_fix(monkeypatch):
 def test_a_wildcard_bind_host_is_refused():
     with pytest.raises(TransportError, match="wildcard"):
         make_transfer_engine(TransportConfig(NAMESPACE, bind_host="0.0.0.0", backend="mooncake"))
+
+
+def _listening_hosts(port: int) -> set[str]:
+    """The addresses a TCP socket of this machine listens on at `port` (from /proc/net)."""
+    hosts = set()
+    for name in ("tcp", "tcp6"):
+        with open(f"/proc/net/{name}") as f:
+            for line in f.read().splitlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                host, local_port = local.split(":")
+                if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
+                    hosts.add("*" if set(host) == {"0"} else host)
+    return hosts
+
+
+@needs_mooncake
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads Linux's /proc/net")
+def test_the_start_warns_that_mooncakes_ports_listen_on_every_interface(engines, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvtier.transport.mooncake_engine"):
+        engine = engines("mooncake")
+    rpc_port = engine._mooncake.get_rpc_port()
+    assert [r.getMessage() for r in caplog.records] == [
+        f"transport: Mooncake's handshake port {rpc_port} and its data port listen on all "
+        f"interfaces, whatever bind_host says, and let anyone who reaches them read and "
+        f"overwrite every registered buffer, without the handshake or the secret: firewall "
+        f"them to the peers, or use the zmq transport"]
+    # What the warning says, although bind_host is 127.0.0.1 (if a Mooncake release binds
+    # bind_host, pass it on and drop the warning).
+    assert engine.config.bind_host == "127.0.0.1" and _listening_hosts(rpc_port) == {"*"}
 
 
 @needs_mooncake

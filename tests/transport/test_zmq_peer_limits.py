@@ -16,7 +16,12 @@ from kvtier.transport.base import MalformedMessageError
 from kvtier.transport.handshake import Dialing, LocalIdentity
 from kvtier.transport.zmq_engine import ZmqTransferEngine
 from kvtier.transport.zmq_state import MalformedLog
-from tests.transport.transport_helpers import NAMESPACE, wait_until, zmtp_dealer
+from tests.transport.transport_helpers import (
+    NAMESPACE,
+    OTHER_NAMESPACE,
+    wait_until,
+    zmtp_dealer,
+)
 
 
 @pytest.fixture
@@ -117,6 +122,36 @@ def test_connections_sending_garbage_are_remembered_and_logged_within_bounds(
     assert len(engine._thread._target.__self__.malformed_logged) == 4
     assert [r.getMessage() for r in caplog.records] == [
         "transport: dropped a malformed message from a peer: header is not msgpack: "]
+
+
+def test_replies_to_a_peer_that_never_reads_are_dropped_and_counted_not_queued(engines):
+    """Each hello from another namespace is answered with a refusal; a peer that sends them
+    without reading its socket must not make the engine queue refusals without bound."""
+    engine = engines()
+    num_hellos = 100_000  # more than the kernel's socket buffers and MAX_QUEUED_REPLIES hold
+    ctx = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVTIMEO, 5000)
+        dealer.setsockopt(zmq.SNDHWM, 0)
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.setsockopt(zmq.RCVBUF, 4096)
+        dealer.connect(engine.address)
+        hello = protocol.encode("hello", v=protocol.PROTOCOL_VERSION, engine="flood",
+                                ns=OTHER_NAMESPACE.hex(), nonce=bytes(32), auth=False)
+        for _ in range(num_hellos):
+            dealer.send(hello)
+        wait_until(lambda: engine.stats()["refused_namespace"] == num_hellos, timeout_s=60)
+        num_dropped = engine.stats()["replies_dropped"]
+        assert num_dropped > 0
+        # Every refusal was either queued or counted: the queued ones, then nothing else.
+        for _ in range(num_hellos - num_dropped):
+            assert protocol.decode(dealer.recv())["code"] == protocol.REFUSED_NAMESPACE
+        dealer.send(protocol.encode("offer", id="t", sizes=[1], ttl_ms=1000))
+        assert protocol.decode(dealer.recv())["code"] == protocol.REFUSED_PROTOCOL
+    finally:
+        ctx.destroy(linger=0)
 
 
 def test_malformed_warnings_held_back_are_counted_in_the_next(monkeypatch, caplog):
