@@ -23,12 +23,12 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from kvtier.entrypoints.anthropic.stream import error_event
 from kvtier.entrypoints.openai.connection import cancel_on_disconnect
 from kvtier.entrypoints.openai.errors import (
     APIError,
     BadRequestError,
     ServiceUnavailableError,
+    anthropic_error_event,
     speaks_anthropic,
 )
 from kvtier.entrypoints.openai.streaming import sse_error
@@ -308,7 +308,8 @@ async def _relay(service: RouterService, decision: Decision, path: str, prompt: 
         yield b"\n\n" if scanner.mid_event else b""
         error = BadGatewayError(f"instance {decision.instance.url} failed mid-answer "
                                 f"({type(exc).__name__})", code="upstream_failed")
-        yield (error_event(error) if speaks_anthropic(path) else sse_error(error)).encode()
+        yield (anthropic_error_event(error) if speaks_anthropic(path)
+               else sse_error(error)).encode()
     finally:
         # Before the await: a client that left cancels this generator, and the await may
         # raise again.

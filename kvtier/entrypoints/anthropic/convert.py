@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -18,10 +18,12 @@ from kvtier.entrypoints.anthropic.protocol import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from kvtier.entrypoints.openai.context import ServerContext
-from kvtier.entrypoints.openai.errors import BadRequestError, param_from_location
+from kvtier.entrypoints.openai.errors import BadRequestError, body_path, param_from_location
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
 from kvtier.entrypoints.openai.tools import ParsedAnswer
+
+if TYPE_CHECKING:  # the router reads requests with this module, and must not import torch
+    from kvtier.entrypoints.openai.context import ServerContext
 
 Message = dict[str, Any]
 # vLLM's sampling extras a Messages request may carry; the chat request checks them.
@@ -76,7 +78,7 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = messages_param(param_from_location(tuple(first.get("loc", ()))))
+        param = messages_param(param_from_location(body_path(first, fields)))
         raise BadRequestError(f"invalid value for '{param}': {first.get('msg')}", param=param,
                               code="invalid_value") from exc
 

@@ -28,7 +28,7 @@ from kvtier.entrypoints.anthropic.protocol import (
 )
 from kvtier.entrypoints.openai.chat import ChatPlan
 from kvtier.entrypoints.openai.context import ServerContext
-from kvtier.entrypoints.openai.errors import APIError, anthropic_error_body
+from kvtier.entrypoints.openai.errors import anthropic_error_event
 from kvtier.entrypoints.openai.generation import Outputs, output_error, to_api_error
 from kvtier.entrypoints.openai.reasoning import ReasoningStream
 from kvtier.entrypoints.openai.streaming import DeltaTracker
@@ -37,10 +37,6 @@ from kvtier.entrypoints.openai.tools import ToolStream
 
 def event(kind: str, data: dict[str, Any]) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
-
-
-def error_event(error: APIError) -> str:
-    return event("error", {"error": anthropic_error_body(error)["error"]})
 
 
 async def stream_events(ctx: ServerContext, plan: ChatPlan, outputs: Outputs,
@@ -53,12 +49,12 @@ async def stream_events(ctx: ServerContext, plan: ChatPlan, outputs: Outputs,
         async for output in outputs:
             error = output_error(output)
             if error is not None:
-                yield error_event(error)
+                yield anthropic_error_event(error)
                 return
             for line in steps.lines(output):
                 yield line
     except Exception as exc:  # the stream has started: report in-band, then end it
-        yield error_event(to_api_error(exc))
+        yield anthropic_error_event(to_api_error(exc))
 
 
 class MessageEvents:

@@ -8,7 +8,9 @@ the paths of Anthropic's Messages API the same errors take Anthropic's shape, {"
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -97,6 +99,12 @@ def anthropic_error_body(error: APIError) -> dict[str, Any]:
         "message": message}}
 
 
+def anthropic_error_event(error: APIError) -> str:
+    """The error as a server-sent event of an Anthropic stream (one that has started)."""
+    body = json.dumps(anthropic_error_body(error), ensure_ascii=False)
+    return f"event: error\ndata: {body}\n\n"
+
+
 def param_from_location(location: tuple) -> str | None:
     """("body", "messages", 0, "content") -> "messages[0].content"."""
     parts = [p for p in location if p != "body"]
@@ -106,13 +114,38 @@ def param_from_location(location: tuple) -> str | None:
     return text or None
 
 
+def body_path(error: Mapping[str, Any], body: Any) -> tuple:
+    """Where in the request `body` (parsed JSON) a pydantic error is. Its location also holds
+    a label for each union branch tried ("str", "list[TextPart]", "function-after[...]"),
+    which is no key or index of the body there: what is neither is left out, but for a
+    missing field's name (the location's last entry)."""
+    location = tuple(error.get("loc", ()))
+    if location[:1] == ("body",):
+        location = location[1:]
+    node, path = body, []
+    for at, part in enumerate(location):
+        if isinstance(node, dict) and part in node or isinstance(node, list) and \
+                type(part) is int and 0 <= part < len(node):
+            node = node[part]
+            path.append(part)
+        elif error.get("type") == "missing" and at == len(location) - 1:
+            path.append(part)
+    return tuple(path)
+
+
 def validation_error(exc: RequestValidationError) -> BadRequestError:
     errors = exc.errors()
-    first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-    if first.get("type") == "json_invalid":
-        detail = first.get("ctx", {}).get("error", first.get("msg"))
+    if not errors:
+        return BadRequestError("request body must be a JSON object", code="invalid_json")
+    if errors[0].get("type") == "json_invalid":
+        detail = errors[0].get("ctx", {}).get("error", errors[0].get("msg"))
         return BadRequestError(f"malformed JSON body: {detail}", code="invalid_json")
-    param = param_from_location(tuple(first.get("loc", ())))
+    # Of a union's branches, the one that got deepest into the value is the one its sender
+    # meant (content: [{"text": 5}] is a list of parts with a bad text, not a bad string).
+    paths = [body_path(error, exc.body) for error in errors]
+    deepest = max(range(len(errors)), key=lambda i: len(paths[i]))
+    first = errors[deepest]
+    param = param_from_location(paths[deepest])
     message = first.get("msg", "invalid value")
     if param is None:  # the body itself: empty, null, or not an object
         return BadRequestError("request body must be a JSON object", code="invalid_json")
