@@ -31,6 +31,11 @@ class ChildState:
     # When its first and latest tokens arrived (time.time()), for the latency series.
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # The longest stop string's length, found once: every step of the request needs it.
+    max_stop_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.max_stop_len = max(map(len, self.params.stop), default=0)
 
 
 @dataclass
@@ -199,9 +204,8 @@ def _check_stop_strings(child: ChildState, previous_len: int) -> bool:
     params = child.params
     if not params.stop or len(child.completion.token_ids) < params.min_tokens:
         return False
-    longest = max(len(s) for s in params.stop)
     # Only a match that ends in the new text is new; it may start up to longest-1 chars earlier.
-    search_from = max(0, previous_len - longest + 1)
+    search_from = max(0, previous_len - child.max_stop_len + 1)
     found: tuple[int, str] | None = None
     for stop in params.stop:
         at = child.text.find(stop, search_from)
@@ -221,7 +225,7 @@ def _visible_text(child: ChildState) -> str:
     never taken back."""
     if child.completion.finished() or not child.params.stop:
         return child.text
-    hold = max(len(s) for s in child.params.stop) - 1
+    hold = child.max_stop_len - 1
     return child.text[:max(0, len(child.text) - hold)]
 
 

@@ -126,6 +126,9 @@ def _checked_config(args: argparse.Namespace
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     check_positive_seconds(args.shutdown_timeout, "--shutdown-timeout")
+    if args.api_key == "":
+        # Any client sending an empty key ("Authorization: Bearer ") would get in.
+        raise ValueError("--api-key must not be empty; leave it out to serve without a key")
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError("--enable-auto-tool-choice and --tool-call-parser go together: give "
                          "both (e.g. --enable-auto-tool-choice --tool-call-parser hermes) or "

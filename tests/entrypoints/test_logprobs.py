@@ -76,19 +76,22 @@ def test_echo_with_max_tokens_0_answers_the_prompt_alone(server, expected):
     assert "echo" in refused.json()["error"]["message"]
 
 
-def test_streamed_echo_logprobs_join_the_prompt_and_the_completion(server):
-    whole = completion(server, echo=True, logprobs=1, max_tokens=4).json()["choices"][0]
-    streamed = completion(server, echo=True, logprobs=1, max_tokens=4, stream=True)
+@pytest.mark.parametrize("fields", [{}, {"echo": True}, {"stop": ["m)1"]},
+                                    {"echo": True, "stop": ["m)1"]}])
+def test_streamed_logprobs_are_those_of_the_whole_response(server, fields):
+    """Offsets once followed the text as streamed, which holds back what may be a stop
+    string's beginning, or the first bytes of a character ("xyz" leads to some), and so went
+    back and forth."""
+    fields = {"prompt": "xyz", "logprobs": 1, "max_tokens": 12, "ignore_eos": True, **fields}
+    whole = completion(server, **fields).json()["choices"][0]
+    streamed = completion(server, stream=True, **fields)
     parts = [json.loads(line[6:])["choices"][0] for line in streamed.text.splitlines()
              if line.startswith("data: {")]
     assert "".join(p["text"] for p in parts) == whole["text"]
-    for key in ("tokens", "token_logprobs"):
-        assert [v for p in parts for v in p["logprobs"][key]] == whole["logprobs"][key]
-    # (offsets after the prompt follow the text as streamed, where a byte of an unfinished
-    # character waits for the rest, so they may differ from a sum of token texts)
-    offsets = [v for p in parts for v in p["logprobs"]["text_offset"]]
-    assert offsets[:len(PROMPT)] == whole["logprobs"]["text_offset"][:len(PROMPT)]
-    assert offsets == sorted(offsets)
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [v for p in parts for v in p["logprobs"][key]] == whole["logprobs"][key], key
+    offsets = whole["logprobs"]["text_offset"]
+    assert offsets == sorted(offsets) and len(offsets) == 12 + 3 * bool(fields.get("echo"))
 
 
 def test_prompt_logprobs_in_vllm_shape_on_both_endpoints(server, expected):

@@ -211,6 +211,7 @@ def test_count_tokens_counts_the_prompt_the_message_would_have(server, client):
     ({"thinking": {"type": "enabled"}, "chat_template_kwargs": "x"}, "chat_template_kwargs"),
     ({"max_tokens": 100000}, "max_tokens"),
     ({"stop_sequences": "x"}, "stop_sequences"),
+    ({"seed": "lucky"}, "seed"),
     ({"mcp_servers": [{"type": "url", "url": "http://x", "name": "m"}]}, "mcp_servers"),
 ])
 def test_bad_requests_are_anthropic_400s_naming_the_field(server, fields, named):

@@ -52,6 +52,9 @@ def test_a_null_is_a_field_left_out(server):
     (chat, {"function_call": "auto"}),
     (chat, {"modalities": ["text", "audio"]}),
     (chat, {"chat_template": "{{ messages }}"}),
+    (chat, {"echo": True}),  # vLLM's: the answer opens with the last message's text
+    (chat, {"return_tokens_as_token_ids": True, "logprobs": True}),
+    (completion, {"return_tokens_as_token_ids": True, "logprobs": 1}),
 ])
 def test_a_field_that_would_change_the_answer_is_refused_naming_it(server, send, field):
     response = send(server, **field)
@@ -63,6 +66,8 @@ def test_a_field_that_would_change_the_answer_is_refused_naming_it(server, send,
 @pytest.mark.parametrize("send, field", [
     (completion, {"use_beam_search": False}), (completion, {"bad_words": []}),
     (chat, {"tool_choice": "none"}), (chat, {"modalities": ["text"]}),
+    (chat, {"echo": False}), (completion, {"return_tokens_as_token_ids": False}),
+    (completion, {"add_special_tokens": False}), (chat, {"add_special_tokens": True}),
     (completion, {"user": "someone", "metadata": {"a": "b"}}),  # unknown: ignored
 ])
 def test_such_a_field_set_to_off_or_an_unknown_one_is_accepted(server, send, field):
@@ -71,13 +76,31 @@ def test_such_a_field_set_to_off_or_an_unknown_one_is_accepted(server, send, fie
 
 @pytest.mark.parametrize("field, param", [
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"priority": 3}, None),  # the server schedules in arrival order
+    ({"priority": 3}, "priority"),  # the server schedules in arrival order
 ])
 def test_fields_that_need_another_setting_are_refused(server, field, param):
     response = completion(server, **field)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
     assert next(iter(field)) in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("send, fields, param", [
+    # pydantic's location has the union branch it tried too: once "stop.str", "prompt.str".
+    (completion, {"stop": 5}, "stop"),
+    (completion, {"stop": ["a", 5]}, "stop[1]"),
+    (completion, {"prompt": 5}, "prompt"),
+    (chat, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (chat, {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages[0].content[0].text"),
+    (chat, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    (chat, {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": 5},
+     "tool_choice"),
+])
+def test_a_badly_typed_field_is_named_as_the_request_has_it(server, send, fields, param):
+    response = send(server, **fields)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
 
 
 def test_completion_top_logprobs_hold_the_sampled_token(server):

@@ -114,3 +114,41 @@ def test_message_chars_counts_tools_and_tool_calls_too():
         len("zextra") + PER_MESSAGE_CHARS
     # However empty, many messages render for long: each counts for a short text.
     assert message_chars([ChatMessage(role="user", content="")] * 1000) == 1000 * PER_MESSAGE_CHARS
+
+
+def test_a_text_part_without_text_is_a_400_naming_its_text(byte_tokenizer):
+    ctx = SimpleNamespace(vocab_size=byte_tokenizer.vocab_size, tokenizer=byte_tokenizer)
+    request = ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                   {"type": "text"}]}]})
+    with pytest.raises(BadRequestError) as info:
+        chat_prompt(ctx, request)
+    assert (info.value.param, info.value.code) == ("messages[0].content[1].text",
+                                                   "missing_required_parameter")
+    assert "type" not in info.value.message  # once "content part type 'text' is not supported"
+
+
+@pytest.fixture(scope="module")
+def bos_tokenizer(byte_tokenizer):
+    """The byte tokenizer, adding a BOS (<|endoftext|>, id 256) with its special tokens."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import processors
+
+    backend = Backend.from_str(byte_tokenizer.backend.to_str())
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 256)])
+    return Tokenizer(backend, bos_token="<|endoftext|>", eos_token=None,
+                     chat_template=byte_tokenizer.chat_template)
+
+
+def test_add_special_tokens_adds_the_bos_or_leaves_it_out_as_vllm(bos_tokenizer):
+    ctx = SimpleNamespace(vocab_size=bos_tokenizer.vocab_size, tokenizer=bos_tokenizer)
+    plain = bos_tokenizer.encode("ab", add_special_tokens=False)
+    assert completion_prompts(ctx, "ab")[0].token_ids == [256, *plain]
+    assert completion_prompts(ctx, "ab", add_special_tokens=False)[0].token_ids == plain
+    messages = {"messages": [{"role": "user", "content": "Hi"}]}
+    templated = chat_prompt(ctx, ChatCompletionRequest.model_validate(messages))
+    assert templated.token_ids[0] != 256  # the template writes the chat's special tokens
+    added = chat_prompt(ctx, ChatCompletionRequest.model_validate(
+        {**messages, "add_special_tokens": True}))
+    assert added.token_ids == [256, *templated.token_ids]

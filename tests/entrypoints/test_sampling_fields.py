@@ -6,7 +6,14 @@ import pytest
 
 from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import CompletionRequest
-from kvtier.entrypoints.openai.sampling import completion_sampling_params, logit_bias
+from kvtier.entrypoints.openai.sampling import (
+    MAX_BAD_WORDS,
+    MAX_BAD_WORDS_CHARS,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    completion_sampling_params,
+    logit_bias,
+)
 
 
 def request(**fields) -> CompletionRequest:
@@ -38,3 +45,34 @@ def test_out_of_range_fields_are_refused_naming_them(fields, param):
     with pytest.raises(BadRequestError) as info:
         completion_sampling_params(request(**fields), 1)
     assert info.value.param == param
+
+
+@pytest.mark.parametrize("fields, param, message", [
+    # Each is looked for, or tried, every engine step: 200k of them slowed every request.
+    ({"stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop",
+     f"stop holds {MAX_STOP_STRINGS + 1} stop strings; send at most {MAX_STOP_STRINGS}"),
+    ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop",
+     f"stop holds {MAX_STOP_CHARS + 1} characters in all; send at most {MAX_STOP_CHARS}"),
+    ({"bad_words": ["w"] * (MAX_BAD_WORDS + 1)}, "bad_words",
+     f"bad_words holds {MAX_BAD_WORDS + 1} bad words; send at most {MAX_BAD_WORDS}"),
+    ({"bad_words": ["w" * 100] * (MAX_BAD_WORDS_CHARS // 100 + 1)}, "bad_words",
+     f"bad_words holds {(MAX_BAD_WORDS_CHARS // 100 + 1) * 100} characters in all; send at "
+     f"most {MAX_BAD_WORDS_CHARS}"),
+])
+def test_long_stop_and_bad_word_lists_are_refused_naming_them(fields, param, message):
+    with pytest.raises(BadRequestError) as info:
+        completion_sampling_params(request(**fields), 1)
+    assert (info.value.param, info.value.message) == (param, message)
+
+
+def test_lists_at_the_limits_are_taken():
+    params = completion_sampling_params(request(
+        stop=[f"{i:063d}" for i in range(MAX_STOP_STRINGS)],
+        bad_words=["w" * 32] * MAX_BAD_WORDS), 1)
+    assert (len(params.stop), len(params.bad_words)) == (MAX_STOP_STRINGS, MAX_BAD_WORDS)
+
+
+def test_allowed_token_ids_come_once_each_in_order():
+    """The sampler makes a tensor of the list: 600k repeats of a few ids made it slow."""
+    params = completion_sampling_params(request(allowed_token_ids=[5, 3, 5, 5, 9, 3]), 1)
+    assert params.allowed_token_ids == [5, 3, 9]

@@ -92,6 +92,8 @@ def test_switch_interval_nan_is_refused(capsys):
     (["--kv-events-config", '{"hwm": 1.5}'],
      "kv_events_config.hwm must be an integer in [1, 2147483647], got 1.5"),
     (["--responses-store-size", "lots"], "--responses-store-size must be a byte size such as "),
+    # Else any client sending an empty key ("Authorization: Bearer ") would get in.
+    (["--api-key", ""], "--api-key must not be empty; leave it out to serve without a key"),
 ])
 def test_bad_server_values_fail_in_one_line_before_the_model_loads(args, message, capsys):
     # No such model: had the check come after loading, the error would name the model.

@@ -298,3 +298,37 @@ def test_every_token_ruled_out_still_names_the_request_fields():
     # Row 0's NaN is on a token it rules out: nothing is broken for it.
     assert out.token_ids == [0, None]
     assert "no token is allowed" in out.errors[1]
+
+
+def test_a_requests_allowed_token_ids_become_a_tensor_once(monkeypatch):
+    """Made again every step, 49k allowed ids cost every request of the batch ~5 ms a step."""
+    allowed, made = [0, 2], []
+    real_tensor = torch.tensor
+
+    def tensor(data, *args, **kwargs):
+        if data is allowed:
+            made.append(data)
+        return real_tensor(data, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", tensor)
+    sampler = Sampler(CPU, 0)
+    logits = real_tensor([[0.1, 2.0, -1.0, 1.9]])
+    limited = row(SamplingParams(temperature=0.0, allowed_token_ids=allowed))
+    for _ in range(3):
+        assert sampler.sample(logits.repeat(2, 1), [limited, limited]).token_ids == [0, 0]
+    assert len(made) == 1
+    # Another request's list is its own, and a batch without the first forgets it.
+    other = row(SamplingParams(temperature=0.0, allowed_token_ids=[3]))
+    assert sampler.sample(logits, [other]).token_ids == [3]
+    assert sampler.sample(logits, [limited]).token_ids == [0]
+    assert len(made) == 2
+
+
+def test_a_bad_word_is_banned_only_after_all_of_its_first_tokens():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 5.0]]).repeat(3, 1)  # greedy: 3
+    rows = [row(SamplingParams(temperature=0.0), output=[1, 2]),
+            row(SamplingParams(temperature=0.0), output=[0, 2]),  # the last token alone
+            row(SamplingParams(temperature=0.0), output=[2])]  # too short for the word
+    for r in rows:
+        r.bad_words_token_ids = ((1, 2, 3),)
+    assert Sampler(CPU, 0).sample(logits, rows).token_ids == [2, 3, 3]

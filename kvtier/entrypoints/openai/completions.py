@@ -55,7 +55,8 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     check_text(body)  # first: an error message quoting a bad string could not be sent
     ctx.check_model(body.model)
     check_token_ids(body, ctx.vocab_size)
-    prompts = await ctx.prepare(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt)
+    prompts = await ctx.prepare(prompt_chars(body.prompt), completion_prompts, ctx, body.prompt,
+                                body.add_special_tokens)
     params = completion_sampling_params(body, len(prompts), ctx.sampling_defaults)
     check_min_tokens(params)
     prompts = [truncate(ctx, prompt, body, params.max_tokens) for prompt in prompts]
@@ -97,8 +98,9 @@ def _choice(ctx: ServerContext, body: CompletionRequest, prompt: Prompt, index: 
             text_offset: int, finish_reason: str | None, stop_reason: int | str | None, *,
             first: bool) -> CompletionChoice:
     """A choice of a response, or its part in one chunk of a stream: the text, tokens and
-    logprobs new in it (from `text_offset` in the generated text); `first`: the part that
-    opens the choice, where an echoed prompt goes."""
+    logprobs new in it; `text_offset`: the logprobs' offset of its first token (the lengths of
+    the tokens' texts before it, see _next_offset); `first`: the part that opens the choice,
+    where an echoed prompt goes."""
     if _prompt_only(body):
         text, token_ids, logprobs = "", [], []
         if finish_reason is not None:
@@ -111,8 +113,6 @@ def _choice(ctx: ServerContext, body: CompletionRequest, prompt: Prompt, index: 
             # As vLLM has it: the echoed prompt's tokens get their logprobs too.
             shown_logprobs = [*(final.prompt_logprobs or [None] * len(prompt.token_ids)),
                               *logprobs]
-    elif body.echo and body.logprobs is not None:
-        text_offset += len(prompt.text)
     api_logprobs = None
     if body.logprobs is not None and shown_logprobs is not None:
         api_logprobs = completion_logprobs(ctx.tokenizer, shown_ids, shown_logprobs,
@@ -153,6 +153,7 @@ def _response(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt]
 async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Prompt],
                   generations: list[Outputs], response_id: str) -> AsyncIterator[str]:
     trackers = [DeltaTracker() for _ in prompts]
+    offsets: dict[int, int] = {}  # choice index -> logprobs' text offset of its next token
     num_cached = [0] * len(prompts)
     num_prompt = sum(len(p.token_ids) for p in prompts)
     options = body.stream_options
@@ -171,7 +172,7 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Pro
                 break
             num_cached[prompt_index] = output.num_cached_tokens
             choices = _chunk_choices(ctx, body, prompts[prompt_index], prompt_index,
-                                     trackers[prompt_index], output)
+                                     trackers[prompt_index], offsets, output)
             if choices:
                 continuous = options is not None and options.continuous_usage_stats
                 yield sse(CompletionChunk(id=response_id, model=model, choices=choices,
@@ -186,15 +187,28 @@ async def _stream(ctx: ServerContext, body: CompletionRequest, prompts: list[Pro
 
 
 def _chunk_choices(ctx: ServerContext, body: CompletionRequest, prompt: Prompt,
-                   prompt_index: int, tracker: DeltaTracker,
+                   prompt_index: int, tracker: DeltaTracker, offsets: dict[int, int],
                    output: RequestOutput) -> list[CompletionChoice]:
+    """`offsets`: each choice's logprobs text offset for its next token, advanced here."""
     choices = []
     for completion in output.outputs:
         delta = tracker.advance(completion.index, completion)
         if delta is None:
             continue
-        choices.append(_choice(ctx, body, prompt, prompt_index * body.n + completion.index,
-                               output, delta.text, delta.token_ids, delta.logprobs,
-                               delta.text_start, delta.finish_reason, delta.stop_reason,
-                               first=delta.is_first))
+        index = prompt_index * body.n + completion.index
+        choice = _choice(ctx, body, prompt, index, output, delta.text, delta.token_ids,
+                         delta.logprobs, offsets.get(index, 0), delta.finish_reason,
+                         delta.stop_reason, first=delta.is_first)
+        offsets[index] = _next_offset(choice, offsets.get(index, 0))
+        choices.append(choice)
     return choices
+
+
+def _next_offset(choice: CompletionChoice, offset: int) -> int:
+    """The text offset of the token after `choice`'s logprobs. It counts the tokens' own
+    texts, as a whole response's offsets do, not the text sent: a stream holds text back (a
+    stop string's beginning, a character's first bytes) that its tokens already carry."""
+    logprobs = choice.logprobs
+    if logprobs is None or not logprobs.tokens:
+        return offset
+    return logprobs.text_offset[-1] + len(logprobs.tokens[-1])

@@ -37,6 +37,9 @@ from kvtier.sched.errors import SchedulerQueueFullError
 from kvtier.structured_output import GrammarError
 
 Outputs = AsyncIterator[RequestOutput]
+# A field named in the engine's ValueErrors: SamplingParams.<name>, or an option of
+# add_request at the start ("priority 3 needs the priority scheduling policy ...").
+_FIELD_IN_ENGINE_ERROR = re.compile(r"SamplingParams\.(\w+)|^(priority) ")
 
 
 def to_api_error(exc: BaseException,
@@ -65,10 +68,11 @@ def to_api_error(exc: BaseException,
     if isinstance(exc, LoRAError):  # the adapter its model names cannot be loaded
         return BadRequestError(str(exc), param="model", code="invalid_value")
     if isinstance(exc, ValueError):
-        # The engine's checks name the SamplingParams field, as the request names it.
-        field = re.search(r"SamplingParams\.(\w+)", str(exc))
-        return BadRequestError(str(exc), param=field.group(1) if field else None,
-                               code="invalid_value")
+        # The engine's checks name the SamplingParams field, as the request names it, or
+        # lead with the request option they refuse.
+        field = _FIELD_IN_ENGINE_ERROR.search(str(exc))
+        param = None if field is None else field.group(1) or field.group(2)
+        return BadRequestError(str(exc), param=param, code="invalid_value")
     return InternalServerError(f"internal server error: {exc!r}")
 
 

@@ -91,8 +91,10 @@ def json_chars(value: Any) -> int:
     return total
 
 
-def completion_prompts(ctx: ServerContext, prompt: Any) -> list[Prompt]:
-    """OpenAI's four prompt forms: text, texts, token ids, lists of token ids."""
+def completion_prompts(ctx: ServerContext, prompt: Any,
+                       add_special_tokens: bool = True) -> list[Prompt]:
+    """OpenAI's four prompt forms: text, texts, token ids, lists of token ids; texts with the
+    tokenizer's special tokens (a BOS) unless `add_special_tokens` is false."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all_ints(prompt):
@@ -101,13 +103,14 @@ def completion_prompts(ctx: ServerContext, prompt: Any) -> list[Prompt]:
         items = list(prompt)
     if not items:
         raise BadRequestError("prompt must not be empty", param="prompt", code="invalid_value")
-    return [_one_prompt(ctx, item, f"prompt[{i}]" if len(items) > 1 else "prompt")
-            for i, item in enumerate(items)]
+    return [_one_prompt(ctx, item, f"prompt[{i}]" if len(items) > 1 else "prompt",
+                        add_special_tokens) for i, item in enumerate(items)]
 
 
-def _one_prompt(ctx: ServerContext, item: str | list[int], param: str) -> Prompt:
+def _one_prompt(ctx: ServerContext, item: str | list[int], param: str,
+                add_special_tokens: bool) -> Prompt:
     if isinstance(item, str):
-        token_ids = _tokenize(ctx, item, param, add_special_tokens=True)
+        token_ids = _tokenize(ctx, item, param, add_special_tokens)
         prompt = Prompt(item, token_ids)
     else:
         check_in_vocabulary(ctx, item, param)
@@ -135,8 +138,9 @@ def chat_prompt(ctx: ServerContext, request: ChatCompletionRequest) -> Prompt:
         code = "unsupported_parameter" if isinstance(exc, UnsupportedContentError) \
             else "invalid_value"
         raise BadRequestError(str(exc), param=exc.param or "messages", code=code) from exc
-    # The template writes the special tokens itself.
-    token_ids = _tokenize(ctx, text, "messages", add_special_tokens=False)
+    # The template writes the special tokens itself; add_special_tokens adds the
+    # tokenizer's on top, as vLLM does.
+    token_ids = _tokenize(ctx, text, "messages", request.add_special_tokens)
     return Prompt(text, token_ids)
 
 
@@ -145,6 +149,12 @@ def _message_dict(message: Any, index: int) -> dict[str, Any]:
     when they are strings, and an assistant's tool_calls (checked: 400 for a malformed one)."""
     content = message.content
     if isinstance(content, list):
+        for j, part in enumerate(content):
+            if part.type == "text" and part.text is None:
+                # Else the template's check calls the part's type unsupported, which it is not.
+                at = f"messages[{index}].content[{j}].text"
+                raise BadRequestError(f"{at} is missing: a text part needs its text",
+                                      param=at, code="missing_required_parameter")
         content = [part.model_dump() for part in content]
     extra = {k: v for k, v in (message.model_extra or {}).items() if isinstance(v, str)}
     tool_calls = (message.model_extra or {}).get("tool_calls")

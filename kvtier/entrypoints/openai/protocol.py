@@ -100,6 +100,8 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     best_of: int | None = None
     suffix: str | None = None
+    # vLLM's: the tokenizer's own special tokens (a BOS) around a text prompt.
+    add_special_tokens: StrictBool = True
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -143,6 +145,8 @@ class ChatCompletionRequest(SamplingFields):
     # prompt after it), and extra variables for the chat template (e.g. enable_thinking).
     continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the tokenizer's special tokens added on top of those the template writes.
+    add_special_tokens: StrictBool = False
 
 
 def _when_set() -> Any:

@@ -36,11 +36,22 @@ _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency
                  "repetition_penalty")
 # logit_bias values are clamped to +-this.
 MAX_LOGIT_BIAS = 100.0
+# Every engine step looks for each stop string in a request's new text and tries each bad
+# word against its last tokens, in Python, before any request of the batch gets its token:
+# one request with 200k of them slowed every other 20-50x. These bounds (OpenAI allows 4 stop
+# strings, vLLM any number) leave room for any real use at a few microseconds a step.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_CHARS = 4096
 # Fields of OpenAI's API or of vLLM's that would change the answer and that kvtier does not
 # implement: refused when set to anything but their "off" value (other unknown fields are
 # ignored). Each name maps to the values that mean off besides null, false, [] and {}.
-_UNSUPPORTED = {name: () for name in ("use_beam_search", "logits_processors")}
-_UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "functions": (), "function_call": ("none",),
+# (vLLM's return_tokens_as_token_ids names logprob tokens "token_id:N"; chat's echo starts the
+# answer with the last message's text.)
+_UNSUPPORTED = {name: () for name in ("use_beam_search", "logits_processors",
+                                      "return_tokens_as_token_ids")}
+_UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "echo": (), "functions": (), "function_call": ("none",),
                         "audio": (), "modalities": (["text"],),
                         "documents": (), "chat_template": ()}
 
@@ -149,6 +160,21 @@ def _check_common(request: SamplingFields, num_prompts: int) -> None:
     if request.stream_options is not None and not request.stream:
         raise BadRequestError("stream_options needs stream set to true",
                               param="stream_options", code="invalid_value")
+    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
+    _check_strings(stop, "stop", "stop strings", MAX_STOP_STRINGS, MAX_STOP_CHARS)
+    _check_strings(request.bad_words or [], "bad_words", "bad words", MAX_BAD_WORDS,
+                   MAX_BAD_WORDS_CHARS)
+
+
+def _check_strings(values: list[str], param: str, what: str, max_count: int,
+                   max_chars: int) -> None:
+    if len(values) > max_count:
+        raise BadRequestError(f"{param} holds {len(values)} {what}; send at most {max_count}",
+                              param=param, code="invalid_value")
+    num_chars = sum(map(len, values))
+    if num_chars > max_chars:
+        raise BadRequestError(f"{param} holds {num_chars} characters in all; send at most "
+                              f"{max_chars}", param=param, code="invalid_value")
 
 
 def _check_logprobs(value: int | None, param: str) -> None:
@@ -183,7 +209,7 @@ def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param:
         stop_token_ids=list(request.stop_token_ids or []), ignore_eos=request.ignore_eos,
         include_stop_str_in_output=request.include_stop_str_in_output,
         skip_special_tokens=request.skip_special_tokens, logprobs=logprobs,
-        prompt_logprobs=prompt_logprobs, allowed_token_ids=request.allowed_token_ids,
+        prompt_logprobs=prompt_logprobs, allowed_token_ids=_unique(request.allowed_token_ids),
         bad_words=list(request.bad_words or []),
         structured_outputs=constraint or tool_constraint)
     try:
@@ -194,3 +220,9 @@ def _build(request: SamplingFields, *, max_tokens: int | None, max_tokens_param:
         if param == "max_tokens":
             param = max_tokens_param
         raise BadRequestError(str(exc), param=param, code="invalid_value") from exc
+
+
+def _unique(token_ids: list[int] | None) -> list[int] | None:
+    """Each id once, in order: the sampler turns the list into a tensor, and repeats (600k of
+    them) only made that slow; checked against the vocabulary, it is at most its size."""
+    return None if token_ids is None else list(dict.fromkeys(token_ids))

@@ -40,11 +40,7 @@ class Delta:
     """What one choice gained since the last chunk sent for it."""
 
     text: str
-    # Offset of text in the choice's whole output text.
-    text_start: int
     token_ids: list[int]
-    # Offset of token_ids in the choice's whole output (for logprob slices).
-    start: int
     logprobs: SampleLogprobs | None
     finish_reason: str | None
     stop_reason: int | str | None
@@ -71,7 +67,7 @@ class DeltaTracker:
         self._sent[index] = (len(completion.text), len(completion.token_ids), finished)
         logprobs = None if completion.logprobs is None else \
             completion.logprobs[num_tokens:num_tokens + len(token_ids)]
-        return Delta(text, text_len, token_ids, num_tokens, logprobs, completion.finish_reason,
+        return Delta(text, token_ids, logprobs, completion.finish_reason,
                      completion.stop_reason if finished else None, is_first)
 
     @property

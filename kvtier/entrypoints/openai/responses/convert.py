@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from kvtier.entrypoints.openai.errors import BadRequestError, param_from_location
+from kvtier.entrypoints.openai.errors import BadRequestError, body_path, param_from_location
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
 from kvtier.entrypoints.openai.responses.protocol import (
     MAX_METADATA_KEY_CHARS,
@@ -259,7 +259,7 @@ def chat_request(body: ResponsesRequest, messages: list[Message]) -> ChatComplet
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
         first = exc.errors()[0]
-        param = responses_param(param_from_location(tuple(first.get("loc", ()))))
+        param = responses_param(param_from_location(body_path(first, fields)))
         raise BadRequestError(f"invalid value for '{param}': {first.get('msg')}", param=param,
                               code="invalid_value") from exc
 
