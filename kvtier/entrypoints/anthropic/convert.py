@@ -6,8 +6,6 @@ import json
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
-
 from kvtier.entrypoints.anthropic.protocol import (
     ContentBlock,
     CountTokensRequest,
@@ -18,7 +16,8 @@ from kvtier.entrypoints.anthropic.protocol import (
     ThinkingBlock,
     ToolUseBlock,
 )
-from kvtier.entrypoints.openai.errors import BadRequestError, body_path, param_from_location
+from kvtier.entrypoints.openai.chat_fields import chat_request_of, renamed
+from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
 from kvtier.entrypoints.openai.tools import ParsedAnswer
 
@@ -74,20 +73,12 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature,
                       top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences,
                       response_format=_response_format(body.output_config))
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = messages_param(param_from_location(body_path(first, fields)))
-        raise BadRequestError(f"invalid value for '{param}': {first.get('msg')}", param=param,
-                              code="invalid_value") from exc
+    return chat_request_of(fields, _RENAMES)
 
 
 def messages_param(param: str | None) -> str | None:
     """A chat request's field (in a 400 from the chat path) as a Messages request names it."""
-    if param is None:
-        return None
-    return _RENAMES.get(param.split(".")[0].split("[")[0], param)
+    return renamed(param, _RENAMES)
 
 
 def _system(system: str | list[dict[str, Any]] | None) -> list[Message]:

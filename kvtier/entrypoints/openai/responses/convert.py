@@ -10,9 +10,8 @@ import json
 import uuid
 from typing import Any
 
-from pydantic import ValidationError
-
-from kvtier.entrypoints.openai.errors import BadRequestError, body_path, param_from_location
+from kvtier.entrypoints.openai.chat_fields import chat_request_of, renamed
+from kvtier.entrypoints.openai.errors import BadRequestError
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
 from kvtier.entrypoints.openai.responses.protocol import (
     MAX_METADATA_KEY_CHARS,
@@ -41,6 +40,9 @@ _NESTED_FIELDS = ("input", "tools", "tool_choice", "text", "reasoning", "structu
                   "chat_template_kwargs")
 MAX_NESTING = 64
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# Chat request fields as a Responses request names them, for the 400s of the chat path.
+_RENAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
+            "response_format": "text.format"}
 # What `include` may ask for: the logprobs of the output text; reasoning text is always in
 # the reasoning items, so asking for it changes nothing.
 _INCLUDABLE = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
@@ -255,23 +257,13 @@ def chat_request(body: ResponsesRequest, messages: list[Message]) -> ChatComplet
         fields.update(logprobs=True, top_logprobs=body.top_logprobs)
     extra = body.model_extra or {}
     fields.update({name: extra[name] for name in _PASSED_ON if name in extra})
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = responses_param(param_from_location(body_path(first, fields)))
-        raise BadRequestError(f"invalid value for '{param}': {first.get('msg')}", param=param,
-                              code="invalid_value") from exc
+    return chat_request_of(fields, _RENAMES)
 
 
 def responses_param(param: str | None) -> str | None:
     """A chat request's field (in a 400 from the chat path) as the Responses request names
     it."""
-    if param is None:
-        return None
-    renames = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-               "response_format": "text.format"}
-    return renames.get(param.split(".")[0].split("[")[0], param)
+    return renamed(param, _RENAMES)
 
 
 def new_id(prefix: str) -> str:
