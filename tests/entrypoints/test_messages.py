@@ -196,6 +196,41 @@ def test_count_tokens_counts_the_prompt_the_message_would_have(server, client):
     assert counted.input_tokens == message(server, **fields)["usage"]["input_tokens"]
 
 
+def count(client, **fields) -> int:
+    return client.messages.count_tokens(model=MODEL, **fields).input_tokens
+
+
+def test_what_changes_nothing_for_the_model_leaves_the_prompt_as_it_was(client):
+    hi = [{"role": "user", "content": "hi"}]
+    brief = {"type": "text", "text": "Be brief."}
+    # Claude Code's billing block: a per-request hash, no content for the model.
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2; cch=1a2b3;"}
+    assert count(client, system=[billing, brief], messages=hi) == \
+        count(client, system=[brief], messages=hi)
+    # An empty final assistant message asks for no start of the answer.
+    for empty in ("", []):
+        assert count(client, messages=[*hi, {"role": "assistant", "content": empty}]) == \
+            count(client, messages=hi)
+
+
+def test_a_tool_result_s_text_blocks_stay_lines_apart(server):
+    use = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Oslo"}}
+    body = message(server, tools=[WEATHER], tool_choice={"type": "none"}, messages=[
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": [use]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                      "content": [{"type": "text", "text": "Sunny"},
+                                                  {"type": "text", "text": "Warm"}]}]}])
+    expected = chat(server, [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "toolu_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": json.dumps({"city": "Oslo"})}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Sunny\nWarm"}],
+        tools=[CHAT_WEATHER], tool_choice="none")
+    assert body["usage"]["input_tokens"] == expected["usage"]["prompt_tokens"]
+    assert text_of(body) == expected["choices"][0]["message"]["content"]
+
+
 @pytest.mark.parametrize(("fields", "named"), [
     ({"max_tokens": None}, "max_tokens"),
     ({"system": "x", "messages": []}, "messages"),
@@ -206,6 +241,7 @@ def test_count_tokens_counts_the_prompt_the_message_would_have(server, client):
     ({"messages": [{"role": "user", "content": [{"type": "tool_result", "content": "x"}]}]},
      "messages[0].content[0].tool_use_id"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools[0]"),
+    ({"tools": [{"input_schema": {"type": "object"}}]}, "tools[0].name"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
     ({"thinking": {"type": "maybe"}}, "thinking.type"),
     ({"thinking": {"type": "enabled"}, "chat_template_kwargs": "x"}, "chat_template_kwargs"),
@@ -246,6 +282,12 @@ def test_the_key_is_taken_as_anthropic_sends_it_and_cached_tokens_are_told(tiny_
         total = first.usage.input_tokens + first.usage.cache_read_input_tokens
         assert again.usage.cache_read_input_tokens > 0
         assert again.usage.input_tokens + again.usage.cache_read_input_tokens == total
+        # A stream's first event already tells what the cache held.
+        with client.messages.stream(**fields) as stream:
+            start = next(event for event in stream if event.type == "message_start")
+            final = stream.get_final_message()
+        assert start.message.usage.cache_read_input_tokens == \
+            final.usage.cache_read_input_tokens == again.usage.cache_read_input_tokens
         assert httpx.post(f"{keyed.url}/v1/messages", json=fields, timeout=30.0,
                           headers={"Authorization": "Bearer secret"}).status_code == 200
     finally:

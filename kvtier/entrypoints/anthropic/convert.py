@@ -35,6 +35,8 @@ _PASSED_ON = ("min_p", "repetition_penalty", "presence_penalty", "frequency_pena
 # editing): each would change the answer, and none runs here.
 _UNSUPPORTED = ("container", "mcp_servers", "context_management")
 _THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
+# The first words of the system block Claude Code sends with a per-request hash.
+_BILLING_HEADER = "x-anthropic-billing-header"
 # Blocks of an earlier answer that are not shown to the model again.
 _SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
 # Chat request fields as a Messages request names them, for the 400s of the chat path.
@@ -55,9 +57,13 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
         raise BadRequestError("messages must hold at least one message", param="messages",
                               code="invalid_value")
     messages = _system(body.system) + chat_messages(body.messages)
-    # A final assistant message with text is the start of the answer, which goes on from it.
-    goes_on = body.messages[-1].get("role") == "assistant" and \
-        bool(messages[-1].get("content"))
+    # A final assistant message with text is the start of the answer, which goes on from it;
+    # one with nothing (no text, no tool_use) asks for no start: it is left out.
+    last = messages[-1]
+    goes_on = body.messages[-1].get("role") == "assistant" and bool(last.get("content"))
+    if body.messages[-1].get("role") == "assistant" and not goes_on \
+            and not last.get("tool_calls"):
+        messages.pop()
     choice = _tool_choice(body.tool_choice)
     fields: dict[str, Any] = {
         "model": body.model, "messages": messages, "tools": _tools(body.tools),
@@ -82,12 +88,16 @@ def messages_param(param: str | None) -> str | None:
 
 
 def _system(system: str | list[dict[str, Any]] | None) -> list[Message]:
+    """The system prompt as the first message. Claude Code's billing block (a hash that
+    changes with every request) is left out: at the head of the prompt it would leave no
+    prefix in common between two turns, nor with what the router hashes."""
     if system is None:
         return []
     if isinstance(system, str):
         return [{"role": "system", "content": system}]
-    return [{"role": "system", "content": [_text_part(block, f"system[{i}]")
-                                           for i, block in enumerate(system)]}]
+    parts = [_text_part(block, f"system[{i}]") for i, block in enumerate(system)]
+    return [{"role": "system", "content": [part for part in parts
+                                           if not part["text"].startswith(_BILLING_HEADER)]}]
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[Message]:
@@ -169,7 +179,7 @@ def _result_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(_text_part(block, f"{where}.content[{i}]")["text"]
+        return "\n".join(_text_part(block, f"{where}.content[{i}]")["text"]
                        for i, block in enumerate(content))
     raise BadRequestError(f"{where}.content must be text or a list of text blocks",
                           param=f"{where}.content", code="invalid_value")
@@ -195,7 +205,8 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
             raise BadRequestError(f"tools[{index}] has type {kind!r}; this server runs client "
                                   "tools only ({\"name\", \"description\", \"input_schema\"})",
                                   param=f"tools[{index}]", code="unsupported_parameter")
-        function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+        function = {"name": _string(tool, "name", f"tools[{index}]"),
+                    "parameters": tool.get("input_schema")}
         if "description" in tool:
             function["description"] = tool["description"]
         converted.append({"type": "function", "function": function})

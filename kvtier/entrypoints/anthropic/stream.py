@@ -1,6 +1,6 @@
 """A streamed message as Anthropic's server-sent events:
 
-    message_start, ping,
+    message_start, ping (once the prompt is computed: its usage tells the cached tokens),
     per content block: content_block_start, content_block_delta ..., content_block_stop,
     message_delta (stop reason and usage), message_stop
 
@@ -44,8 +44,6 @@ async def stream_events(ctx: ServerContext, plan: ChatPlan, outputs: Outputs,
     events = MessageEvents(shell)
     steps = _StreamSteps(ctx, plan, events)
     try:
-        for line in events.start():
-            yield line
         async for output in outputs:
             error = output_error(output)
             if error is not None:
@@ -65,8 +63,11 @@ class MessageEvents:
         self.num_blocks = 0
         self.open: str | None = None  # the type of the block being written
 
-    def start(self) -> list[str]:
-        return [event("message_start", {"message": self.shell.model_dump(mode="json")}),
+    def start(self, message_usage: MessagesUsage) -> list[str]:
+        """The first events, once the prompt is computed: its usage says what the cache
+        held, as Anthropic's does."""
+        message = self.shell.model_copy(update={"usage": message_usage})
+        return [event("message_start", {"message": message.model_dump(mode="json")}),
                 event("ping", {})]
 
     def thinking(self, text: str) -> list[str]:
@@ -122,19 +123,24 @@ class _StreamSteps:
         self.tracker, self.tools = DeltaTracker(), ToolStream(plan.tools)
         self.reasoning = ReasoningStream(ctx.reasoning_parser, plan.closed)
         self.num_text_sent = 0  # characters of the text after the thinking
+        self.started = False  # message_start sent
 
     def lines(self, output: RequestOutput) -> list[str]:
         completion = output.outputs[0]
+        num_prompt = len(self.plan.prompt.token_ids)
+        started = [] if self.started else self.events.start(
+            usage(self.ctx, num_prompt, 0, output.num_cached_tokens))
+        self.started = True
         delta = self.tracker.advance(0, completion)
         if delta is None:
-            return []
+            return started
         done = delta.finish_reason is not None
         thought, text = self.reasoning.step(0, completion.text, done)
         content, calls, _ = self.tools.step(0, text, delta.finish_reason)
         uses = tool_uses(calls or [])
         if calls and not uses:  # calls Anthropic cannot carry: the answer is its text
             content = text[self.num_text_sent:]
-        lines = self.events.thinking(thought) if thought else []
+        lines = started + (self.events.thinking(thought) if thought else [])
         if content:
             lines += self.events.text(content)
             self.num_text_sent += len(content)
@@ -145,5 +151,4 @@ class _StreamSteps:
         reason, sequence = stop_reason(bool(uses), completion.finish_reason,
                                        completion.stop_reason)
         return lines + self.events.finish(reason, sequence, usage(
-            self.ctx, len(self.plan.prompt.token_ids), len(completion.token_ids),
-            output.num_cached_tokens))
+            self.ctx, num_prompt, len(completion.token_ids), output.num_cached_tokens))
