@@ -81,5 +81,7 @@ def test_forged_chunks_are_counted_misses_with_a_secret(model, tmp_path, forgery
     if forgery is None:
         assert (cached, errors) == ([LOADABLE, LOADABLE], 0)
     else:
-        # Every chunk of both prompts is found and promoted at once; each fails its MAC.
-        assert cached == [0, 0] and errors == 2 * 7
+        # Each prompt's first chunk is promoted and fails its MAC, so the prompt is recomputed;
+        # a later chunk's promotion may find the recomputed chunk in host memory first and not
+        # read the file (on a fast machine, most runs): each read chunk fails, none loads.
+        assert cached == [0, 0] and 2 <= errors <= 2 * 7
