@@ -28,7 +28,7 @@ def check_drafts(sampler: Sampler, logits: torch.Tensor,
         here = logits[offset:offset + len(drafts)]
         offset += len(drafts)
         if row.params.is_greedy:
-            made.append(accept_drafts(drafts, here.argmax(dim=-1).tolist(), bonus))
+            made.append(accept_drafts(drafts, here.max(dim=-1).indices.tolist(), bonus))
         else:
             probs = sampler.probabilities(here, [row] * len(drafts))
             made.append(_accept_sampled(probs, drafts, bonus,
