@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvtier.engine.outputs import CompletionOutput
 from kvtier.entrypoints.anthropic.convert import (
@@ -33,7 +33,7 @@ from kvtier.entrypoints.openai.prompts import (
 )
 from kvtier.entrypoints.openai.protocol import ChatCompletionRequest
 from kvtier.entrypoints.openai.reasoning import split_reasoning
-from kvtier.entrypoints.openai.streaming import SSE_HEADERS
+from kvtier.entrypoints.openai.streaming import sse_response
 from kvtier.entrypoints.openai.tools import ParsedAnswer, parse_answer
 
 router = APIRouter()
@@ -56,9 +56,7 @@ async def create_message(body: MessagesRequest, raw: Request) -> Response:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: base_request_id(raw)}
     if body.stream:
-        return StreamingResponse(stream_events(ctx, plan, generations[0], shell),
-                                 media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **headers})
+        return sse_response(stream_events(ctx, plan, generations[0], shell), headers)
     finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvtier.engine.outputs import RequestOutput
 from kvtier.entrypoints.openai.connection import REQUEST_ID_HEADER, base_request_id
@@ -47,10 +47,10 @@ from kvtier.entrypoints.openai.reasoning import (
 from kvtier.entrypoints.openai.sampling import chat_sampling_params, check_token_ids
 from kvtier.entrypoints.openai.streaming import (
     DONE,
-    SSE_HEADERS,
     DeltaTracker,
     sse,
     sse_error,
+    sse_response,
     usage_info,
 )
 from kvtier.entrypoints.openai.structured import check_min_tokens, constraint_field
@@ -123,11 +123,10 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, plan.prompt, generations[0], response_id,
-                                         ToolStream(plan.tools),
-                                         ReasoningStream(ctx.reasoning_parser, plan.closed)),
-                                 media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **headers})
+        return sse_response(_stream(ctx, body, plan.prompt, generations[0], response_id,
+                                    ToolStream(plan.tools),
+                                    ReasoningStream(ctx.reasoning_parser, plan.closed)),
+                            headers)
     finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvtier.engine.outputs import RequestOutput
 from kvtier.entrypoints.openai.connection import REQUEST_ID_HEADER, base_request_id
@@ -38,10 +38,10 @@ from kvtier.entrypoints.openai.protocol import (
 from kvtier.entrypoints.openai.sampling import check_token_ids, completion_sampling_params
 from kvtier.entrypoints.openai.streaming import (
     DONE,
-    SSE_HEADERS,
     DeltaTracker,
     sse,
     sse_error,
+    sse_response,
     usage_info,
 )
 from kvtier.entrypoints.openai.structured import check_min_tokens, constraint_field
@@ -77,9 +77,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return Response(status_code=499)
     headers = {REQUEST_ID_HEADER: request_id}  # echoed as the client sent it
     if body.stream:
-        return StreamingResponse(_stream(ctx, body, prompts, generations, response_id),
-                                 media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **headers})
+        return sse_response(_stream(ctx, body, prompts, generations, response_id), headers)
     finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from kvtier.engine.outputs import CompletionOutput
@@ -23,6 +25,12 @@ if TYPE_CHECKING:
 
 DONE = "data: [DONE]\n\n"
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_response(lines: AsyncIterator[str], headers: dict[str, str]) -> StreamingResponse:
+    """A stream of server-sent events, with `headers` beside the ones every stream carries."""
+    return StreamingResponse(lines, media_type="text/event-stream",
+                             headers={**SSE_HEADERS, **headers})
 
 
 def sse(body: BaseModel) -> str:

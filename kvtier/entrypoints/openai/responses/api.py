@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvtier.engine.outputs import CompletionOutput, RequestOutput
 from kvtier.entrypoints.openai.chat import ChatPlan, plan_chat
@@ -47,7 +47,7 @@ from kvtier.entrypoints.openai.responses.protocol import (
 )
 from kvtier.entrypoints.openai.responses.stored import Keeper, previous_messages
 from kvtier.entrypoints.openai.responses.stream import ResponseEvents
-from kvtier.entrypoints.openai.streaming import SSE_HEADERS, DeltaTracker
+from kvtier.entrypoints.openai.streaming import DeltaTracker, sse_response
 from kvtier.entrypoints.openai.tools import ParsedAnswer, ToolStream, parse_answer
 
 router = APIRouter()
@@ -76,9 +76,7 @@ async def create_response(body: ResponsesRequest, raw: Request) -> Response:
     headers = {REQUEST_ID_HEADER: base_request_id(raw)}
     keep = Keeper(ctx.response_store, body, conversation)
     if body.stream:
-        return StreamingResponse(_stream(ctx, plan, generations[0], shell, keep),
-                                 media_type="text/event-stream",
-                                 headers={**SSE_HEADERS, **headers})
+        return sse_response(_stream(ctx, plan, generations[0], shell, keep), headers)
     finals = await finals_or_none(raw, generations)
     if finals is None:
         return Response(status_code=499)
