@@ -59,10 +59,9 @@ def chat_request(body: CountTokensRequest) -> ChatCompletionRequest:
     messages = _system(body.system) + chat_messages(body.messages)
     # A final assistant message with text is the start of the answer, which goes on from it;
     # one with nothing (no text, no tool_use) asks for no start: it is left out.
-    last = messages[-1]
-    goes_on = body.messages[-1].get("role") == "assistant" and bool(last.get("content"))
-    if body.messages[-1].get("role") == "assistant" and not goes_on \
-            and not last.get("tool_calls"):
+    last, ends_with_answer = messages[-1], body.messages[-1].get("role") == "assistant"
+    goes_on = ends_with_answer and bool(last.get("content"))
+    if ends_with_answer and not (goes_on or last.get("tool_calls")):
         messages.pop()
     choice = _tool_choice(body.tool_choice)
     fields: dict[str, Any] = {
