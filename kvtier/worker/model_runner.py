@@ -185,10 +185,13 @@ class ModelRunner:
         if params.repetition_penalty != 1.0 and state.prompt_tensor is None:
             state.prompt_tensor = torch.tensor(state.token_ids[:state.num_prompt_tokens],
                                                dtype=torch.long, device=self.device)
+        if params.allowed_token_ids and state.allowed_ids is None:
+            state.allowed_ids = torch.tensor(params.allowed_token_ids, dtype=torch.long,
+                                             device=self.device)
         return SamplingRow(params, self.states.generators.get(state.req_id),
                            eos + tuple(params.stop_token_ids), state.token_ids,
                            state.num_prompt_tokens, state.prompt_tensor,
-                           state.bad_words_token_ids, state.grammar)
+                           state.bad_words_token_ids, state.grammar, state.allowed_ids)
 
     def shutdown(self) -> KVConnectorOutput | None:
         """Stop the connector's worker half; returns its last report, on the transfers that

@@ -32,6 +32,8 @@ class RequestState:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     grammar: StructuredOutputGrammar | None = None
     lora: LoRAAdapter | None = None
+    # SamplingParams.allowed_token_ids as a tensor, made at the request's first sampled step.
+    allowed_ids: torch.Tensor | None = None
 
     @property
     def num_output_tokens(self) -> int:

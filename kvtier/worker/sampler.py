@@ -49,6 +49,9 @@ class SamplingRow:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     # SamplingParams.structured_outputs' grammar: only the tokens it allows next may come.
     grammar: StructuredOutputGrammar | None = None
+    # SamplingParams.allowed_token_ids as a tensor, kept by the request between steps (49k ids
+    # made into one every step cost ~5 ms a step); None: made from the params when needed.
+    allowed_ids: torch.Tensor | None = None
 
     @property
     def generated_token_ids(self) -> Sequence[int]:
@@ -74,10 +77,6 @@ class Sampler:
         # Shared stream for unseeded requests, seeded so an engine run is reproducible.
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
-        # id(allowed_token_ids list) -> (that list, its ids as a tensor), for the last batch's
-        # rows: a request's list becomes a tensor once, not every step (49k ids took ~5 ms a
-        # step here). Holding the list keeps its id from going to another one.
-        self._allowed_ids: dict[int, tuple[list[int], torch.Tensor]] = {}
 
     def sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: fp32 (N, V), one row per entry of `rows`. A row whose parameters break
@@ -112,7 +111,7 @@ class Sampler:
         logits = apply_grammar_masks(logits, [r.grammar for r in rows])
         # Otherwise vLLM reports the model's own distribution, before any sampling processing.
         raw_logprobs = torch.log_softmax(logits, dim=-1) if wants_logprobs else None
-        logits = _ban_bad_words(self._keep_allowed_tokens(logits, rows), rows)
+        logits = _ban_bad_words(_keep_allowed_tokens(logits, rows), rows)
         logits = _mask_early_stops(logits, rows)
         logits = _apply_penalties(_apply_logit_bias(logits, rows), rows)
         # One pass for each row's max (the check) and its first argmax (greedy rows): `max`
@@ -137,27 +136,6 @@ class Sampler:
             for i, entry in zip(asking, entries):
                 logprobs[i] = entry
         return SamplerOutput(token_ids.tolist(), logprobs)
-
-    def _keep_allowed_tokens(self, logits: torch.Tensor,
-                             rows: list[SamplingRow]) -> torch.Tensor:
-        """Rows with allowed_token_ids keep only those tokens' logits."""
-        limited = [(i, r.params.allowed_token_ids) for i, r in enumerate(rows)
-                   if r.params.allowed_token_ids]
-        if not limited:
-            self._allowed_ids.clear()
-            return logits
-        made, self._allowed_ids = self._allowed_ids, {}
-        logits = logits.clone()
-        for i, allowed in limited:
-            key = id(allowed)
-            if key not in self._allowed_ids:
-                self._allowed_ids[key] = made.get(key) or (
-                    allowed, torch.tensor(allowed, dtype=torch.long, device=logits.device))
-            ids = self._allowed_ids[key][1]
-            kept = logits[i, ids]
-            logits[i] = float("-inf")
-            logits[i, ids] = kept
-        return logits
 
     def probabilities(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Each row's distribution to draw from: after its temperature (greedy rows: 1), then
@@ -239,6 +217,21 @@ def _check_drawable(peaks: torch.Tensor) -> None:
     if all_ruled_out:
         raise ValueError("no token is allowed: the structured output grammar, "
                          "allowed_token_ids, bad_words and min_tokens ruled out every one")
+
+
+def _keep_allowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Rows with allowed_token_ids keep only those tokens' logits."""
+    limited = [(i, r) for i, r in enumerate(rows) if r.params.allowed_token_ids]
+    if not limited:
+        return logits
+    logits = logits.clone()
+    for i, row in limited:
+        ids = row.allowed_ids if row.allowed_ids is not None else torch.tensor(
+            row.params.allowed_token_ids, dtype=torch.long, device=logits.device)
+        kept = logits[i, ids]
+        logits[i] = float("-inf")
+        logits[i, ids] = kept
+    return logits
 
 
 def _ban_bad_words(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
