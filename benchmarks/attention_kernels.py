@@ -11,6 +11,10 @@ layer's cache with the pages of each sequence scattered over it. Three measureme
             cached ones (one sequence)
   prefill   a cold prompt's chunks: Q new tokens at offset C (C = 0: a causal square)
 
+`--kv-cache-dtype fp8` (or fp8_e5m2) stores the cache in that format, as the engine's
+`--kv-cache-dtype` does: decode then reads one byte an element, chunks and prompts stage their
+pages in bf16 first.
+
 For chunk and prefill, the C++ kernel is compared with the torch path the engine falls back to
 (gather the pages, one scaled_dot_product_attention call with a causal-offset mask), and both
 are reported as GFLOP/s of useful work (masked products not counted) next to this machine's
@@ -18,6 +22,7 @@ bf16 matmul rate (a 2,048-square matmul). Every figure is the best of `--repeats
 
     python benchmarks/attention_kernels.py
     python benchmarks/attention_kernels.py --decode 16x1024,64x2048 --chunk 128x2048
+    python benchmarks/attention_kernels.py --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from kvtier.config import KV_CACHE_DTYPES  # noqa: E402
+from kvtier.engine.runtime import resolve_kv_cache_dtype  # noqa: E402
 from kvtier.models import attention, cpu_kernels  # noqa: E402
 from kvtier.models.attention_metadata import build_attention_metadata  # noqa: E402
 
@@ -63,7 +70,7 @@ def matmul_flops(repeats: int) -> float:
     return 2 * 2048**3 / best_seconds(lambda: a @ b, repeats)
 
 
-def paged_case(num_computed: list[int], query_lens: list[int]):
+def paged_case(num_computed: list[int], query_lens: list[int], kv_dtype: torch.dtype):
     """(query, kv_cache, metadata) with each sequence's pages at random places in the cache."""
     gen = torch.Generator().manual_seed(0)
     counts = [-(-(c + q) // BLOCK) for c, q in zip(num_computed, query_lens)]
@@ -72,7 +79,8 @@ def paged_case(num_computed: list[int], query_lens: list[int]):
     for count in counts:
         tables.append(order[used:used + count])
         used += count
-    kv_cache = torch.randn(2, sum(counts) + 1, BLOCK, KV_HEADS, HEAD_DIM, generator=gen).to(DTYPE)
+    kv_cache = torch.randn(2, sum(counts) + 1, BLOCK, KV_HEADS, HEAD_DIM,
+                           generator=gen).to(kv_dtype)
     query = torch.randn(sum(query_lens), HEADS, HEAD_DIM, generator=gen).to(DTYPE)
     metadata = build_attention_metadata(num_computed, query_lens, [tables], BLOCK)
     return query, kv_cache, metadata
@@ -94,17 +102,19 @@ def run_paged(query, kv_cache, metadata, kernels: bool):
     return torch_only
 
 
-def decode_row(batch: int, context: int, bandwidth: float, repeats: int) -> dict:
-    query, kv_cache, metadata = paged_case([context - 1] * batch, [1] * batch)
+def decode_row(batch: int, context: int, bandwidth: float, repeats: int,
+               kv_dtype: torch.dtype) -> dict:
+    query, kv_cache, metadata = paged_case([context - 1] * batch, [1] * batch, kv_dtype)
     seconds = best_seconds(run_paged(query, kv_cache, metadata, True), repeats)
-    kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * 2
+    kv_bytes = batch * context * 2 * KV_HEADS * HEAD_DIM * kv_dtype.itemsize
     return {"sequences": batch, "context": context, "kernel_ms": seconds * 1e3,
             "kv_gb_per_s": kv_bytes / seconds / 1e9,
             "fraction_of_read_bandwidth": kv_bytes / seconds / bandwidth}
 
 
-def attend_row(new: int, cached: int, flops_peak: float, repeats: int) -> dict:
-    query, kv_cache, metadata = paged_case([cached], [new])
+def attend_row(new: int, cached: int, flops_peak: float, repeats: int,
+               kv_dtype: torch.dtype) -> dict:
+    query, kv_cache, metadata = paged_case([cached], [new], kv_dtype)
     # Query i attends cached + i + 1 keys: QK and PV, 2 flops per multiply-add, every head.
     useful = 2 * 2 * HEADS * HEAD_DIM * (new * cached + new * (new + 1) // 2)
     kernel = best_seconds(run_paged(query, kv_cache, metadata, True), repeats)
@@ -131,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "turns)")
     parser.add_argument("--prefill", type=pairs, default=pairs("2048x0,2048x6144"),
                         help="NEWxOFFSET,... cold prompt chunks (default 2048x0,2048x6144)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                        help="the cache's format (auto: bf16, the default model's)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--output-json", default=None)
     return parser.parse_args(argv)
@@ -142,19 +154,22 @@ def main(argv: list[str] | None = None) -> int:
         print("attention_kernels: the C++ kernels are unavailable here; nothing to measure",
               file=sys.stderr)
         return 1
+    kv_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, DTYPE)
     bandwidth, flops_peak = read_bandwidth(args.repeats), matmul_flops(args.repeats)
     print(f"machine: streaming read {bandwidth / 1e9:.1f} GB/s, bf16 matmul "
-          f"{flops_peak / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads")
+          f"{flops_peak / 1e9:.0f} GFLOP/s, {torch.get_num_threads()} threads, KV cache "
+          f"{kv_dtype}")
     result = {"read_gb_per_s": bandwidth / 1e9, "matmul_gflops": flops_peak / 1e9,
+              "kv_cache_dtype": str(kv_dtype).removeprefix("torch."),
               "threads": torch.get_num_threads(), "decode": [], "chunk": [], "prefill": []}
     for batch, context in args.decode:
-        row = decode_row(batch, context, bandwidth, args.repeats)
+        row = decode_row(batch, context, bandwidth, args.repeats, kv_dtype)
         result["decode"].append(row)
         print(f"decode {batch} x {context}: {row['kernel_ms']:.2f} ms, "
               f"{row['kv_gb_per_s']:.1f} GB/s = {row['fraction_of_read_bandwidth']:.2f} of read")
     for kind, shapes in (("chunk", args.chunk), ("prefill", args.prefill)):
         for new, cached in shapes:
-            row = attend_row(new, cached, flops_peak, args.repeats)
+            row = attend_row(new, cached, flops_peak, args.repeats, kv_dtype)
             result[kind].append(row)
             print(f"{kind} {new} over {cached}: kernel {row['kernel_ms']:.1f} ms "
                   f"({row['kernel_gflops']:.0f} GFLOP/s = {row['fraction_of_matmul_rate']:.2f} "

@@ -18,6 +18,9 @@ from kvtier.sampling_params import SEED_RANGE
 from kvtier.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "bfloat16", "float32", "float16")
+# How attention layers store K and V: "auto" as the model computes them (--dtype); the fp8
+# formats at one byte an element (fp8 = fp8_e4m3, vLLM's names), twice the tokens per byte.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DTYPE_ALIASES = {"bf16": "bfloat16", "fp32": "float32", "float": "float32", "fp16": "float16",
                  "half": "float16"}
 HASH_ALGOS = ("sha256_cbor", "xxhash")
@@ -97,6 +100,7 @@ class CacheConfig:
     """The paged device KV cache and its prefix cache."""
 
     block_size: int = 16
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # Size the cache by bytes or by blocks, not both; neither: DEFAULT_KV_CACHE_MEMORY_BYTES.
     kv_cache_memory_bytes: int | None = None
@@ -108,6 +112,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                 f"{self.kv_cache_dtype!r}")
         _require(self.kv_cache_memory_bytes is None or self.num_device_blocks is None,
                  "give kv_cache_memory_bytes or num_device_blocks, not both")
         _require(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,

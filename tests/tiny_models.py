@@ -10,6 +10,9 @@ import random
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 VOCAB = 128
 BASE_CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -123,6 +126,28 @@ def hf_greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[list
                                        pad_token_id=0)
             outputs.append(generated[0, len(prompt):].tolist())
     return outputs
+
+
+def hf_greedy_rounded_kv(model, prompts: list[list[int]], max_new_tokens: int,
+                         fmt: torch.dtype) -> list[list[int]]:
+    """hf_greedy with every attention layer's K and V rounded to the fp8 format `fmt` (and
+    saturated) before attending, as kvtier's --kv-cache-dtype stores them. HF's own cache may
+    keep them unrounded: rounding twice is rounding once."""
+    name = f"kvtier_rounded_{str(fmt).removeprefix('torch.')}"
+    limit = torch.finfo(fmt).max
+
+    def attend(module, query, key, value, attention_mask, **kwargs):
+        key = key.clamp(-limit, limit).to(fmt).to(key.dtype)
+        value = value.clamp(-limit, limit).to(fmt).to(value.dtype)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register(name, attend)
+    AttentionMaskInterface.register(name, sdpa_mask)  # SDPA's masks, sliding windows included
+    model.set_attn_implementation(name)
+    try:
+        return hf_greedy(model, prompts, max_new_tokens)
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 def _random_tokens(rng: random.Random, n: int) -> list[int]:

@@ -7,6 +7,7 @@ import argparse
 from kvtier.common.sizes import parse_size
 from kvtier.config import (
     DTYPES,
+    KV_CACHE_DTYPES,
     EngineConfig,
     check_device,
     check_seed,
@@ -31,9 +32,6 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
     group.add_argument("--max-model-len", type=int, default=None,
                        help="context length cap (default: the model's, lowered to what "
                             "the device KV cache holds; a larger value is an error)")
-    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                       default=True, help="the prefix cache (on by default)")
     group.add_argument("--max-num-batched-tokens", type=int, default=2048,
                        help="token budget of one step")
     group.add_argument("--max-num-seqs", type=int, default=128,
@@ -45,11 +43,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                        choices=("fcfs", "priority"))
     group.add_argument("--max-waiting-requests", type=int, default=None,
                        help="queue limit; past it new requests are refused")
-    size = group.add_mutually_exclusive_group()
-    size.add_argument("--kv-cache-memory-bytes", default=None,
-                      help="device KV cache budget, e.g. 512MiB or 2GiB")
-    size.add_argument("--num-device-blocks", type=int, default=None,
-                      help="device KV cache size in blocks")
+    _add_kv_cache_args(group)
     transfer = group.add_mutually_exclusive_group()
     transfer.add_argument("--kv-transfer-config", default=None,
                           help="KV connector config as JSON (vLLM's shape); per-tier "
@@ -76,6 +70,21 @@ def add_engine_args(parser: argparse.ArgumentParser, *, positional_model: bool =
                        help="record KV cache block events")
     group.add_argument("--seed", type=int, default=0, help="seed for unseeded sampling")
     _add_lora_args(parser)
+
+
+def _add_kv_cache_args(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                       help="how K and V are stored in every tier (auto: as --dtype; fp8 = "
+                            "fp8_e4m3: one byte an element, twice the tokens in the same "
+                            "memory; docs/tiers.md)")
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=True, help="the prefix cache (on by default)")
+    size = group.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory-bytes", default=None,
+                      help="device KV cache budget, e.g. 512MiB or 2GiB")
+    size.add_argument("--num-device-blocks", type=int, default=None,
+                      help="device KV cache size in blocks")
 
 
 def _add_lora_args(parser: argparse.ArgumentParser) -> None:
@@ -112,6 +121,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig.create(
         model=positional or args.model, dtype=args.dtype, device=args.device,
         max_model_len=args.max_model_len, seed=args.seed, block_size=args.block_size,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=memory,
         num_device_blocks=args.num_device_blocks,
         enable_kv_cache_events=args.enable_kv_cache_events,

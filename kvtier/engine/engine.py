@@ -63,7 +63,7 @@ class Engine:
             block_size=config.cache.block_size,
             num_gpu_blocks=self.runtime.kv_cache_config.num_blocks,
             enable_prefix_caching=config.cache.enable_prefix_caching,
-            cache_dtype=str(self.runtime.dtype).removeprefix("torch."))
+            cache_dtype=self.runtime.kv_identity.dtype)
         self._eos_token_ids = self._find_eos_token_ids()
         self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size,
                                          self._eos_token_ids)
@@ -122,7 +122,7 @@ class Engine:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache_manager, scheduler_connector)
         self.runner = ModelRunner(
             model, runtime.kv_cache_config, dtype=runtime.dtype, device=runtime.device,
-            max_num_seqs=sched.max_num_seqs,
+            max_num_seqs=sched.max_num_seqs, kv_cache_dtype=runtime.kv_cache_dtype,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_model_len=runtime.max_model_len, seed=config.model.seed,
             eos_token_ids=self._eos_token_ids, connector=worker_connector,

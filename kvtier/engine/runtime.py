@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32,
                  "float16": torch.float16}
+# vLLM's names: "fp8" is e4m3 (3 mantissa bits, to +-448); e5m2 has 2, to +-57,344.
+_KV_CACHE_TORCH_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                          "fp8_e5m2": torch.float8_e5m2}
 # Names the device KV layout; part of the KV identity of every key written outside.
 KV_LAYOUT = "paged:(2,num_blocks,block_size,num_kv_heads,head_dim)"
 
@@ -39,6 +42,8 @@ KV_LAYOUT = "paged:(2,num_blocks,block_size,num_kv_heads,head_dim)"
 class RuntimeInfo:
     device: torch.device
     dtype: torch.dtype
+    # How attention layers store K and V (dtype, or an fp8 format).
+    kv_cache_dtype: torch.dtype
     max_model_len: int
     kv_cache_config: KVCacheConfig
     # What this engine's KV bytes depend on (weights, dtype, block size, layout, specs).
@@ -65,6 +70,20 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "auto" else _TORCH_DTYPES[name]
 
 
+def resolve_kv_cache_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type for --kv-cache-dtype `name` under model dtype `dtype`."""
+    return dtype if name == "auto" else _KV_CACHE_TORCH_DTYPES[name]
+
+
+def kv_cache_dtype_name(dtype: torch.dtype, kv_cache_dtype: torch.dtype) -> str:
+    """What the KV identity and the cache metrics call the stored format: the model dtype, and
+    the fp8 format K and V are rounded to from it (e.g. bfloat16+float8_e4m3fn)."""
+    name = str(dtype).removeprefix("torch.")
+    if kv_cache_dtype != dtype:
+        name += "+" + str(kv_cache_dtype).removeprefix("torch.")
+    return name
+
+
 def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torch.device,
                    dtype: torch.dtype) -> RuntimeInfo:
     limit = model_config.max_position_embeddings
@@ -74,9 +93,9 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
                          f"max_position_embeddings ({limit}); use at most {limit}")
     max_model_len = asked or limit
     cache = config.cache
-    dtype_size = torch.empty((), dtype=dtype).element_size()
+    kv_dtype = resolve_kv_cache_dtype(cache.kv_cache_dtype, dtype)
     groups = build_kv_cache_groups(model_config, block_size=cache.block_size,
-                                   dtype_size=dtype_size)
+                                   dtype_size=dtype.itemsize, kv_dtype_size=kv_dtype.itemsize)
     num_blocks = plan_num_blocks(
         block_bytes=block_bytes(groups), block_size=cache.block_size,
         memory_bytes=_memory_budget(config),
@@ -87,10 +106,10 @@ def derive_runtime(config: EngineConfig, model_config: ModelConfig, device: torc
     kinds = tuple(_spec_kind(group.kv_cache_spec) for group in groups)
     identity = KVIdentity(model_name=model_config.name,
                           weights_digest=weights_digest(model_files(config.model.model)),
-                          dtype=str(dtype).removeprefix("torch."), block_size=cache.block_size,
-                          kv_layout=KV_LAYOUT, spec_kinds=kinds)
-    return RuntimeInfo(device, dtype, max_model_len, KVCacheConfig(num_blocks, groups),
-                       identity)
+                          dtype=kv_cache_dtype_name(dtype, kv_dtype),
+                          block_size=cache.block_size, kv_layout=KV_LAYOUT, spec_kinds=kinds)
+    return RuntimeInfo(device, dtype, kv_dtype, max_model_len,
+                       KVCacheConfig(num_blocks, groups), identity)
 
 
 def _fit_max_model_len(max_model_len: int, asked: bool, num_blocks: int, num_groups: int,

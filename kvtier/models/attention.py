@@ -43,11 +43,19 @@ __all__ = ["AttentionMetadata", "build_attention_metadata", "write_kv", "paged_a
 
 def write_kv(kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K and V (num_tokens, num_kv_heads, head_dim) at their slots."""
+    """Store the new tokens' K and V (num_tokens, num_kv_heads, head_dim) at their slots; an
+    fp8 cache takes them rounded to its format, saturated at its largest finite value (vLLM's
+    fp8 KV cache with unit scales)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
-    # (num_blocks, block_size, H, D) -> (num_blocks * block_size, H, D): slot = row.
-    kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    for part, new in ((kv_cache[0], key), (kv_cache[1], value)):
+        # (num_blocks, block_size, H, D) -> (num_blocks * block_size, H, D): slot = row.
+        rows = part.view(-1, num_kv_heads, head_dim)
+        if rows.dtype != new.dtype:
+            limit = torch.finfo(rows.dtype).max
+            new = new.clamp(-limit, limit).to(rows.dtype)
+            # index_copy_ has no fp8 kernel on the CPU; the bytes are the same.
+            rows, new = rows.view(torch.uint8), new.view(torch.uint8)
+        rows.index_copy_(0, slot_mapping, new)
 
 
 @dataclass(frozen=True)
@@ -93,11 +101,16 @@ class _KernelPrefillPlan:
     kernel: Callable
     # (num_prefills, max_blocks) int64 block tables; per prefill its first query row in the
     # flattened batch, its cached tokens (= position of its first query) and its query count.
+    # With staged_rows, the tables index the staged copy instead of the cache.
     block_table: torch.Tensor
     query_start: torch.Tensor
     num_computed: torch.Tensor
     query_lens: torch.Tensor
     window: int  # 0 = no sliding window
+    # An fp8 cache: the (2 * n,) K and V rows of the cache view (2 * num_blocks, page) of the
+    # prefills' blocks, which each layer copies to the query dtype for the kernel (the prefill
+    # kernel reads model-dtype pages; a prefill computes far more per key than it reads).
+    staged_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -112,10 +125,12 @@ class _GroupPlan:
 KERNEL_PREFILL_MAX_QUERIES = 1024
 
 
-def _kernel_prefill_max_queries(kv_cache: torch.Tensor) -> float:
+def _kernel_prefill_max_queries(kv_cache: torch.Tensor, dtype: torch.dtype) -> float:
+    """The longest prefill the C++ prefill kernel takes, reading pages of `dtype` (the query
+    dtype: an fp8 cache is staged in it)."""
     _, _, block_size, _, head_dim = kv_cache.shape
     kernels = cpu_kernels.ops()
-    if kernels.paged_prefill_has_bf16_tiles(kv_cache.dtype, head_dim, block_size):
+    if kernels.paged_prefill_has_bf16_tiles(dtype, head_dim, block_size):
         return math.inf
     if not kernels.paged_prefill_supports(head_dim, block_size):
         return 0
@@ -195,13 +210,21 @@ def _kernel_decode_plan(meta: AttentionMetadata, seqs: list[int], group_id: int,
 
 
 def _kernel_prefill_plan(meta: AttentionMetadata, seqs: list[int], group_id: int,
-                         window: int | None, kernel: Callable) -> _KernelPrefillPlan:
+                         window: int | None, kernel: Callable,
+                         kv_cache: torch.Tensor, dtype: torch.dtype) -> _KernelPrefillPlan:
     rows = torch.tensor(seqs, dtype=torch.long)
+    table = meta.block_tables[group_id].index_select(0, rows)
+    staged_rows = None
+    if kv_cache.dtype != dtype:
+        # The distinct blocks, staged in this order; the tables renumbered to match.
+        blocks, table = torch.unique(table, return_inverse=True)
+        staged_rows = _kv_rows(blocks, kv_cache.shape[1])
     return _KernelPrefillPlan(
-        kernel, meta.block_tables[group_id].index_select(0, rows).contiguous(),
+        kernel, table.contiguous(),
         torch.tensor([meta.query_start_loc_list[s] for s in seqs]),
         torch.tensor([meta.num_computed[s] for s in seqs]),
-        torch.tensor([meta.seq_lens[s] - meta.num_computed[s] for s in seqs]), window or 0)
+        torch.tensor([meta.seq_lens[s] - meta.num_computed[s] for s in seqs]), window or 0,
+        staged_rows)
 
 
 def _cpu_kernel(kv_cache: torch.Tensor, name: str) -> Callable | None:
@@ -213,7 +236,7 @@ def _cpu_kernel(kv_cache: torch.Tensor, name: str) -> Callable | None:
 
 
 def _group_plan(meta: AttentionMetadata, group_id: int, window: int | None,
-                kv_cache: torch.Tensor) -> _GroupPlan:
+                kv_cache: torch.Tensor, dtype: torch.dtype) -> _GroupPlan:
     block_size, num_blocks = kv_cache.shape[2], kv_cache.shape[1]
     key = (group_id, window, num_blocks)
     plan = meta.plans.get(key)
@@ -229,26 +252,33 @@ def _group_plan(meta: AttentionMetadata, group_id: int, window: int | None,
         else:
             decode = _decode_plan(meta, decodes, group_id, window, block_size, num_blocks)
         kernel = _cpu_kernel(kv_cache, "paged_prefill_attention") if prefills else None
-        limit = _kernel_prefill_max_queries(kv_cache) if kernel else 0
+        limit = _kernel_prefill_max_queries(kv_cache, dtype) if kernel else 0
         short = [s for s in prefills if lens[s] <= limit]
         plan = _GroupPlan(
             decode=decode,
-            kernel_prefill=(_kernel_prefill_plan(meta, short, group_id, window, kernel)
-                            if short else None),
+            kernel_prefill=(_kernel_prefill_plan(meta, short, group_id, window, kernel,
+                                                 kv_cache, dtype) if short else None),
             prefills=tuple(_prefill_plan(meta, s, group_id, window, block_size, num_blocks)
                            for s in prefills if s not in short))
         meta.plans[key] = plan
     return plan
 
 
-def _gather(kv_cache: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
+def _gather(kv_cache: torch.Tensor, kv_rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(2, num_blocks, block_size, Hkv, D) cache -> (2, n * block_size, Hkv, D) of the planned
-    blocks. One index_select over whole pages of a (2 * num_blocks, page) view: measured 3x
-    faster than selecting along dim 1, and advanced indexing is slower still."""
+    blocks, in `dtype` (an fp8 cache's pages converted). One index_select over whole pages of a
+    (2 * num_blocks, page) view: measured 3x faster than selecting along dim 1, and advanced
+    indexing is slower still."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     # (2, num_blocks, block_size, Hkv, D) -> (2 * num_blocks, block_size * Hkv * D)
     pages = kv_cache.view(2 * kv_cache.shape[1], -1)
-    return pages.index_select(0, kv_rows).view(2, -1, num_kv_heads, head_dim)
+    if kv_cache.dtype == dtype:
+        gathered = pages.index_select(0, kv_rows)
+    elif (convert := _cpu_kernel(kv_cache, "gather_fp8_pages")) is not None:
+        gathered = convert(pages, kv_rows, dtype)  # torch's fp8 conversion is scalar
+    else:
+        gathered = pages.index_select(0, kv_rows).to(dtype)
+    return gathered.view(2, -1, num_kv_heads, head_dim)
 
 
 def _attend_decodes(query: torch.Tensor, kv_cache: torch.Tensor,
@@ -272,8 +302,8 @@ def _attend_decodes_torch(query: torch.Tensor, kv_cache: torch.Tensor, plan: _De
     num_heads = query.shape[1]
     group = num_heads // num_kv_heads
     # (2, B * max_keys, Hkv, D) -> (2, B, max_keys, Hkv * D)
-    keys, values = _gather(kv_cache, plan.kv_rows).view(2, num_decodes, -1,
-                                                        num_kv_heads * head_dim)
+    keys, values = _gather(kv_cache, plan.kv_rows, query.dtype).view(
+        2, num_decodes, -1, num_kv_heads * head_dim)
     q = query if num_decodes == query.shape[0] else query[plan.rows]  # (B, Hq, D)
     # Block-diagonal queries (B, Hkv * D, Hq): kv head h's rows hold only its own query heads.
     block_q = q.new_zeros(num_decodes, num_kv_heads, head_dim, num_kv_heads, group)
@@ -296,7 +326,8 @@ def _attend_decodes_torch(query: torch.Tensor, kv_cache: torch.Tensor, plan: _De
 def _attend_prefill(query: torch.Tensor, kv_cache: torch.Tensor, plan: _PrefillPlan,
                     scale: float) -> torch.Tensor:
     # (2, n_tokens, Hkv, D) -> the attended keys only.
-    kv = _gather(kv_cache, plan.kv_rows)[:, plan.first_token:plan.first_token + plan.num_keys]
+    kv = _gather(kv_cache, plan.kv_rows, query.dtype)[
+        :, plan.first_token:plan.first_token + plan.num_keys]
     keys, values = kv[0].transpose(0, 1), kv[1].transpose(0, 1)  # (Hkv, n_keys, D)
     q = query[plan.query_start:plan.query_end].transpose(0, 1)  # (Hq, n_queries, D)
     # A batch dim of 1: 4-D inputs take torch's flash kernel on CPU, 3-D ones the slow math
@@ -311,7 +342,7 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
                     group_id: int, scale: float, sliding_window: int | None) -> torch.Tensor:
     """Attention of the step's queries (num_tokens, num_heads, head_dim) over the paged cache,
     which must already hold this step's K/V. Returns (num_tokens, num_heads, head_dim)."""
-    plan = _group_plan(metadata, group_id, sliding_window, kv_cache)
+    plan = _group_plan(metadata, group_id, sliding_window, kv_cache, query.dtype)
     if plan.decode is not None and not plan.prefills and plan.kernel_prefill is None:
         # Decode-only steps return the batch as is: rows are already in sequence order.
         return _attend_decodes(query, kv_cache, plan.decode, scale)
@@ -320,7 +351,11 @@ def paged_attention(query: torch.Tensor, kv_cache: torch.Tensor, metadata: Atten
     if plan.decode is not None:
         out[plan.decode.rows] = _attend_decodes(query, kv_cache, plan.decode, scale)
     if (kp := plan.kernel_prefill) is not None:  # fills its sequences' rows of `out`
-        kp.kernel(query, kv_cache, kp.block_table, kp.query_start, kp.num_computed,
+        pages = kv_cache
+        if kp.staged_rows is not None:
+            pages = _gather(kv_cache, kp.staged_rows, query.dtype).view(
+                2, -1, *kv_cache.shape[2:])
+        kp.kernel(query, pages, kp.block_table, kp.query_start, kp.num_computed,
                   kp.query_lens, kp.window, scale, out)
     for prefill in plan.prefills:
         out[prefill.query_start:prefill.query_end] = _attend_prefill(query, kv_cache, prefill,

@@ -28,11 +28,11 @@ DISABLE_ENV = "KVTIER_CPU_KERNELS"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
                  for name in ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
-                              "page_copy.cpp"))
+                              "page_copy.cpp", "kv_fp8.cpp"))
 # Included by the sources: part of the build's digest, not compiled on their own.
 _HEADERS = tuple(_CSRC / name
                  for name in ("paged_prefill.h", "paged_prefill_bf16.h",
-                              "paged_prefill_amx.h", "softmax_span.h"))
+                              "paged_prefill_amx.h", "softmax_span.h", "kv_fp8.h"))
 # -ffast-math lets expf vectorize; it is a compile flag only, so the process's floating-point
 # mode is untouched. -march=native: the cache is per machine. -fopenmp: at::parallel_for is
 # inline OpenMP; the extension links libgomp.so.1, which resolves to the copy torch has loaded,
@@ -52,7 +52,10 @@ def ops():
 
     paged_decode_attention(query (B, Hq, D), kv_cache (2, num_blocks, block_size, Hkv, D),
         block_table (B, n) int64, first_key (B,) int64, seq_lens (B,) int64, scale)
-        -> (B, Hq, D): sequence b attends keys [first_key[b], seq_lens[b]).
+        -> (B, Hq, D): sequence b attends keys [first_key[b], seq_lens[b]); the cache has the
+        query's dtype or an fp8 one.
+    gather_fp8_pages(pages (N, P) fp8, rows (n,) int64, dtype) -> (n, P) of dtype: the rows'
+        pages converted (see kvtier/models/attention.py).
     rms_norm(x, weight, eps), silu_and_mul(x), rotary(x (T, H, D), cos (T, D), sin (T, D)):
         see kvtier/models/fused_ops.py.
     load_pages(host (bytes,) uint8, host_offsets (n,) int64, block_ids (n,) int64, caches):

@@ -28,13 +28,16 @@ if TYPE_CHECKING:
     from kvtier.models.config import ModelConfig
 
 
-def build_kv_cache_groups(model_config: ModelConfig, *, block_size: int,
-                          dtype_size: int) -> list[KVCacheGroupSpec]:
+def build_kv_cache_groups(model_config: ModelConfig, *, block_size: int, dtype_size: int,
+                          kv_dtype_size: int | None = None) -> list[KVCacheGroupSpec]:
     """One KV cache group per distinct sliding window, and one for the short-conv layers (a
-    recurrent state per block), numbered as the model numbers them."""
+    recurrent state per block), numbered as the model numbers them. `dtype_size`: bytes of
+    the model dtype (short-conv states); `kv_dtype_size`: of a stored K or V element (None:
+    the same)."""
     groups = []
     for layout in model_config.kv_cache_groups():
-        shape = (block_size, model_config.num_kv_heads, model_config.head_dim, dtype_size)
+        shape = (block_size, model_config.num_kv_heads, model_config.head_dim,
+                 kv_dtype_size or dtype_size)
         spec: KVCacheSpec
         if layout.kind == "short_conv":
             state = (model_config.conv_kernel_size - 1, model_config.hidden_size)
@@ -97,9 +100,10 @@ def _require_fits(num_blocks: int, block_bytes: int, available_bytes: int | None
 
 
 def allocate_kv_caches(config: KVCacheConfig, *, layer_names: Sequence[str], dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
+                       device: torch.device, kv_dtype: torch.dtype | None = None
+                       ) -> list[torch.Tensor]:
     """One zeroed tensor per layer, in the order of `layer_names`; zeros so padded reads are
-    finite."""
+    finite. Attention layers hold `kv_dtype` (None: `dtype`), short-conv states `dtype`."""
     specs = {name: group.kv_cache_spec for group in config.kv_cache_groups
              for name in group.layer_names}
     caches = []
@@ -107,11 +111,11 @@ def allocate_kv_caches(config: KVCacheConfig, *, layer_names: Sequence[str], dty
         spec = specs[name]
         if isinstance(spec, MambaSpec):
             (state_shape,) = spec.state_shapes
-            shape = (1, config.num_blocks, *state_shape)
+            caches.append(_zeros((1, config.num_blocks, *state_shape), dtype, device))
         else:
             # (K|V, num_blocks, block_size, num_kv_heads, head_dim)
             shape = (2, config.num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
-        caches.append(_zeros(shape, dtype, device))
+            caches.append(_zeros(shape, kv_dtype or dtype, device))
     return caches
 
 

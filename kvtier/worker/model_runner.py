@@ -29,6 +29,7 @@ class ModelRunner:
 
     def __init__(self, model: nn.Module, kv_cache_config: KVCacheConfig, *,
                  dtype: torch.dtype, device: torch.device, max_num_seqs: int,
+                 kv_cache_dtype: torch.dtype | None = None,
                  max_num_batched_tokens: int, max_model_len: int, seed: int,
                  eos_token_ids: Sequence[int],
                  connector: KVConnectorWorker | None = None,
@@ -41,7 +42,8 @@ class ModelRunner:
         self.eos_token_ids = tuple(eos_token_ids)
         layer_names = model.config.layer_names
         self.kv_caches = allocate_kv_caches(kv_cache_config, layer_names=layer_names,
-                                            dtype=dtype, device=device)
+                                            dtype=dtype, device=device,
+                                            kv_dtype=kv_cache_dtype)
         if connector is not None:
             connector.register_kv_caches(dict(zip(layer_names, self.kv_caches)))
         block_size = kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size

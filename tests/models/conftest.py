@@ -1,10 +1,18 @@
 import pytest
 import torch
 
-from kvtier.models import load_model
+from kvtier.models import attention, load_model
 
 from ..tiny_models import ARCHS
 from .helpers import make_covering_hf_model
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def attention_path(request, monkeypatch):
+    """The attention tests run twice: through the C++ kernels, then through torch alone."""
+    if request.param == "torch":
+        monkeypatch.setattr(attention, "_cpu_kernel", lambda kv_cache, name: None)
+    return request.param
 
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))

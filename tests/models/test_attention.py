@@ -23,14 +23,6 @@ NUM_BLOCKS = 40
 HEAD_DIM = 8
 
 
-@pytest.fixture(params=["kernel", "torch"])
-def attention_path(request, monkeypatch):
-    """The attention tests run twice: through the C++ kernels, then through torch alone."""
-    if request.param == "torch":
-        monkeypatch.setattr(attention, "_cpu_kernel", lambda kv_cache, name: None)
-    return request.param
-
-
 @pytest.fixture(params=["amx", "vdpbf16ps"])
 def bf16_tiles(request):
     """The bf16 prefill tests run on both tile kinds: AMX tile multiplies where the CPU and the
@@ -217,7 +209,7 @@ def test_long_prefills_take_the_flash_path_beside_kernel_prefills(monkeypatch):
     and a decode share one step and each fills only its own rows."""
     monkeypatch.setattr(attention, "KERNEL_PREFILL_MAX_QUERIES", 40)
     query, kv_cache, metadata, _ = _long_prefill_scenario(64)
-    plan = attention._group_plan(metadata, 0, None, kv_cache)
+    plan = attention._group_plan(metadata, 0, None, kv_cache, kv_cache.dtype)
     if plan.kernel_prefill is not None:  # with the kernels: seqs 1 and 3 there, seq 0 not
         assert plan.kernel_prefill.query_lens.tolist() == [37, 3]
     assert [p.query_end - p.query_start for p in plan.prefills] == (
@@ -247,7 +239,7 @@ def test_prefills_of_shapes_the_kernel_is_not_vectorised_for_take_the_torch_path
     kv_cache = torch.randn(2, sum(counts) + 1, block, 2, head_dim, generator=gen).to(dtype)
     query = torch.randn(sum(query_lens), 4, head_dim, generator=gen).to(dtype)
     metadata = build_attention_metadata(num_computed, query_lens, [tables], block)
-    plan = attention._group_plan(metadata, 0, None, kv_cache)
+    plan = attention._group_plan(metadata, 0, None, kv_cache, kv_cache.dtype)
     assert plan.kernel_prefill is None
     assert [p.query_end - p.query_start for p in plan.prefills] == [12, 3]
     assert isinstance(plan.decode, attention._KernelDecodePlan)
@@ -272,7 +264,7 @@ def test_bf16_prefills_of_any_length_stay_in_the_kernel_where_it_has_bf16_tiles(
         pytest.skip("no vdpbf16ps prefill tiles on this CPU")
     monkeypatch.setattr(attention, "KERNEL_PREFILL_MAX_QUERIES", 40)
     query, kv_cache, metadata, _ = _long_prefill_scenario(64, torch.bfloat16)
-    plan = attention._group_plan(metadata, 0, None, kv_cache)
+    plan = attention._group_plan(metadata, 0, None, kv_cache, kv_cache.dtype)
     assert plan.kernel_prefill.query_lens.tolist() == [45, 37, 3] and plan.prefills == ()
     reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, 0.125,
                                           None)
@@ -309,7 +301,7 @@ def test_bf16_prefill_tiles_share_packed_pages_and_ignore_stale_slots(block, num
         kv_cache[:, tables[-1][-1], (computed + length) % block or block:] = float("nan")
     kv_cache = kv_cache.to(torch.bfloat16)
     metadata = build_attention_metadata(num_computed, query_lens, [tables], block)
-    plan = attention._group_plan(metadata, 0, window, kv_cache)
+    plan = attention._group_plan(metadata, 0, window, kv_cache, kv_cache.dtype)
     assert plan.kernel_prefill is not None and plan.prefills == ()
     query = torch.randn(sum(query_lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
     scale = head_dim ** -0.5
@@ -344,7 +336,8 @@ def test_bf16_few_tiles_over_long_prefixes_split_their_keys_and_match_reference(
         kv_cache[:, table[-1], (num_computed + query_len) % 16 or 16:] = float("nan")
         kv_cache = kv_cache.to(torch.bfloat16)
         metadata = build_attention_metadata([num_computed], [query_len], [[table]], 16)
-        assert attention._group_plan(metadata, 0, window, kv_cache).kernel_prefill is not None
+        plan = attention._group_plan(metadata, 0, window, kv_cache, kv_cache.dtype)
+        assert plan.kernel_prefill is not None
         query = torch.randn(query_len, num_heads, head_dim, generator=gen).to(torch.bfloat16)
         scale = head_dim ** -0.5
         reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0,

@@ -17,22 +17,24 @@ PREFILL = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 def p2p_llm(model_dir: str, role: str, push: str = "request", max_num_batched_tokens: int = 2048,
-            device: str | None = None, **fields) -> LLM:
+            device: str | None = None, kv_cache_dtype: str = "auto", **fields) -> LLM:
     """An fp32 engine of 64 blocks with the P2PConnector in `role`; `fields`: more of its
     kv_transfer_config."""
     extra = {"send_timeout_s": 5.0, "push": push} if role == "kv_producer" else {}
     return LLM(model_dir, dtype="float32", device=device, block_size=BLOCK_SIZE,
                num_device_blocks=64, max_num_batched_tokens=max_num_batched_tokens,
+               kv_cache_dtype=kv_cache_dtype,
                kv_transfer_config={"kv_connector": "P2PConnector", "kv_role": role,
                                    "kv_connector_extra_config": extra, **fields})
 
 
 @contextmanager
-def engine_pair(model_dir: str, device: str | None = None,
+def engine_pair(model_dir: str, device: str | None = None, consumer_kv_cache_dtype: str = "auto",
                 **producer_options) -> Iterator[tuple[LLM, LLM]]:
     """(producer, consumer), shut down on exit; the consumer gives up a load after 2 s."""
     producer = p2p_llm(model_dir, "kv_producer", device=device, **producer_options)
-    consumer = p2p_llm(model_dir, "kv_consumer", device=device, kv_load_timeout_s=2.0)
+    consumer = p2p_llm(model_dir, "kv_consumer", device=device, kv_load_timeout_s=2.0,
+                       kv_cache_dtype=consumer_kv_cache_dtype)
     try:
         yield producer, consumer
     finally:

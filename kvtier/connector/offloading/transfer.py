@@ -170,8 +170,12 @@ class ChunkCopier:
                                                       non_blocking=True)
             start += run.num_blocks
         for layer, cache in enumerate(caches):
-            # (n, parts, *part) -> (parts, n, *part), scattered to the block ids
-            cache.index_copy_(1, ids, pages[:, layer].transpose(0, 1))
+            # (n, parts, *part) -> (parts, n, *part), scattered to the block ids; an fp8 cache
+            # as its bytes (no index_copy_ kernel takes fp8 on the CPU)
+            source = pages[:, layer].transpose(0, 1)
+            if cache.element_size() == 1:
+                cache, source = cache.view(torch.uint8), source.view(torch.uint8)
+            cache.index_copy_(1, ids, source)
 
     def _host_run(self, group_id: int, run: _Run, source: torch.Tensor) -> torch.Tensor:
         """The run's host (`source`) bytes as (num_blocks, num_layers, parts, *part) of the

@@ -14,6 +14,10 @@
 // by one unpack), with the softmax weights rounded to bf16 as the prefill tiles and torch's CPU
 // flash kernel round them: a quarter less compute than converting each row to fp32 (64
 // sequences x 2,048 tokens, cache resident, one thread: 3.9 vs 5.1 ms).
+//
+// An fp8 cache (kv_fp8.h) is read at one byte an element: the generic path converts its rows
+// to fp32, the bf16 tiles convert each page to bf16 into a small buffer first (a page of
+// SmolLM2's: 6 KB, in L1), so the same tiles run on both.
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -26,6 +30,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "kv_fp8.h"
 #include "softmax_span.h"
 
 #if defined(__AVX512BF16__)
@@ -41,8 +46,12 @@ struct Shape {
 
 template <typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst, int64_t n) {
+  if constexpr (kvtier::is_fp8<scalar_t>) {
+    kvtier::fp8_to_f32(src, dst, n);
+  } else {
 #pragma omp simd
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+    for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+  }
 }
 
 // bf16 is the top half of an fp32: a shift the compiler vectorizes (BFloat16's own conversion
@@ -65,8 +74,8 @@ inline void prefetch(const void* start, int64_t bytes) {
 // Attention of one sequence over keys [first, last): each page is converted once, whole (all
 // kv heads, contiguous: the reads stream), and every query head is scored against it.
 // kDim > 0: the head dim as a compile-time constant (fully unrolled inner loops); 0: s.head_dim.
-template <typename scalar_t, int64_t kDim>
-void attend_sequence(const scalar_t* query, const scalar_t* cache, const int64_t* table,
+template <typename scalar_t, typename cache_t, int64_t kDim>
+void attend_sequence(const scalar_t* query, const cache_t* cache, const int64_t* table,
                      int64_t first, int64_t last, const Shape& s, float scale, scalar_t* out,
                      std::vector<float>& scratch) {
   const int64_t heads = s.num_heads, group = s.num_heads / s.num_kv_heads;
@@ -91,7 +100,7 @@ void attend_sequence(const scalar_t* query, const scalar_t* cache, const int64_t
       const int64_t ahead = pos / s.block_size + kPrefetchPages;
       if (ahead * s.block_size < last) {
         prefetch(cache + table[ahead] * page_len + v_offset,
-                 page_len * static_cast<int64_t>(sizeof(scalar_t)));
+                 page_len * static_cast<int64_t>(sizeof(cache_t)));
       }
       // Tokens [lo, hi) of the page, all kv heads, to fp32 rows of Hkv * D.
       load_row(cache + table[pos / s.block_size] * page_len + v_offset + lo * row_len, page,
@@ -150,10 +159,11 @@ inline __m512 sum_each(__m512 v[16]) {
   return _mm512_permutexvar_ps(order, sums);
 }
 
-// attend_sequence for bf16, 16-slot pages and head dim kDim (64 or 128). Scores are kept per
-// page-aligned key: column c of a head's row is key first_page * 16 + c.
-template <int64_t kDim>
-void attend_sequence_bf16(const c10::BFloat16* query, const c10::BFloat16* cache,
+// attend_sequence for bf16 queries over a bf16 or fp8 cache (cache_t), 16-slot pages and head
+// dim kDim (64 or 128). Scores are kept per page-aligned key: column c of a head's row is key
+// first_page * 16 + c.
+template <int64_t kDim, typename cache_t>
+void attend_sequence_bf16(const c10::BFloat16* query, const cache_t* cache,
                           const int64_t* table, int64_t first, int64_t last, const Shape& s,
                           float scale, c10::BFloat16* out, std::vector<float>& scratch) {
   constexpr int64_t kBlock = 16, kPairChunks = kDim / 32, kChunks = kDim / 16;
@@ -162,24 +172,32 @@ void attend_sequence_bf16(const c10::BFloat16* query, const c10::BFloat16* cache
   const int64_t row_len = s.num_kv_heads * kDim, page_len = kBlock * row_len;
   const int64_t first_page = first / kBlock, num_pages = (last + kBlock - 1) / kBlock - first_page;
   const int64_t keys = num_pages * kBlock;
-  scratch.resize(heads * keys + heads * keys / 2 + heads * kDim);
+  constexpr bool kConvert = kvtier::is_fp8<cache_t>;
+  // + an fp8 page converted to bf16 (page_len halves of a float).
+  scratch.resize(heads * keys + heads * keys / 2 + heads * kDim + (kConvert ? page_len / 2 : 0));
   float* scores = scratch.data();  // heads x keys
   uint32_t* weights = reinterpret_cast<uint32_t*>(scores + heads * keys);  // heads x keys / 2
   float* acc = reinterpret_cast<float*>(weights + heads * keys / 2);  // heads x kDim
+  uint16_t* converted = reinterpret_cast<uint16_t*>(acc + heads * kDim);
   const uint16_t* q = reinterpret_cast<const uint16_t*>(query);
-  const uint16_t* base = reinterpret_cast<const uint16_t*>(cache);
   const __m512 scale16 = _mm512_set1_ps(scale);
   // Visits the pages: fn(page index from first_page, first used slot, end slot, slot 0's row).
   auto for_each_page = [&](int64_t v_offset, auto&& fn) {
     for (int64_t page = 0; page < num_pages; ++page) {
       const int64_t page_pos = (first_page + page) * kBlock;
       if (page + kPrefetchPages < num_pages) {
-        prefetch(base + table[first_page + page + kPrefetchPages] * page_len + v_offset,
-                 page_len * static_cast<int64_t>(sizeof(uint16_t)));
+        prefetch(cache + table[first_page + page + kPrefetchPages] * page_len + v_offset,
+                 page_len * static_cast<int64_t>(sizeof(cache_t)));
       }
       const int64_t lo = std::max(first, page_pos) - page_pos;
       const int64_t hi = std::min(last, page_pos + kBlock) - page_pos;
-      fn(page, lo, hi, base + table[first_page + page] * page_len + v_offset);
+      const cache_t* rows = cache + table[first_page + page] * page_len + v_offset;
+      if constexpr (kConvert) {
+        kvtier::fp8_to_bf16(rows, converted, page_len);
+        fn(page, lo, hi, static_cast<const uint16_t*>(converted));
+      } else {
+        fn(page, lo, hi, reinterpret_cast<const uint16_t*>(rows));
+      }
     }
   };
   for_each_page(0, [&](int64_t page, int64_t, int64_t, const uint16_t* rows) {
@@ -268,20 +286,49 @@ void attend_sequence_bf16(const c10::BFloat16* query, const c10::BFloat16* cache
 #endif  // __AVX512BF16__
 
 // Runs the sequences through attend_sequence_bf16 when it can take them; false: the generic one.
-template <typename scalar_t, typename Run>
-bool run_bf16_sequences(const scalar_t*, const Shape&, const Run&) {
+template <typename scalar_t, typename cache_t, typename Run>
+bool run_bf16_sequences(const scalar_t*, const cache_t*, const Shape&, const Run&) {
   return false;
 }
 
 #if defined(__AVX512BF16__)
-template <typename Run>
-bool run_bf16_sequences(const c10::BFloat16*, const Shape& s, const Run& run) {
-  if (s.block_size != 16 || (s.head_dim != 64 && s.head_dim != 128)) return false;
-  if (s.head_dim == 64) run(attend_sequence_bf16<64>);
-  else run(attend_sequence_bf16<128>);
-  return true;
+template <typename cache_t, typename Run>
+bool run_bf16_sequences(const c10::BFloat16*, const cache_t*, const Shape& s, const Run& run) {
+  if constexpr (std::is_same_v<cache_t, c10::BFloat16> || kvtier::is_fp8<cache_t>) {
+    if (s.block_size != 16 || (s.head_dim != 64 && s.head_dim != 128)) return false;
+    if (s.head_dim == 64) run(attend_sequence_bf16<64, cache_t>);
+    else run(attend_sequence_bf16<128, cache_t>);
+    return true;
+  }
+  return false;
 }
 #endif
+
+// Every sequence of the batch, queries scalar_t, cache cache_t.
+template <typename scalar_t, typename cache_t>
+void attend_all(const at::Tensor& query, const at::Tensor& kv_cache, const int64_t* table,
+                const int64_t* firsts, const int64_t* lens, const Shape& s, double scale,
+                at::Tensor& out) {
+  const scalar_t* q = query.data_ptr<scalar_t>();
+  const cache_t* cache = kv_cache.data_ptr<cache_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  const int64_t seq_stride = s.num_heads * s.head_dim;
+  auto run = [&](auto attend) {
+    at::parallel_for(0, query.size(0), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch;
+      for (int64_t b = begin; b < end; ++b) {
+        attend(q + b * seq_stride, cache, table + b * s.max_blocks, firsts[b], lens[b], s,
+               static_cast<float>(scale), o + b * seq_stride, scratch);
+      }
+    });
+  };
+  if (run_bf16_sequences(q, cache, s, run)) return;
+  switch (s.head_dim) {
+    case 64: run(attend_sequence<scalar_t, cache_t, 64>); break;
+    case 128: run(attend_sequence<scalar_t, cache_t, 128>); break;
+    default: run(attend_sequence<scalar_t, cache_t, 0>);
+  }
+}
 
 // query (B, Hq, D); kv_cache (2, num_blocks, block_size, Hkv, D); block_table (B, max_blocks)
 // int64; first_key, seq_lens (B,) int64: sequence b attends keys [first_key[b], seq_lens[b]).
@@ -292,11 +339,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
               "(2, num_blocks, block_size, Hkv, D)");
   TORCH_CHECK(query.is_contiguous() && kv_cache.is_contiguous() && block_table.is_contiguous(),
               "query, kv_cache and block_table must be contiguous");
-  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type(), "query and kv_cache dtypes differ");
+  const at::ScalarType cache_type = kv_cache.scalar_type();
+  TORCH_CHECK(cache_type == query.scalar_type() || cache_type == at::kFloat8_e4m3fn ||
+                  cache_type == at::kFloat8_e5m2,
+              "kv_cache must have the query's dtype or be float8_e4m3fn / float8_e5m2");
   TORCH_CHECK(block_table.scalar_type() == at::kLong && first_key.scalar_type() == at::kLong &&
                   seq_lens.scalar_type() == at::kLong,
               "block_table, first_key and seq_lens must be int64");
-  const int64_t batch = query.size(0);
   Shape s{query.size(1), kv_cache.size(3), kv_cache.size(4), kv_cache.size(2),
           block_table.size(1), kv_cache.stride(0)};
   TORCH_CHECK(query.size(2) == s.head_dim && s.num_heads % s.num_kv_heads == 0,
@@ -307,24 +356,13 @@ at::Tensor paged_decode_attention(const at::Tensor& query, const at::Tensor& kv_
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode",
                                   [&] {
-    const scalar_t* q = query.data_ptr<scalar_t>();
-    const scalar_t* cache = kv_cache.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const int64_t seq_stride = s.num_heads * s.head_dim;
-    auto run = [&](auto attend) {
-      at::parallel_for(0, batch, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> scratch;
-        for (int64_t b = begin; b < end; ++b) {
-          attend(q + b * seq_stride, cache, table + b * s.max_blocks, firsts[b], lens[b], s,
-                 static_cast<float>(scale), o + b * seq_stride, scratch);
-        }
-      });
-    };
-    if (run_bf16_sequences(q, s, run)) return;
-    switch (s.head_dim) {
-      case 64: run(attend_sequence<scalar_t, 64>); break;
-      case 128: run(attend_sequence<scalar_t, 128>); break;
-      default: run(attend_sequence<scalar_t, 0>);
+    if (cache_type == at::kFloat8_e4m3fn) {
+      attend_all<scalar_t, c10::Float8_e4m3fn>(query, kv_cache, table, firsts, lens, s, scale,
+                                               out);
+    } else if (cache_type == at::kFloat8_e5m2) {
+      attend_all<scalar_t, c10::Float8_e5m2>(query, kv_cache, table, firsts, lens, s, scale, out);
+    } else {
+      attend_all<scalar_t, scalar_t>(query, kv_cache, table, firsts, lens, s, scale, out);
     }
   });
   return out;

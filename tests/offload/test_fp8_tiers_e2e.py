@@ -1,0 +1,79 @@
+"""An fp8 KV cache (--kv-cache-dtype fp8) through the tiers: evicted blocks come back from host
+memory and from a shared fs directory at one byte an element, the answers equal HF transformers
+(fp32) over K and V rounded the same way, and an instance storing another format shares the
+directory without reading a chunk of it (the format is part of the KV identity)."""
+
+import pytest
+import torch
+
+from kvtier import LLM, SamplingParams
+
+from ..tiny_models import hf_greedy_rounded_kv, make_hf_model, random_prompts
+
+PROMPT_LEN = 30  # 7 loadable blocks of 4 (the last token is always recomputed)
+LOADABLE = 28
+# layers * (K, V) * block * kv heads * head dim * one byte
+CHUNK_BYTES = 2 * 2 * 4 * 2 * 16 * 1
+MAX_TOKENS = 5
+PARAMS = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    hf = make_hf_model("llama", directory, max_position_embeddings=512)
+    prompts = random_prompts(8, PROMPT_LEN)
+    return str(directory), prompts, hf_greedy_rounded_kv(hf, prompts, MAX_TOKENS,
+                                                         torch.float8_e4m3fn)
+
+
+def _llm(model_dir, kv_offload, kv_cache_dtype="fp8"):
+    # 24 device blocks hold 3 of the 8-block prompts: earlier ones get evicted from the device.
+    return LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=24, max_num_seqs=2,
+               kv_cache_dtype=kv_cache_dtype, kv_offload=kv_offload)
+
+
+def _generate(llm, prompts):
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+    return [o.outputs[0].token_ids for o in outputs], [o.num_cached_tokens for o in outputs]
+
+
+def _flush(llm):
+    llm.engine.step()  # the worker half fences the last step's copies and reports them
+    assert llm.engine.scheduler.connector.flush(timeout_s=30), "cascade to the tiers hangs"
+
+
+def _bytes(llm, direction):
+    return llm.get_metrics().get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
+
+
+def test_evicted_fp8_blocks_reload_from_host(model):
+    model_dir, prompts, expected = model
+    llm = _llm(model_dir, "host=1MiB")
+    try:
+        assert _generate(llm, prompts[:4]) == (expected[:4], [0, 0, 0, 0])
+        assert _generate(llm, prompts[:1]) == (expected[:1], [LOADABLE])
+        assert _bytes(llm, "host_to_device") == 7 * CHUNK_BYTES
+    finally:
+        llm.engine.shutdown()
+
+
+def test_an_fs_directory_serves_its_format_only(model, tmp_path):
+    model_dir, prompts, expected = model
+    tier = f"host=1MiB,fs={tmp_path}:1MiB,write=through"
+    writer = _llm(model_dir, tier)
+    try:
+        assert _generate(writer, prompts[:2])[0] == expected[:2]
+        _flush(writer)
+    finally:
+        writer.engine.shutdown()
+    other = _llm(model_dir, tier, kv_cache_dtype="fp8_e5m2")
+    try:
+        assert _generate(other, prompts[:2])[1] == [0, 0]  # nothing of fp8_e4m3's is read
+    finally:
+        other.engine.shutdown()
+    reader = _llm(model_dir, tier)
+    try:
+        assert _generate(reader, prompts[:2]) == (expected[:2], [LOADABLE, LOADABLE])
+    finally:
+        reader.engine.shutdown()
