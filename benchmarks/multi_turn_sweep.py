@@ -96,6 +96,8 @@ class SweepConfig:
     # The request shape ("chat", "completions", "responses": previous_response_id turns, or
     # "messages": Anthropic's Messages API).
     api: str = "chat"
+    # Both engines' --kv-cache-dtype (auto, fp8, fp8_e4m3, fp8_e5m2).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.configs if c not in CONFIGS + EXTRA_CONFIGS]
@@ -117,6 +119,7 @@ def kvtier_command(config: SweepConfig, name: str, port: int, disk_dir: Path) ->
     command = [sys.executable, "-m", "kvtier.entrypoints.cli", "serve", "--host", "127.0.0.1",
                "--port", str(port), "--dtype", "bfloat16",
                "--kv-cache-memory-bytes", str(device_kv_bytes(config, name)),
+               "--kv-cache-dtype", config.kv_cache_dtype,
                "--max-model-len", str(config.max_model_len),
                "--block-size", str(config.kvtier_block_size), "--uvicorn-log-level", "warning"]
     if name == "host":
@@ -138,6 +141,7 @@ def running_server(config: SweepConfig, name: str) -> Iterator[ServerProcess]:
         peer = PeerServerConfig(kv_cache_memory_bytes=device_kv_bytes(config, name),
                                 max_model_len=config.max_model_len,
                                 block_size=config.vllm_block_size, log_path=log_path,
+                                kv_cache_dtype=config.kv_cache_dtype,
                                 enable_responses_store=config.api == "responses",
                                 startup_timeout_s=config.startup_timeout_s)
         with peer_server(peer) as server:
@@ -182,7 +186,8 @@ async def sweep_all(config: SweepConfig, urls: dict[str, str]) -> list[dict]:
                           f"{IDLE_TIMEOUT_S:.0f} s; ran anyway -->", flush=True)
                 runs[name].append(await run_multi_turn(workload, target, label=f"{name} n={n}"))
         for name, done in runs.items():
-            reports.append({"config": name, **median_run(done)})
+            reports.append({"config": name, "kv_cache_dtype": config.kv_cache_dtype,
+                            **median_run(done)})
             print(table_row(reports[-1]), flush=True)
         save_reports(config, reports)  # survive a later crash
     return reports
@@ -329,6 +334,9 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
                    help="request shape; responses sends each later turn's new messages with "
                         "the previous_response_id (vLLM runs with its responses store on); "
                         "messages is Anthropic's Messages API")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                   default="auto", help="both engines' KV cache format (fp8: one byte an "
+                                        "element, twice the tokens in the device KV)")
     p.add_argument("--device-kv-bytes", type=int, default=384 << 20,
                    help="device KV budget of every configuration but the -full ones (SmolLM2 "
                         "bf16: 23,040 B/token)")
@@ -368,7 +376,7 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
         vllm_block_size=a.vllm_block_size, repeats=a.repeats, repeat_up_to=a.repeat_up_to,
         startup_timeout_s=a.startup_timeout,
         run_timeout_s=a.run_timeout, out_json=a.out_json, out_plot=a.out_plot,
-        log_dir=a.log_dir, api=a.api)
+        log_dir=a.log_dir, api=a.api, kv_cache_dtype=a.kv_cache_dtype)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,8 @@ class PeerServerConfig:
     kv_cache_memory_bytes: int = 1 << 30
     max_model_len: int = 8192
     block_size: int | None = None
+    # vLLM's --kv-cache-dtype: auto (the model's), fp8 / fp8_e4m3, fp8_e5m2.
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     startup_timeout_s: float = 600.0
     log_path: Path = Path("/tmp/kvtier-peer-vllm.log")
@@ -61,6 +63,7 @@ def server_command(config: PeerServerConfig, port: int) -> list[str]:
         "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
         "--max-model-len", str(config.max_model_len),
         "--kv-cache-memory-bytes", str(config.kv_cache_memory_bytes),
+        "--kv-cache-dtype", config.kv_cache_dtype,
         "--enable-prefix-caching" if config.enable_prefix_caching else "--no-enable-prefix-caching",
     ]
     if config.block_size is not None:
