@@ -361,7 +361,11 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
     p.add_argument("--out-plot", type=Path, default=DEFAULT_PLOT)
     p.add_argument("--log-dir", type=Path, default=Path("/tmp/kvtier-sweep-logs"))
     p.set_defaults(**WORKLOADS[p.parse_known_args(argv)[0].workload])
-    a = p.parse_args(argv)
+    return sweep_config(p.parse_args(argv))
+
+
+def sweep_config(a: argparse.Namespace) -> SweepConfig:
+    """The SweepConfig of parsed options."""
     workload = MultiTurnConfig(num_turns=a.num_turns, system_prompt_tokens=a.system_prompt_tokens,
                                context_tokens=a.context_tokens, user_tokens=a.user_tokens,
                                output_tokens=a.output_tokens, think_time_s=a.think_time,

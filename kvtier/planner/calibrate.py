@@ -84,7 +84,8 @@ class BatchRuns:
 
 def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
               disk_dir: str | None = None, repeats: int = 2, block_size: int = 16,
-              kv_offload: str | None = None, served_url: str | None = None) -> Calibration:
+              kv_offload: str | None = None, served_url: str | None = None,
+              kv_cache_dtype: str = "auto") -> Calibration:
     """Measure and fit. Measure with the block size the engine will serve with: the attention
     kernels differ by block size (the vectorised CPU ones take 16-token blocks), and so do the
     step costs. With `kv_offload` (the engine's flag) each batch also runs, right after, in a
@@ -99,7 +100,8 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
     server = None if served_url is None else ServedClient(
         served_url, read_model_config(model).vocab_size)
     engines = [LLM(model, dtype=dtype, device=device, block_size=block_size,
-                   enable_prefix_caching=offload is not None, kv_offload=offload).engine
+                   kv_cache_dtype=kv_cache_dtype, enable_prefix_caching=offload is not None,
+                   kv_offload=offload).engine
                for offload in dict.fromkeys([None, kv_offload])]
     try:
         measurements, runs = _measure_steps(engines, server, repeats)
@@ -110,12 +112,14 @@ def calibrate(model: str | None, dtype: str = "auto", device: str | None = None,
     loads = {"host": _host_copy_s_per_byte(), "disk": _disk_read_s_per_byte(disk_dir)}
     loads["fs"] = loads["disk"]
     cost = CostModel(base, per_token, per_seq, loads, model=model or "SmolLM2-135M-Instruct",
-                     machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {dtype}, "
+                     machine=f"{platform.machine()}, {os.cpu_count()} CPUs, {dtype}, KV "
+                             f"{kv_cache_dtype}, "
                              f"device {device or 'default'}, kv_offload {kv_offload}",
                      prefill_s_per_pair=per_pair, decode_s_per_context_token=per_context)
     if kv_offload is not None:
         offload = OffloadConfig.from_extra_config(parse_kv_offload(kv_offload))
-        per_block = model_kv(model, block_size, "bfloat16" if dtype == "auto" else dtype)
+        per_block = model_kv(model, block_size, "bfloat16" if dtype == "auto" else dtype,
+                             kv_cache_dtype=kv_cache_dtype)
         stored = {batch: repeats * stored_bytes(batch, offload, block_size,
                                                 per_block.bytes_per_block) for batch in runs}
         cost = replace(cost, store_s_per_byte=store_costs(runs, stored, offload,

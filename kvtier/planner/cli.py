@@ -72,7 +72,10 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="HF model directory (config.json alone is enough to plan), its "
                              "config.json, or a .gguf file (default: SmolLM2-135M)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
-                        default="auto", help="KV cache dtype (auto: bfloat16, as the engine)")
+                        default="auto", help="model dtype (auto: bfloat16, as the engine)")
+    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+                        default="auto", help="how K and V are stored, as the engine's flag "
+                                             "(auto: the dtype; fp8: one byte an element)")
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -164,7 +167,8 @@ def _plan_config(args: argparse.Namespace) -> PlanConfig:
     offload = (None if args.kv_offload is None else OffloadConfig.from_extra_config(
         parse_kv_offload(_with_directories(args.kv_offload))))
     model = model_kv(args.model, args.block_size,
-                     "bfloat16" if args.dtype == "auto" else args.dtype, args.max_model_len)
+                     "bfloat16" if args.dtype == "auto" else args.dtype, args.max_model_len,
+                     args.kv_cache_dtype)
     scaling = TraceScaling(tokens_per_block=args.tokens_per_block, time_scale=args.time_scale,
                            max_requests=args.max_requests,
                            max_output_tokens=args.max_output_tokens,
@@ -210,7 +214,8 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     if args.served_url is not None:
         check_http_url(args.served_url, "--served-url")
     result = calibrate(args.model, args.dtype, args.device, args.disk_dir,
-                       block_size=args.block_size, kv_offload=args.kv_offload,
+                       block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
+                       kv_offload=args.kv_offload,
                        served_url=args.served_url)
     write_cost_model(result.cost, args.output, result.measurements, result.served_measurements)
     print(json.dumps(result.cost.to_json(), indent=2))

@@ -11,6 +11,8 @@ from kvtier.kv import KVCacheConfig, KVCacheGroupSpec
 from kvtier.models.config import ModelConfig
 
 DTYPE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# --kv-cache-dtype: bytes of a stored K or V element (auto: the dtype's).
+KV_CACHE_DTYPE_SIZES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # The simulation runs the engine's block pool, which builds an object per device block (about
 # 110 bytes and a microsecond each): past this many a huge --device-kv would allocate until the
 # machine runs out of memory. 4M blocks (64M tokens at 16 a block) build in a few seconds.
@@ -87,12 +89,15 @@ def _gguf_config(path: str, name: str) -> ModelConfig:
 
 
 def model_kv(model: str | None, block_size: int = 16, dtype: str = "bfloat16",
-             max_model_len: int | None = None) -> ModelKV:
+             max_model_len: int | None = None, kv_cache_dtype: str = "auto") -> ModelKV:
     """The engine's KV cache groups for `model` (see read_model_config)."""
     from kvtier.worker.kv_cache import build_kv_cache_groups
 
     if dtype not in DTYPE_SIZES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_SIZES)}, got {dtype!r}")
+    if kv_cache_dtype != "auto" and kv_cache_dtype not in KV_CACHE_DTYPE_SIZES:
+        raise ValueError(f"kv_cache_dtype must be auto or one of "
+                         f"{sorted(KV_CACHE_DTYPE_SIZES)}, got {kv_cache_dtype!r}")
     config = read_model_config(model)
     limit = config.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
@@ -100,5 +105,6 @@ def model_kv(model: str | None, block_size: int = 16, dtype: str = "bfloat16",
         # cannot start.
         raise ValueError(f"max_model_len={max_model_len} is longer than the model's "
                          f"max_position_embeddings ({limit}); use at most {limit}")
-    groups = build_kv_cache_groups(config, block_size=block_size, dtype_size=DTYPE_SIZES[dtype])
+    groups = build_kv_cache_groups(config, block_size=block_size, dtype_size=DTYPE_SIZES[dtype],
+                                   kv_dtype_size=KV_CACHE_DTYPE_SIZES.get(kv_cache_dtype))
     return ModelKV(config.name, tuple(groups), max_model_len or limit)

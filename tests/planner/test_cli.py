@@ -55,6 +55,28 @@ def test_plans_a_70b_model_from_its_config_alone(tmp_path, capsys):
     assert report["hit_rate"]["device"] == pytest.approx(report["hit_rate"]["ceiling"])
 
 
+def test_an_fp8_kv_cache_plans_half_the_bytes_per_token(tmp_path, capsys):
+    (tmp_path / "llama70b").mkdir()
+    (tmp_path / "llama70b" / "config.json").write_text(json.dumps(LLAMA_70B))
+    out = tmp_path / "plan.json"
+    code = cli.main(["plan", "--trace", str(TRACE), "--model", str(tmp_path / "llama70b"),
+                     "--kv-cache-dtype", "fp8", "--device-kv", "40GiB", "--hits-only",
+                     "--output-json", str(out)])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads(out.read_text())["working_set"]["bytes_per_token"] == 2 * 80 * 8 * 128
+
+
+def test_the_planned_block_is_the_engines_with_an_fp8_cache(model_dir):
+    from kvtier import LLM
+
+    llm = LLM(model_dir, dtype="float32", block_size=4, num_device_blocks=8,
+              kv_cache_dtype="fp8_e5m2")
+    planned = model_kv(model_dir, 4, "float32", kv_cache_dtype="fp8_e5m2").bytes_per_block
+    assert planned == sum(cache[:, 0].numel() * cache.element_size()
+                          for cache in llm.engine.runner.kv_caches)
+    assert planned * 4 == model_kv(model_dir, 4, "float32").bytes_per_block
+
+
 def test_timing_follows_the_cost_model(model_dir, tmp_path):
     trace = tmp_path / "one.jsonl"
     trace.write_text('{"timestamp": 0, "input_length": 1536, "output_length": 3, '
