@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks in one run: the `-m gpu` tests (model parity on CUDA, the offloading connector's
-# and the P2P connector's copies between CUDA blocks and host memory, end to end against HF;
-# LoRA adapters on CUDA against the CPU).
+# The GPU checks in one run: the `-m gpu` tests (model parity on CUDA, an fp8 KV cache on CUDA,
+# the offloading connector's and the P2P connector's copies between CUDA blocks and host memory,
+# end to end against HF; LoRA adapters on CUDA against the CPU).
 #
 #   bash scripts/gpu_check.sh --fetch-wheels   # on a machine with PyPI: the packages a CUDA
 #                                              # machine's image lacks, as wheels into .whl/

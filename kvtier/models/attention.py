@@ -20,6 +20,10 @@ decode kernel, decodes are gathered into one padded batch and run through two ba
 a softmax between them.
 Sliding window: a query at position p attends keys in (p - window, p]; blocks wholly before the
 window are not read at all.
+An fp8 cache (--kv-cache-dtype) holds K and V rounded to its format (write_kv). The decode kernel
+reads its pages as they are; every other path reads the blocks it needs converted to the query
+dtype first (the C++ gather_fp8_pages, or torch): a prefill computes far more per key than it
+reads, so the copy costs little (a 128-token chunk over 1,024 cached tokens: 0.7 vs 0.6 ms).
 
 The plans depend only on the step's metadata, the group and its window, so they are built once
 per step and group and shared by all layers of the group.

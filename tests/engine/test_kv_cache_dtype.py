@@ -98,3 +98,15 @@ def test_an_unknown_format_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, "
                                          "fp8_e5m2, got 'int4'"):
         EngineConfig.create(kv_cache_dtype="int4")
+
+
+@pytest.mark.gpu
+def test_fp8_on_cuda_equals_hf_over_rounded_kv(reference):
+    """The device-agnostic paths: write_kv's byte copy, pages converted by torch."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _, directory, prompts, expected, _ = reference
+    llm = LLM(directory, dtype="float32", block_size=4, num_device_blocks=128, device="cuda",
+              kv_cache_dtype="fp8", max_num_batched_tokens=7)
+    assert run(llm, prompts) == expected["fp8"]
+    assert run(llm, prompts) == expected["fp8"]
