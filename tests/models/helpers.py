@@ -20,6 +20,20 @@ ARCH_OVERRIDES = {"llama": {"attention_bias": True}, "qwen2": {"sliding_window":
                   "qwen3": {"tie_word_embeddings": True}, "mistral": {}}
 
 
+def scattered_decodes(seq_lens: list[int], num_blocks: int, block: int,
+                      gen: torch.Generator):
+    """Metadata of one decode per sequence of `seq_lens` tokens, each sequence's blocks drawn
+    at random from 1..num_blocks - 1 (block 0 is the null block)."""
+    order = torch.randperm(num_blocks - 1, generator=gen).tolist()
+    tables, used = [], 0
+    for n in seq_lens:
+        pages = -(-n // block)
+        tables.append([b + 1 for b in order[used:used + pages]])
+        used += pages
+    return build_attention_metadata([n - 1 for n in seq_lens], [1] * len(seq_lens), [tables],
+                                    block)
+
+
 def make_covering_hf_model(arch: str, directory, seed: int = 0, **overrides):
     """tiny_models.make_hf_model with ARCH_OVERRIDES[arch], then `overrides`, applied."""
     return make_hf_model(arch, directory, seed, **{**ARCH_OVERRIDES[arch], **overrides})

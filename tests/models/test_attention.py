@@ -16,7 +16,7 @@ from kvtier.models import (
     write_kv,
 )
 
-from .helpers import PagedDriver
+from .helpers import PagedDriver, scattered_decodes
 
 BLOCK = 4
 NUM_BLOCKS = 40
@@ -76,14 +76,7 @@ def test_bf16_decodes_on_16_slot_pages_match_fp32_reference(num_heads, num_kv_he
     gen = torch.Generator().manual_seed(4)
     kv_cache = torch.randn(2, 48, 16, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
     seq_lens = [1, 16, 17, 100, 37]
-    order = torch.randperm(47, generator=gen).tolist()
-    tables, used = [], 0
-    for n in seq_lens:
-        pages = -(-n // 16)
-        tables.append([b + 1 for b in order[used:used + pages]])  # block 0: the null block
-        used += pages
-    metadata = build_attention_metadata([n - 1 for n in seq_lens], [1] * len(seq_lens),
-                                        [tables], 16)
+    metadata = scattered_decodes(seq_lens, 48, 16, gen)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
     scale = head_dim ** -0.5
     reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, scale,

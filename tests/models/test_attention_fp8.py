@@ -14,6 +14,8 @@ from kvtier.models import (
     write_kv,
 )
 
+from .helpers import scattered_decodes
+
 FORMATS = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 
@@ -51,14 +53,7 @@ def _decode_case(fmt: torch.dtype, head_dim: int, num_heads: int, num_kv_heads: 
     gen = torch.Generator().manual_seed(4)
     kv_cache = _fp8_cache((2, 48, 16, num_kv_heads, head_dim), fmt, gen)
     seq_lens = [1, 16, 17, 100, 37]
-    order = torch.randperm(47, generator=gen).tolist()
-    tables, used = [], 0
-    for n in seq_lens:
-        pages = -(-n // 16)
-        tables.append([b + 1 for b in order[used:used + pages]])  # block 0: the null block
-        used += pages
-    metadata = build_attention_metadata([n - 1 for n in seq_lens], [1] * len(seq_lens),
-                                        [tables], 16)
+    metadata = scattered_decodes(seq_lens, 48, 16, gen)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen)
     return query, kv_cache, metadata
 

@@ -1,4 +1,5 @@
-"""Chunks, keys and configs for the tiering tests, and the worker's side of a store."""
+"""Chunks, keys and configs for the tiering tests, the worker's side of a store, and running an
+engine with tiers."""
 
 import itertools
 import time
@@ -137,3 +138,20 @@ def stored_bytes(manager: TieringManager, tier: str) -> int:
     """Bytes the manager has written from host memory to `tier`."""
     name = f'kvtier:offload_bytes_total{{direction="host_to_{tier}"}}'
     return manager.metrics.snapshot().get(name, 0)
+
+
+def generate(llm, prompts: list[list[int]], params) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's tokens and cached-token count, the engine checked after."""
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    llm.engine.check_invariants()
+    return [o.outputs[0].token_ids for o in outputs], [o.num_cached_tokens for o in outputs]
+
+
+def flushed(llm) -> None:
+    """Every chunk the engine computed has reached its tiers."""
+    llm.engine.step()  # the worker half fences the last step's copies and reports them
+    assert llm.engine.scheduler.connector.flush(timeout_s=30), "cascade to the tiers hangs"
+
+
+def offload_bytes(llm, direction: str) -> float:
+    return llm.get_metrics().get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)

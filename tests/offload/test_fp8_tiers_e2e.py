@@ -9,6 +9,7 @@ import torch
 from kvtier import LLM, SamplingParams
 
 from ..tiny_models import hf_greedy_rounded_kv, make_hf_model, random_prompts
+from .offload_helpers import flushed, generate, offload_bytes
 
 PROMPT_LEN = 30  # 7 loadable blocks of 4 (the last token is always recomputed)
 LOADABLE = 28
@@ -34,17 +35,7 @@ def _llm(model_dir, kv_offload, kv_cache_dtype="fp8"):
 
 
 def _generate(llm, prompts):
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
-    return [o.outputs[0].token_ids for o in outputs], [o.num_cached_tokens for o in outputs]
-
-
-def _flush(llm):
-    llm.engine.step()  # the worker half fences the last step's copies and reports them
-    assert llm.engine.scheduler.connector.flush(timeout_s=30), "cascade to the tiers hangs"
-
-
-def _bytes(llm, direction):
-    return llm.get_metrics().get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
+    return generate(llm, prompts, PARAMS)
 
 
 def test_evicted_fp8_blocks_reload_from_host(model):
@@ -53,7 +44,7 @@ def test_evicted_fp8_blocks_reload_from_host(model):
     try:
         assert _generate(llm, prompts[:4]) == (expected[:4], [0, 0, 0, 0])
         assert _generate(llm, prompts[:1]) == (expected[:1], [LOADABLE])
-        assert _bytes(llm, "host_to_device") == 7 * CHUNK_BYTES
+        assert offload_bytes(llm, "host_to_device") == 7 * CHUNK_BYTES
     finally:
         llm.engine.shutdown()
 
@@ -64,7 +55,7 @@ def test_an_fs_directory_serves_its_format_only(model, tmp_path):
     writer = _llm(model_dir, tier)
     try:
         assert _generate(writer, prompts[:2])[0] == expected[:2]
-        _flush(writer)
+        flushed(writer)
     finally:
         writer.engine.shutdown()
     other = _llm(model_dir, tier, kv_cache_dtype="fp8_e5m2")

@@ -10,6 +10,7 @@ import torch
 from kvtier import LLM, SamplingParams
 
 from ..tiny_models import hf_greedy, make_hf_model, make_lfm2_model, random_prompts
+from .offload_helpers import flushed, generate, offload_bytes
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -36,18 +37,7 @@ def _llm(model_dir, num_device_blocks=24, **kwargs):
 
 
 def _generate(llm, prompts):
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
-    llm.engine.check_invariants()
-    return [o.outputs[0].token_ids for o in outputs], [o.num_cached_tokens for o in outputs]
-
-
-def _flushed(llm):
-    llm.engine.step()  # the worker half fences the last step's copies and reports them
-    assert llm.engine.scheduler.connector.flush(timeout_s=30), "cascade to the tiers hangs"
-
-
-def _bytes(llm, direction):
-    return llm.get_metrics().get(f'kvtier:offload_bytes_total{{direction="{direction}"}}', 0.0)
+    return generate(llm, prompts, PARAMS)
 
 
 def test_evicted_from_device_reloads_from_host_on_cuda(llama):
@@ -57,8 +47,8 @@ def test_evicted_from_device_reloads_from_host_on_cuda(llama):
         assert llm.engine.runner.connector._copier.stream is not None  # the side stream
         assert _generate(llm, prompts[:4]) == (expected[:4], [0, 0, 0, 0])
         assert _generate(llm, prompts[:1]) == (expected[:1], [LOADABLE])
-        assert _bytes(llm, "host_to_device") == 7 * CHUNK_BYTES
-        assert _bytes(llm, "device_to_host") == 4 * 8 * CHUNK_BYTES
+        assert offload_bytes(llm, "host_to_device") == 7 * CHUNK_BYTES
+        assert offload_bytes(llm, "device_to_host") == 4 * 8 * CHUNK_BYTES
     finally:
         llm.engine.shutdown()
 
@@ -74,7 +64,7 @@ def test_a_restart_on_a_disk_tier_loads_its_chunks_into_cuda_blocks(llama, tmp_p
     first = _llm(model_dir, kv_transfer_config=tiers)
     try:
         _generate(first, prompts[:1])
-        _flushed(first)
+        flushed(first)
     finally:
         first.engine.shutdown()
     llm = _llm(model_dir, kv_transfer_config=tiers)
@@ -85,7 +75,7 @@ def test_a_restart_on_a_disk_tier_loads_its_chunks_into_cuda_blocks(llama, tmp_p
         assert _generate(llm, prompts[:1]) == (expected[:1], [LOADABLE])
         mapped = direct_loads and tier._mapping is not None
         moved = "disk_to_device" if mapped else "disk_to_host"
-        assert _bytes(llm, moved) == 7 * CHUNK_BYTES
+        assert offload_bytes(llm, moved) == 7 * CHUNK_BYTES
     finally:
         llm.engine.shutdown()
 
@@ -99,6 +89,6 @@ def test_hybrid_conv_states_reload_from_host_on_cuda(tmp_path):
     try:
         assert _generate(llm, prompts[:4]) == (expected[:4], [0, 0, 0, 0])
         assert _generate(llm, prompts[:1]) == (expected[:1], [LOADABLE])
-        assert _bytes(llm, "host_to_device") > 0
+        assert offload_bytes(llm, "host_to_device") > 0
     finally:
         llm.engine.shutdown()
