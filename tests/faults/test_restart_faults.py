@@ -26,7 +26,8 @@ STORE_DEADLINE_S = 60.0
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     directory = str(tmp_path_factory.mktemp("restart_model"))
-    make_hf_model("llama", directory, tokenizer="bytes")
+    # Room for a stream that outlasts a second (test_a_forced_quit_ends_cleanly_...).
+    make_hf_model("llama", directory, tokenizer="bytes", max_position_embeddings=2048)
     return directory
 
 
@@ -142,7 +143,7 @@ def test_a_forced_quit_ends_cleanly_and_keeps_write_back_chunks(model_dir, tmp_p
     offload = f"host=64MiB,disk={tier_dir}:64MiB,write=back"
     first = ServerProcess(model_dir, "--kv-offload", offload)
     stream = httpx.stream("POST", f"{first.url}/v1/completions", timeout=120, json={
-        "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+        "prompt": PROMPTS[0], "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
         "stream": True})
     try:
         with stream as response:
