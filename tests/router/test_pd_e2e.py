@@ -138,26 +138,6 @@ def test_pd_concurrent_requests_match_hf_and_leave_nothing_held(pd):
     assert metric(router.url, "kvtier_router:instance_in_flight") == 0
 
 
-@pytest.mark.faults
-def test_pd_prefill_instance_killed_the_decode_instance_computes(pd):
-    """Last in the module: it kills the prefill instance."""
-    router, prefill, decode, hf_model = pd
-    prompts = make_block_prompts(seed=2)
-    expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
-    assert complete(router.url, prompts[0])["choices"][0]["token_ids"] == expected[0]
-    prefill.process.send_signal(signal.SIGKILL)
-    prefill.process.wait(30)
-    loaded = metric(decode.url, "kvtier:p2p_connector_blocks_loaded")
-    results = [complete(router.url, prompt) for prompt in prompts[1:]]
-    assert token_ids(results) == expected[1:]
-    # Nothing came from the dead instance: the decode instance computed those prompts.
-    assert metric(decode.url, "kvtier:p2p_connector_blocks_loaded") == loaded
-    failed = metric(router.url, 'kvtier_router:prefills_total{outcome="unreachable"}') + \
-        metric(router.url, 'kvtier_router:prefills_total{outcome="no_instance"}')
-    assert failed == len(prompts) - 1
-    assert metric(router.url, "kvtier_router:retries_total") == 0
-
-
 def test_pd_responses_load_their_prompt_and_go_on_where_they_are_stored(pd):
     router, prefill, decode, _ = pd
     prefills = metric(router.url, 'kvtier_router:prefills_total{outcome="ok"}')
@@ -196,3 +176,23 @@ def test_pd_messages_load_their_prompt_on_the_decode_instance(pd):
     assert routed.headers["x-kvtier-instance"] == decode.url
     assert metric(router.url, 'kvtier_router:prefills_total{outcome="ok"}') == prefills + 1
     assert metric(decode.url, "kvtier:p2p_connector_blocks_loaded") > loaded
+
+
+@pytest.mark.faults
+def test_pd_prefill_instance_killed_the_decode_instance_computes(pd):
+    """Last in the module: it kills the prefill instance."""
+    router, prefill, decode, hf_model = pd
+    prompts = make_block_prompts(seed=2)
+    expected = hf_greedy(hf_model, prompts, MAX_TOKENS)
+    assert complete(router.url, prompts[0])["choices"][0]["token_ids"] == expected[0]
+    prefill.process.send_signal(signal.SIGKILL)
+    prefill.process.wait(30)
+    loaded = metric(decode.url, "kvtier:p2p_connector_blocks_loaded")
+    results = [complete(router.url, prompt) for prompt in prompts[1:]]
+    assert token_ids(results) == expected[1:]
+    # Nothing came from the dead instance: the decode instance computed those prompts.
+    assert metric(decode.url, "kvtier:p2p_connector_blocks_loaded") == loaded
+    failed = metric(router.url, 'kvtier_router:prefills_total{outcome="unreachable"}') + \
+        metric(router.url, 'kvtier_router:prefills_total{outcome="no_instance"}')
+    assert failed == len(prompts) - 1
+    assert metric(router.url, "kvtier_router:retries_total") == 0

@@ -56,7 +56,8 @@ def test_decode_on_consumer_with_producer_kv_matches_hf(model, engines):
     prefills, decodes = hand_over(producer, consumer, prompts)
     assert [{k: v for k, v in p.kv_transfer_params.items() if k != "block_hash"}
             for p in prefills] == [
-        {"transfer_id": f"t{i}", "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE}
+        {"transfer_id": f"t{i}", "num_tokens": len(prompt) // BLOCK_SIZE * BLOCK_SIZE,
+         "kv_namespace": producer.engine.runtime.namespace.hex()}
         for i, prompt in enumerate(prompts)]
     # The hash of the last block sent, which the consumer checks against its own.
     hasher = make_block_hasher(BLOCK_SIZE)

@@ -12,13 +12,17 @@ and computes only the rest; a load that fails or misses `kv_load_timeout_s` is r
 `kv_load_failure_policy`.
 
     producer request  kv_transfer_params={"transfer_id": T, "consumer_address": A}
-    producer returns  kv_transfer_params={"transfer_id": T, "num_tokens": N, "block_hash": H}
-    consumer request  kv_transfer_params={"transfer_id": T, "num_tokens": N, "block_hash": H}
+    producer returns  kv_transfer_params={"transfer_id": T, "num_tokens": N, "block_hash": H,
+                                          "kv_namespace": S}
+    consumer request  the same
 
 H ("ALGO:HEX"; absent when N is 0) is the producer's hash of its last sent block: a consumer
 that hashes blocks the same way and whose own hash there differs (another LoRA adapter under the
 same name, another cache_salt or prompt) takes the transfer and drops it (the producer's blocks
 are freed at once) and computes the prompt itself, rather than cache KV that is not its own.
+S (hex; absent when N is 0) is the producer's KVIdentity namespace: a consumer that stores KV
+another way (another model, dtype, --kv-cache-dtype or block size), whose transport would refuse
+the producer anyway, computes the prompt at once instead of waiting for a load that cannot come.
 
 A is the consumer's transfer engine address (`tcp://host:port`, its extra config `bind_host`
 and `port`); T is unique per consumer (the router picks it). Both engines must have the same

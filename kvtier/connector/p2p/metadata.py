@@ -83,6 +83,9 @@ class LoadParams:
     transfer_id: str
     num_tokens: int
     block_hash: str | None = None
+    # The producer's KV namespace (hex, KVIdentity.namespace): KV stored another way (another
+    # model, dtype, KV cache dtype or block size) that the consumer must not load.
+    kv_namespace: str | None = None
 
     @classmethod
     def parse(cls, params: dict[str, Any] | None) -> LoadParams | None:
@@ -92,11 +95,12 @@ class LoadParams:
                 and params["num_tokens"] >= 0):
             raise ValueError("kv_transfer_params: transfer_id must be a string and num_tokens "
                              f"a count >= 0, got {params!r}")
-        block_hash = params.get("block_hash")
-        if block_hash is not None and not isinstance(block_hash, str):
-            raise ValueError(f"kv_transfer_params: block_hash must be a hex string, got "
-                             f"{block_hash!r}")
-        return cls(params["transfer_id"], params["num_tokens"], block_hash)
+        for key in ("block_hash", "kv_namespace"):
+            if params.get(key) is not None and not isinstance(params[key], str):
+                raise ValueError(f"kv_transfer_params: {key} must be a hex string, got "
+                                 f"{params[key]!r}")
+        return cls(params["transfer_id"], params["num_tokens"], params.get("block_hash"),
+                   params.get("kv_namespace"))
 
 
 @dataclass(frozen=True)

@@ -81,11 +81,17 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         hashes = request.block_hashes
         return len(hashes) >= num_blocks and hashes[num_blocks - 1].hex() == digest
 
+    def _same_namespace(self, params: LoadParams) -> bool:
+        """Whether the producer stores KV as this engine does (a producer that does not say is
+        taken at its word: the transport's handshake still checks)."""
+        return params.kv_namespace in (None, self.context.namespace.hex())
+
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         params = self._load_params(request)
         if params is None or request.request_id in self._pending_loads \
-                or request.request_id in self._taken or not self._same_prefix(request, params):
+                or request.request_id in self._taken or not self._same_prefix(request, params) \
+                or not self._same_namespace(params):
             return 0, False
         block_size = self.context.block_size
         # The last token is always computed here: the model needs its logits to sample.
@@ -103,6 +109,13 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         if num_external_tokens <= 0:
             params = self._load_params(request)
             if params is not None and params.num_tokens > 0:
+                if not self._same_namespace(params):
+                    # Its producer's handshake with this engine is refused: nothing to drop.
+                    logger.warning("request %s: the producer stores KV another way (another "
+                                   "model, dtype, KV cache dtype or block size: its KV "
+                                   "namespace differs); no transfer, the prompt computed here",
+                                   request.request_id)
+                    return
                 if not self._same_prefix(request, params):
                     logger.warning("request %s: the producer computed another prefix (another "
                                    "LoRA adapter, cache_salt or prompt: its block hash "
@@ -192,8 +205,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         # Only blocks whose KV was computed: an aborted prefill leaves the rest unwritten.
         num_computed = min(request.num_prompt_tokens, request.num_computed_tokens)
         num_blocks = min(len(block_ids), num_computed // self.context.block_size)
-        result = _load_params_for(request, params.transfer_id, num_blocks,
-                                  self.context.block_size, self.context.hash_algo)
+        result = _load_params_for(request, params.transfer_id, num_blocks, self.context)
         if num_blocks == 0:
             return False, result
         # The worker sends from these blocks: they stay allocated until it reports the send.
@@ -208,18 +220,21 @@ class P2PConnectorScheduler(KVConnectorScheduler):
         req_id = request.request_id
         if push.num_copied == push.num_blocks:
             return True, _load_params_for(request, push.params.transfer_id, push.num_blocks,
-                                          self.context.block_size, self.context.hash_algo)
+                                          self.context)
         # The prompt was not computed to its end (aborted): nothing was sent.
         if push.num_copied > 0:
             self._dropped.append(req_id)
         return False, {"transfer_id": push.params.transfer_id, "num_tokens": 0}
 
 
-def _load_params_for(request: Request, transfer_id: str, num_blocks: int, block_size: int,
-                     hash_algo: str) -> dict[str, Any]:
+def _load_params_for(request: Request, transfer_id: str, num_blocks: int,
+                     context: Any) -> dict[str, Any]:
     """The kv_transfer_params a producer returns for a transfer of the prompt's first
     `num_blocks` blocks (LoadParams, the consumer's side)."""
-    params: dict[str, Any] = {"transfer_id": transfer_id, "num_tokens": num_blocks * block_size}
+    params: dict[str, Any] = {"transfer_id": transfer_id,
+                              "num_tokens": num_blocks * context.block_size}
     if num_blocks > 0:
-        params["block_hash"] = f"{hash_algo}:{request.block_hashes[num_blocks - 1].hex()}"
+        digest = request.block_hashes[num_blocks - 1].hex()
+        params["block_hash"] = f"{context.hash_algo}:{digest}"
+        params["kv_namespace"] = context.namespace.hex()
     return params
