@@ -228,7 +228,7 @@ class P2PConnectorScheduler(KVConnectorScheduler):
 
 
 def _load_params_for(request: Request, transfer_id: str, num_blocks: int,
-                     context: Any) -> dict[str, Any]:
+                     context: ConnectorContext) -> dict[str, Any]:
     """The kv_transfer_params a producer returns for a transfer of the prompt's first
     `num_blocks` blocks (LoadParams, the consumer's side)."""
     params: dict[str, Any] = {"transfer_id": transfer_id,
