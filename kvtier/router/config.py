@@ -93,6 +93,9 @@ class RouterConfig:
         self._check_pd_options()
         if self.load_weight_tokens < 0:
             raise ValueError(f"--load-weight-tokens must be >= 0, got {self.load_weight_tokens}")
+        if self.instance_api_key == "":
+            raise ValueError("--instance-api-key must not be empty; leave it out when the "
+                             "instances serve without a key")
         for name, flag in _SECONDS_FLAGS.items():
             check_positive_seconds(getattr(self, name), flag)
 

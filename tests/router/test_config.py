@@ -36,6 +36,8 @@ def _config(argv: list[str]):
     # P/D-only flags are refused in instance mode, not ignored.
     ([*INSTANCE, "--prefill-timeout", "5"], "--prefill-timeout is for P/D mode"),
     ([*INSTANCE, "--local-prefill-tokens", "5"], "--local-prefill-tokens is for P/D mode"),
+    # An empty key sent no key at all, as if the flag were left out.
+    ([*INSTANCE, "--instance-api-key", ""], "--instance-api-key must not be empty"),
 ])
 def test_bad_flags_name_themselves(argv, message):
     with pytest.raises(ValueError) as error:
