@@ -26,7 +26,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -41,6 +41,11 @@ from kvtier.events import (
 )
 from kvtier.events.schema import MEDIUM_GPU
 from kvtier.kv import events as kv_events
+
+if TYPE_CHECKING:
+    from prometheus_client import Counter
+
+    from kvtier.engine.metrics import MetricsRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +210,9 @@ class EventPublisher:
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Flush what is queued within timeout_s and release sockets."""
 
+    def count_lost_in(self, metrics: MetricsRegistry) -> None:
+        """Count the batches it loses from now on in `metrics` (it has none to lose)."""
+
 
 class ZmqEventPublisher(EventPublisher):
     """A PUB socket (and optional ROUTER replay socket) served by one thread.
@@ -223,6 +231,8 @@ class ZmqEventPublisher(EventPublisher):
         self._drop_warnings = _Throttle(_LOSS_WARNING_INTERVAL_S)
         # Batches with an event that cannot be encoded (written by the publisher thread only).
         self.num_encode_errors = 0
+        # kvtier:kv_events_lost_batches_total{cause}, once count_lost_in gave a registry.
+        self._lost: Counter | None = None
         self._encode_error_warnings = _Throttle(_LOSS_WARNING_INTERVAL_S)
         # (time, events, batches dropped just before this one)
         self._queue: queue.Queue[tuple[float, list[Any], int]] = queue.Queue(
@@ -242,6 +252,15 @@ class ZmqEventPublisher(EventPublisher):
             raise KVEventsConfigError(f"cannot bind kv_events_config.endpoint "
                                       f"{config.endpoint}: {self._bind_error}")
 
+    def count_lost_in(self, metrics: MetricsRegistry) -> None:
+        """kvtier:kv_events_lost_batches_total{cause="queue_full" | "encode_error"}: batches
+        never published, each a gap its subscribers resync over (those lost so far included)."""
+        lost = metrics.counter("kvtier:kv_events_lost_batches", "KV event batches never "
+                               "published (subscribers see a gap and resync).", ["cause"])
+        lost.labels("queue_full").inc(self.num_dropped)
+        lost.labels("encode_error").inc(self.num_encode_errors)
+        self._lost = lost
+
     def publish(self, events: list[Any]) -> None:
         if not events:
             return
@@ -255,6 +274,8 @@ class ZmqEventPublisher(EventPublisher):
     def _drop(self) -> None:
         self.num_dropped += 1
         self._num_dropped_unnumbered += 1
+        if self._lost is not None:
+            self._lost.labels("queue_full").inc()
         if self._drop_warnings.ready():
             logger.warning("KV event publisher dropped a batch (%d so far): its queue of %d "
                            "batches is full (the publisher thread falls behind); subscribers "
@@ -332,6 +353,8 @@ class ZmqEventPublisher(EventPublisher):
             # One bad event must not end the thread: every later batch would be lost. Its seq
             # goes unsent, a gap subscribers see.
             self.num_encode_errors += 1
+            if self._lost is not None:
+                self._lost.labels("encode_error").inc()
             self._seq += 1
             if self._encode_error_warnings.ready():
                 logger.exception("dropping a KV event batch that cannot be encoded (%d so far)",

@@ -253,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
         publisher.shutdown()  # its thread holds the port until stopped
         raise
     engine = async_llm.engine
+    publisher.count_lost_in(engine.metrics)
     model_arg = config.model.model
     names = tuple(args.served_model_name or [model_arg or engine.model_name])
     try:

@@ -15,6 +15,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from kvtier.engine import kv_events
 from kvtier.engine.kv_events import END_SEQ, KVEventsConfig, ZmqEventPublisher
+from kvtier.engine.metrics import MetricsRegistry
 from kvtier.events import BlockRemoved, BlockStored, decode_batch
 
 from ..entrypoints.server_process import free_port
@@ -107,8 +108,10 @@ def test_batches_dropped_on_a_full_queue_take_their_seq_and_are_logged_once(
         return encode(ts, events, *args)
 
     monkeypatch.setattr(kv_events, "encode_events", stalling)
+    metrics = MetricsRegistry()
     with publishing(max_queue_size=1) as (publisher, sub, base), \
             caplog.at_level(logging.WARNING, logger="kvtier.engine.kv_events"):
+        publisher.count_lost_in(metrics)
         publisher.publish(removed(1))
         assert stalled.wait(DEADLINE_S)
         for block_hash in (2, 3, 4):  # 2 fills the queue; 3 and 4 are dropped
@@ -123,17 +126,34 @@ def test_batches_dropped_on_a_full_queue_take_their_seq_and_are_logged_once(
         asker.send_multipart([b"", base.to_bytes(8, "big")])
         assert replay_answer(asker) == [base, base + 1, base + 4]
     assert publisher.num_dropped == 2
+    assert lost_batches(metrics) == {"queue_full": 2.0, "encode_error": 0.0}
     assert [r.getMessage() for r in caplog.records] == [
         "KV event publisher dropped a batch (1 so far): its queue of 1 batches is full (the "
         "publisher thread falls behind); subscribers see the gap and resync"]
 
 
 def test_a_batch_that_cannot_be_encoded_takes_its_seq():
+    metrics = MetricsRegistry()
     with publishing() as (publisher, sub, base):
         publisher.publish([object()])
         publisher.publish(removed(7))
         assert received(sub, 1) == [(base + 1, [7])]
-    assert publisher.num_encode_errors == 1
+        publisher.count_lost_in(metrics)  # counts what was lost before it, too
+        publisher.publish([object()])
+        publisher.publish(removed(8))
+        assert received(sub, 1) == [(base + 3, [8])]
+    assert publisher.num_encode_errors == 2
+    assert lost_batches(metrics) == {"queue_full": 0.0, "encode_error": 2.0}
+
+
+def lost_batches(metrics: MetricsRegistry) -> dict[str, float]:
+    """cause -> kvtier:kv_events_lost_batches_total, from the registry's exposition."""
+    found = {}
+    for line in metrics.render().decode().splitlines():
+        if line.startswith("kvtier:kv_events_lost_batches_total{"):
+            key, _, value = line.rpartition(" ")
+            found[key.split('cause="')[1].split('"')[0]] = float(value)
+    return found
 
 
 def test_a_replay_client_that_keeps_asking_holds_up_neither_live_batches_nor_the_stop():

@@ -35,6 +35,9 @@ def test_chats_render_with_the_given_template_here_and_in_the_router(tiny_model,
         assert answer.json()["prompt_token_ids"] == expected
         info = httpx.get(f"{server.url}/v1/kv_events_info", timeout=10.0).json()
         assert info["chat_template"] == TEMPLATE
+        # The publisher's losses are served with the engine's metrics.
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10.0).text
+        assert 'kvtier:kv_events_lost_batches_total{cause="queue_full",engine="0"' in metrics
 
         async def router_token_ids() -> list[int] | None:
             service = RouterService(RouterConfig(instances=(server.url,)))
