@@ -114,3 +114,46 @@ def test_prompt_logprobs_in_vllm_shape_on_both_endpoints(server, expected):
     too_many = completion(server, prompt_logprobs=21, max_tokens=2)
     assert too_many.status_code == 400
     assert too_many.json()["error"]["param"] == "prompt_logprobs"
+
+
+def _named_by_id(name: str) -> int:
+    assert name.startswith("token_id:"), name
+    return int(name.removeprefix("token_id:"))
+
+
+def test_tokens_named_by_id_on_both_endpoints_streamed_or_not(server, expected):
+    """vLLM's return_tokens_as_token_ids: each logprob token and top-logprob key "token_id:N",
+    N the token's id; the numbers and the completion's text offsets stay those of the text."""
+    fields = {"logprobs": 2, "max_tokens": 4, "echo": True, "ignore_eos": True}
+    plain = completion(server, **fields).json()["choices"][0]
+    named = completion(server, return_tokens_as_token_ids=True, return_token_ids=True,
+                       **fields).json()["choices"][0]
+    ids = PROMPT + named["token_ids"]
+    assert [_named_by_id(t) for t in named["logprobs"]["tokens"]] == ids
+    assert named["logprobs"]["token_logprobs"] == plain["logprobs"]["token_logprobs"]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    for position in range(1, len(PROMPT)):
+        top = {_named_by_id(k): v for k, v in named["logprobs"]["top_logprobs"][position].items()}
+        assert top[PROMPT[position]] == pytest.approx(
+            float(expected[position - 1, PROMPT[position]]), abs=1e-4)
+        assert set(top) == {PROMPT[position],
+                            *expected[position - 1].topk(2).indices.tolist()}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True,
+            "return_token_ids": True, "ignore_eos": True}
+    for stream in (False, True):
+        response = httpx.post(f"{server.url}/v1/chat/completions", timeout=60.0,
+                              json={**body, "stream": stream})
+        assert response.status_code == 200, response.text
+        if stream:
+            parts = [json.loads(line[6:])["choices"][0] for line in response.text.splitlines()
+                     if line.startswith("data: {")]
+            content = [c for p in parts if p.get("logprobs") for c in p["logprobs"]["content"]]
+            token_ids = [t for p in parts for t in p.get("token_ids") or []]
+        else:
+            choice = response.json()["choices"][0]
+            content, token_ids = choice["logprobs"]["content"], choice["token_ids"]
+        assert [_named_by_id(c["token"]) for c in content] == token_ids
+        assert all(c["bytes"] == list(c["token"].encode()) for c in content)
+        assert all(len(c["top_logprobs"]) == 2 and all(
+            _named_by_id(t["token"]) >= 0 for t in c["top_logprobs"]) for c in content)

@@ -53,8 +53,6 @@ def test_a_null_is_a_field_left_out(server):
     (chat, {"modalities": ["text", "audio"]}),
     (chat, {"chat_template": "{{ messages }}"}),
     (chat, {"echo": True}),  # vLLM's: the answer opens with the last message's text
-    (chat, {"return_tokens_as_token_ids": True, "logprobs": True}),
-    (completion, {"return_tokens_as_token_ids": True, "logprobs": 1}),
 ])
 def test_a_field_that_would_change_the_answer_is_refused_naming_it(server, send, field):
     response = send(server, **field)

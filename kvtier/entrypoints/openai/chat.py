@@ -168,7 +168,7 @@ def _response(ctx: ServerContext, body: ChatCompletionRequest, prompt: Prompt,
         logprobs = None
         if body.logprobs and completion.logprobs is not None and shown:
             logprobs = chat_logprobs(ctx.tokenizer, completion.token_ids, completion.logprobs,
-                                     _num_top(body))
+                                     _num_top(body), body.return_tokens_as_token_ids)
         reasoning, content = split_reasoning(ctx.reasoning_parser, completion.text, closed)
         answer = parse_answer(tools, content) if content is not None else ParsedAnswer(None, [])
         choices.append(ChatChoice(
@@ -250,7 +250,8 @@ def _stream_choice(ctx: ServerContext, body: ChatCompletionRequest, tracker: Del
                            tool_calls=tool_calls, reasoning=thought or None)
     logprobs = None
     if body.logprobs and delta.logprobs is not None and shown:
-        logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, _num_top(body))
+        logprobs = chat_logprobs(ctx.tokenizer, delta.token_ids, delta.logprobs, _num_top(body),
+                                 body.return_tokens_as_token_ids)
     return ChatStreamChoice(index=completion.index, delta=message, logprobs=logprobs,
                             finish_reason=reason, stop_reason=delta.stop_reason,
                             token_ids=delta.token_ids if body.return_token_ids and shown

@@ -114,7 +114,8 @@ def _choice(ctx: ServerContext, body: CompletionRequest, prompt: Prompt, index: 
     api_logprobs = None
     if body.logprobs is not None and shown_logprobs is not None:
         api_logprobs = completion_logprobs(ctx.tokenizer, shown_ids, shown_logprobs,
-                                           body.logprobs, text_offset)
+                                           body.logprobs, text_offset,
+                                           body.return_tokens_as_token_ids)
     return CompletionChoice(
         index=index, text=text, logprobs=api_logprobs, finish_reason=finish_reason,
         stop_reason=stop_reason,

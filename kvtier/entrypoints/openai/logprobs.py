@@ -31,6 +31,13 @@ def _text(tokenizer: Any, token_id: int, entry: dict[int, Logprob] | None) -> st
     return _decode(tokenizer, token_id)
 
 
+def _shown(tokenizer: Any, token_id: int, entry: dict[int, Logprob] | None,
+           as_token_id: bool) -> str:
+    """How the API names the token: its text, or "token_id:N" (vLLM's
+    return_tokens_as_token_ids, for tokens that are no whole UTF-8 text)."""
+    return f"token_id:{token_id}" if as_token_id else _text(tokenizer, token_id, entry)
+
+
 def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
     return sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
 
@@ -42,13 +49,14 @@ def _finite(logprob: float) -> float:
 
 def completion_logprobs(tokenizer: Any, token_ids: list[int],
                         logprobs: list[dict[int, Logprob] | None], num_top: int,
-                        text_offset: int) -> CompletionLogProbs:
-    """text_offset: where the first token's text starts in the choice's text."""
+                        text_offset: int, as_token_ids: bool = False) -> CompletionLogProbs:
+    """text_offset: where the first token's text starts in the choice's text (the offsets
+    count the tokens' text, also when they are named by id)."""
     result = CompletionLogProbs()
     offset = text_offset
     for token_id, entry in zip(token_ids, logprobs):
         text = _text(tokenizer, token_id, entry)
-        result.tokens.append(text)
+        result.tokens.append(f"token_id:{token_id}" if as_token_ids else text)
         result.text_offset.append(offset)
         offset += len(text)
         if entry is None:  # an echoed prompt's first token: nothing before it predicts it
@@ -62,22 +70,23 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int],
         top = _top(entry, num_top)
         if token_id in entry and all(t != token_id for t, _ in top):
             top.append((token_id, entry[token_id]))
-        result.top_logprobs.append({_text(tokenizer, t, entry): _finite(lp.logprob)
-                                    for t, lp in top})
+        result.top_logprobs.append({_shown(tokenizer, t, entry, as_token_ids):
+                                    _finite(lp.logprob) for t, lp in top})
     return result
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[dict[int, Logprob]],
-                  num_top: int) -> ChatLogProbs:
+                  num_top: int, as_token_ids: bool = False) -> ChatLogProbs:
+    """`as_token_ids`: tokens named "token_id:N", their bytes those of that name (vLLM's)."""
     content = []
     for token_id, entry in zip(token_ids, logprobs):
-        text = _text(tokenizer, token_id, entry)
+        text = _shown(tokenizer, token_id, entry, as_token_ids)
         # A sampled token outside the returned top-k has no logprob to report; OpenAI writes
         # -9999 for such tokens (JSON has no -inf).
         logprob = _finite(entry[token_id].logprob) if token_id in entry else _UNKNOWN_LOGPROB
         top = []
         for top_id, top_logprob in _top(entry, num_top):
-            top_text = _text(tokenizer, top_id, entry)
+            top_text = _shown(tokenizer, top_id, entry, as_token_ids)
             top.append(TopLogProb(token=top_text, logprob=_finite(top_logprob.logprob),
                                   bytes=list(top_text.encode())))
         content.append(ChatTokenLogProb(token=text, logprob=logprob, bytes=list(text.encode()),

@@ -102,6 +102,8 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
     # vLLM's: the tokenizer's own special tokens (a BOS) around a text prompt.
     add_special_tokens: StrictBool = True
+    # vLLM's: logprob tokens named "token_id:N" (a token that is no whole UTF-8 text).
+    return_tokens_as_token_ids: StrictBool = False
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -134,6 +136,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: StrictBool = False
     top_logprobs: int | None = None
+    # As CompletionRequest's.
+    return_tokens_as_token_ids: StrictBool = False
     tools: list[dict[str, Any]] | None = None
     # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}.
     tool_choice: str | dict[str, Any] | None = None

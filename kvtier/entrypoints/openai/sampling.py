@@ -47,10 +47,8 @@ MAX_BAD_WORDS_CHARS = 4096
 # Fields of OpenAI's API or of vLLM's that would change the answer and that kvtier does not
 # implement: refused when set to anything but their "off" value (other unknown fields are
 # ignored). Each name maps to the values that mean off besides null, false, [] and {}.
-# (vLLM's return_tokens_as_token_ids names logprob tokens "token_id:N"; chat's echo starts the
-# answer with the last message's text.)
-_UNSUPPORTED = {name: () for name in ("use_beam_search", "logits_processors",
-                                      "return_tokens_as_token_ids")}
+# (chat's echo starts the answer with the last message's text.)
+_UNSUPPORTED = {name: () for name in ("use_beam_search", "logits_processors")}
 _UNSUPPORTED_IN_CHAT = {**_UNSUPPORTED, "echo": (), "functions": (), "function_call": ("none",),
                         "audio": (), "modalities": (["text"],),
                         "documents": (), "chat_template": ()}
