@@ -220,7 +220,14 @@ def _kernel_prefill_plan(meta: AttentionMetadata, seqs: list[int], group_id: int
     table = meta.block_tables[group_id].index_select(0, rows)
     staged_rows = None
     if kv_cache.dtype != dtype:
-        # The distinct blocks, staged in this order; the tables renumbered to match.
+        # Only the blocks a query attends (none before its window, none past its end: their
+        # columns become the null block), once each; the tables renumbered to match.
+        block_size = kv_cache.shape[2]
+        first = torch.tensor([_first_key(meta.num_computed[s], window) // block_size
+                              for s in seqs])[:, None]
+        end = torch.tensor([cdiv(meta.seq_lens[s], block_size) for s in seqs])[:, None]
+        column = torch.arange(table.shape[1])[None, :]
+        table = torch.where((column >= first) & (column < end), table, 0)
         blocks, table = torch.unique(table, return_inverse=True)
         staged_rows = _kv_rows(blocks, kv_cache.shape[1])
     return _KernelPrefillPlan(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvtier.models import (
+    attention,
     build_attention_metadata,
     cpu_kernels,
     paged_attention,
@@ -87,11 +88,13 @@ def test_fp32_decodes_over_fp8_pages_equal_reference(fmt):
 
 
 @pytest.mark.usefixtures("attention_path")
+@pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_mixed_steps_over_fp8_pages_match_reference(fmt, dtype):
+def test_mixed_steps_over_fp8_pages_match_reference(fmt, dtype, window):
     """Chunks over long cached prefixes, a fresh prompt and a decode in one step: the prefills
-    read their blocks staged in the query dtype (the C++ prefill kernel, or the torch path)."""
+    read their blocks staged in the query dtype (the C++ prefill kernel, or the torch path),
+    with a window none of those wholly before it (poisoned here with NaN codes)."""
     gen = torch.Generator().manual_seed(5)
     num_computed, query_lens = [70, 0, 33, 100], [45, 37, 1, 3]
     order = torch.randperm(63, generator=gen) + 1
@@ -103,11 +106,27 @@ def test_mixed_steps_over_fp8_pages_match_reference(fmt, dtype):
     kv_cache = _fp8_cache((2, 64, 16, 3, 64), fmt, gen)
     metadata = build_attention_metadata(num_computed, query_lens, [tables], 16)
     query = torch.randn(sum(query_lens), 9, 64, generator=gen).to(dtype)
-    reference = reference_paged_attention(query.float(), kv_cache, metadata, 0, 0.125, None)
-    out = paged_attention(query, kv_cache, metadata, 0, 0.125, None)
+    reference = reference_paged_attention(query.float(), kv_cache, metadata, 0, 0.125, window)
+    if window is not None:  # seq 0's queries start at 70: keys before 31 are outside the window
+        kv_cache.view(torch.uint8)[:, tables[0][0]] = 0x7F  # NaN in both formats
+    out = paged_attention(query, kv_cache, metadata, 0, 0.125, window)
     assert out.dtype == dtype
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), reference, atol=tolerance, rtol=tolerance)
+
+
+def test_prefills_stage_only_the_blocks_they_attend():
+    """A window's earlier blocks and a table's columns past a sequence's end stay unread."""
+    if cpu_kernels.ops() is None:
+        pytest.skip("no C++ kernels: no staged prefill")
+    tables = [[9, 3, 5, 7, 11, 13, 2], [4, 6]]  # seq 0: 100 tokens, seq 1: 20
+    metadata = build_attention_metadata([90, 0], [10, 20], [tables], 16)
+    kv_cache = torch.zeros(2, 16, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    plan = attention._group_plan(metadata, 0, 40, kv_cache, torch.bfloat16).kernel_prefill
+    # seq 0's queries 90-99 attend keys from 51 (blocks 3-6), seq 1 all of its two blocks; the
+    # null block 0 stands in for every other column.
+    assert sorted(plan.staged_rows[:len(plan.staged_rows) // 2].tolist()) == [0, 2, 4, 6, 7,
+                                                                            11, 13]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
