@@ -1,14 +1,15 @@
 """An fp8 KV cache (--kv-cache-dtype fp8) through the tiers: evicted blocks come back from host
 memory and from a shared fs directory at one byte an element, the answers equal HF transformers
 (fp32) over K and V rounded the same way, and an instance storing another format shares the
-directory without reading a chunk of it (the format is part of the KV identity)."""
+directory without reading a chunk of it (the format is part of the KV identity); a hybrid's
+fp32 conv states travel beside its fp8 attention pages."""
 
 import pytest
 import torch
 
 from kvtier import LLM, SamplingParams
 
-from ..tiny_models import hf_greedy_rounded_kv, make_hf_model, random_prompts
+from ..tiny_models import hf_greedy_rounded_kv, make_hf_model, make_lfm2_model, random_prompts
 from .offload_helpers import flushed, generate, offload_bytes
 
 PROMPT_LEN = 30  # 7 loadable blocks of 4 (the last token is always recomputed)
@@ -68,3 +69,24 @@ def test_an_fs_directory_serves_its_format_only(model, tmp_path):
         assert _generate(reader, prompts[:2]) == (expected[:2], [LOADABLE, LOADABLE])
     finally:
         reader.engine.shutdown()
+
+
+def test_a_hybrids_fp8_attention_and_fp32_conv_states_reload_from_host(tmp_path):
+    """LFM2 (a conv layer, an attention layer): one pool, pages of two dtypes; both come back
+    from host memory, the attention page at one byte an element, the state as it was."""
+    hf = make_lfm2_model("conv_attn", tmp_path, max_position_embeddings=512)
+    prompts = random_prompts(8, PROMPT_LEN)
+    expected = hf_greedy_rounded_kv(hf, prompts[:4], MAX_TOKENS, torch.float8_e4m3fn)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=4, num_device_blocks=48,
+              max_num_seqs=2, kv_cache_dtype="fp8", kv_offload="host=1MiB")
+    try:
+        assert [c.dtype for c in llm.engine.runner.kv_caches] == [torch.float32,
+                                                                   torch.float8_e4m3fn]
+        assert _generate(llm, prompts[:4]) == (expected, [0] * 4)
+        assert _generate(llm, prompts[:1]) == (expected[:1], [LOADABLE])
+        attention = 2 * 4 * 2 * 16 * 1  # K and V, 4 slots x 2 kv heads x 16 dims, fp8
+        state = (hf.config.conv_L_cache - 1) * 64 * 4  # one fp32 conv state
+        # 7 attention chunks, and of the states only the one after token 28.
+        assert offload_bytes(llm, "host_to_device") == 7 * attention + state
+    finally:
+        llm.engine.shutdown()
