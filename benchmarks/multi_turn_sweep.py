@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "peer"))  # the peer's 
 from server_process import ServerProcess, free_port  # noqa: E402
 from vllm_server import PeerServerConfig, peer_server  # noqa: E402
 
+from kvtier.config import KV_CACHE_DTYPES  # noqa: E402
 from kvtier.entrypoints.bench import MultiTurnConfig, ServerTarget, run_multi_turn  # noqa: E402
 
 CONFIGS = ("prefix", "host", "host+disk", "vllm-cpu")
@@ -334,7 +335,7 @@ def parse_args(argv: list[str] | None = None) -> SweepConfig:
                    help="request shape; responses sends each later turn's new messages with "
                         "the previous_response_id (vLLM runs with its responses store on); "
                         "messages is Anthropic's Messages API")
-    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                    default="auto", help="both engines' KV cache format (fp8: one byte an "
                                         "element, twice the tokens in the device KV)")
     p.add_argument("--device-kv-bytes", type=int, default=384 << 20,

@@ -19,6 +19,7 @@ from kvtier.common.output_paths import check_output_path
 from kvtier.common.plotting import require_matplotlib
 from kvtier.common.sizes import parse_size
 from kvtier.common.urls import check_http_url
+from kvtier.config import KV_CACHE_DTYPES
 from kvtier.entrypoints.bench.trace import TRACE_BLOCK_TOKENS, TraceScaling
 from kvtier.offload.config import OffloadConfig, parse_kv_offload
 from kvtier.planner.cost_model import (
@@ -73,7 +74,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "config.json, or a .gguf file (default: SmolLM2-135M)")
     parser.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"),
                         default="auto", help="model dtype (auto: bfloat16, as the engine)")
-    parser.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES,
                         default="auto", help="how K and V are stored, as the engine's flag "
                                              "(auto: the dtype; fp8: one byte an element)")
 
