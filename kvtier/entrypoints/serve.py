@@ -12,6 +12,7 @@ import gc
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 from typing import TYPE_CHECKING, Any
@@ -318,6 +319,11 @@ def _load_lora_modules(engine: Any, modules: list[tuple[str, str, str | None]],
 
 def _serve_until_stopped(server: Any, async_llm: Any) -> int:
     """Run the HTTP server; the exit status."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        # Started in the background by a shell (which ignores SIGINT for it): uvicorn stops on
+        # SIGINT all the same, then raises it again under the handler it found, which would
+        # swallow it and exit 0 instead of 130.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn raises the SIGINT it handled again once it has stopped

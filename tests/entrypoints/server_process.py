@@ -29,7 +29,9 @@ _PORT_ATTEMPTS = 3
 
 
 class ServerProcess:
-    def __init__(self, model_dir: str, *extra_args: str) -> None:
+    def __init__(self, model_dir: str, *extra_args: str, sigint_ignored: bool = False) -> None:
+        """`sigint_ignored`: started as a shell starts a background job, SIGINT ignored."""
+        self._sigint_ignored = sigint_ignored
         for attempt in range(_PORT_ATTEMPTS):
             self._start(model_dir, extra_args)
             try:
@@ -49,7 +51,9 @@ class ServerProcess:
         self.log_path = os.path.join(model_dir, f"server-{self.port}.log")
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=self._log,
-                                        stderr=subprocess.STDOUT)
+                                        stderr=subprocess.STDOUT,
+                                        preexec_fn=_ignore_sigint if self._sigint_ignored
+                                        else None)
 
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + START_DEADLINE_S
@@ -85,3 +89,7 @@ class ServerProcess:
     def stop(self) -> None:
         self.terminate()
         self._log.close()
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -1,14 +1,16 @@
-"""What `kvtier serve` does between building the engine and serving."""
+"""What `kvtier serve` does between building the engine and serving, and how it ends."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
 from ..tiny_models import hf_greedy
+from .server_process import ServerProcess
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -82,5 +84,16 @@ def test_the_models_generation_config_sets_the_sampling_defaults(tiny_model, tmp
                            "--generation-config", "vllm")
     try:
         assert tokens(server, temperature=0.0) == plain
+    finally:
+        server.stop()
+
+
+def test_ctrl_c_exits_130_also_when_started_with_sigint_ignored(tiny_model):
+    """A shell starts a background job with SIGINT ignored; uvicorn still stops on it, and its
+    exit status says so (it once re-raised the signal under the inherited SIG_IGN: exit 0)."""
+    server = ServerProcess(tiny_model[0], sigint_ignored=True)
+    try:
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(60) == 130
     finally:
         server.stop()
