@@ -28,12 +28,11 @@ DISABLE_ENV = "KVTIER_CPU_KERNELS"
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(_CSRC / name
                  for name in ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp",
-                              "page_copy.cpp", "kv_fp8.cpp", "linear_amx.cpp"))
+                              "page_copy.cpp", "kv_fp8.cpp"))
 # Included by the sources: part of the build's digest, not compiled on their own.
 _HEADERS = tuple(_CSRC / name
                  for name in ("paged_prefill.h", "paged_prefill_bf16.h",
-                              "paged_prefill_amx.h", "softmax_span.h", "kv_fp8.h",
-                              "amx_tiles.h"))
+                              "paged_prefill_amx.h", "softmax_span.h", "kv_fp8.h"))
 # -ffast-math lets expf vectorize; it is a compile flag only, so the process's floating-point
 # mode is untouched. -march=native: the cache is per machine. -fopenmp: at::parallel_for is
 # inline OpenMP; the extension links libgomp.so.1, which resolves to the copy torch has loaded,
@@ -59,9 +58,6 @@ def ops():
         pages converted (see kvtier/models/attention.py).
     rms_norm(x, weight, eps), silu_and_mul(x), rotary(x (T, H, D), cos (T, D), sin (T, D)):
         see kvtier/models/fused_ops.py.
-    amx_linear_supported() -> bool: whether amx_linear runs here (AMX bf16 tiles).
-    amx_linear(x (M, K) bf16, packed (N/16, K/32, 16, 16, 2) bf16, bias (N,) or None) -> (M, N):
-        x @ W.T + bias over a weight packed by kvtier/models/packed_linear.py.
     load_pages(host (bytes,) uint8, host_offsets (n,) int64, block_ids (n,) int64, caches):
         copies host block i (its layers' pages in the standard layout, from host_offsets[i]) into
         block block_ids[i] of every layer's cache (parts, num_blocks, ...), in place.
