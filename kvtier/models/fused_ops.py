@@ -38,7 +38,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """Rotate-half rotary embedding: x (T, heads, D); cos, sin (T, 1, D) in x's dtype."""
     kernels = _kernels(x)
     if kernels is not None:
-        return kernels.rotary(x.contiguous(), cos.contiguous(), sin.contiguous())
+        # x as it is: the kernel reads a strided view of the qkv projection in place.
+        return kernels.rotary(x, cos.contiguous(), sin.contiguous())
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -78,3 +78,7 @@ def test_non_contiguous_inputs_are_accepted(torch_path):
     angles = torch.linspace(0, 3, 5 * 64).view(5, 1, 64)
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     assert torch.equal(fused_ops.rotary(q, cos, sin), torch_path(fused_ops.rotary, q, cos, sin))
+    # Heads not contiguous within a token (the kernel copies such a view first).
+    swapped = _randn(3, 5, 64, dtype=torch.bfloat16).transpose(0, 1)
+    assert torch.equal(fused_ops.rotary(swapped, cos, sin),
+                       torch_path(fused_ops.rotary, swapped, cos, sin))

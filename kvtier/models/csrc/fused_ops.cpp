@@ -89,16 +89,19 @@ void silu_and_mul_rows(const scalar_t* in, scalar_t* out, int64_t rows, int64_t 
   });
 }
 
+// Token t's heads start at in + t * token_stride (a row of the fused qkv projection's output:
+// q and k are strided views of it), each head's D values contiguous; out is contiguous.
 template <typename scalar_t>
-void rotary_rows(const scalar_t* in, const scalar_t* cos, const scalar_t* sin, scalar_t* out,
-                 int64_t tokens, int64_t heads, int64_t dim) {
+void rotary_rows(const scalar_t* in, int64_t token_stride, const scalar_t* cos,
+                 const scalar_t* sin, scalar_t* out, int64_t tokens, int64_t heads,
+                 int64_t dim) {
   const int64_t half = dim / 2;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const scalar_t* c = cos + t * dim;
       const scalar_t* s = sin + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* v = in + (t * heads + h) * dim;
+        const scalar_t* v = in + t * token_stride + h * dim;
         scalar_t* res = out + (t * heads + h) * dim;
 #pragma omp simd
         for (int64_t i = 0; i < dim; ++i) {
@@ -148,19 +151,23 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 }
 
 // Rotate-half rotary embedding: x * cos + cat(-x2, x1) * sin, each product rounded.
-// x (T, heads, D); cos, sin: T * D values.
-at::Tensor rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  check_contiguous(x, "x");
+// x (T, heads, D) with its heads' values contiguous (any stride between tokens: a strided view
+// is read in place, not copied first); cos, sin: T * D values. The result is contiguous.
+at::Tensor rotary(const at::Tensor& x_in, const at::Tensor& cos, const at::Tensor& sin) {
   check_contiguous(cos, "cos");
   check_contiguous(sin, "sin");
-  TORCH_CHECK(x.dim() == 3 && cos.numel() == x.size(0) * x.size(2) &&
-                  sin.numel() == cos.numel() && cos.scalar_type() == x.scalar_type() &&
-                  sin.scalar_type() == x.scalar_type(),
+  TORCH_CHECK(x_in.dim() == 3 && cos.numel() == x_in.size(0) * x_in.size(2) &&
+                  sin.numel() == cos.numel() && cos.scalar_type() == x_in.scalar_type() &&
+                  sin.scalar_type() == x_in.scalar_type(),
               "rotary expects x (T, heads, D) and cos, sin of T x D values in x's dtype");
-  at::Tensor out = at::empty_like(x);
+  const bool rows_in_place = x_in.stride(2) == 1 && x_in.stride(1) == x_in.size(2) &&
+                             x_in.stride(0) >= x_in.size(1) * x_in.size(2);
+  const at::Tensor x = rows_in_place ? x_in : x_in.contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotary", [&] {
-    rotary_rows(x.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                out.data_ptr<scalar_t>(), x.size(0), x.size(1), x.size(2));
+    rotary_rows(x.data_ptr<scalar_t>(), x.stride(0), cos.data_ptr<scalar_t>(),
+                sin.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), x.size(0), x.size(1),
+                x.size(2));
   });
   return out;
 }
