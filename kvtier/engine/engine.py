@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from kvtier.common.malloc_tuning import keep_step_buffers_in_heap
 from kvtier.common.token_ids import all_ints, first_outside
 from kvtier.config import EngineConfig
 from kvtier.connector.base import ConnectorContext, KVConnectorScheduler, KVConnectorWorker
@@ -51,6 +52,8 @@ class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         device = resolve_device(config.model.device)
+        if device.type == "cpu":
+            keep_step_buffers_in_heap()
         loaded = load_model(config.model.model, dtype=resolve_dtype(config.model.dtype),
                             device=device)
         self.model_config = loaded.config
