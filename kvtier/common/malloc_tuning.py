@@ -15,7 +15,6 @@ only once 256 MB lies free. On the 2-core Intel VM of docs/benchmarks.md,
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import sys
 
@@ -37,8 +36,6 @@ def keep_step_buffers_in_heap() -> bool:
     libc = load_libc()
     if libc is None or not hasattr(libc, "mallopt"):
         return False
-    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    libc.mallopt.restype = ctypes.c_int
     took = (libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
             and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)
     if not took:
