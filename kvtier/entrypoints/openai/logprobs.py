@@ -31,11 +31,16 @@ def _text(tokenizer: Any, token_id: int, entry: dict[int, Logprob] | None) -> st
     return _decode(tokenizer, token_id)
 
 
+def _by_id(token_id: int) -> str:
+    """The token named by its id (vLLM's return_tokens_as_token_ids, for tokens that are no
+    whole UTF-8 text)."""
+    return f"token_id:{token_id}"
+
+
 def _shown(tokenizer: Any, token_id: int, entry: dict[int, Logprob] | None,
            as_token_id: bool) -> str:
-    """How the API names the token: its text, or "token_id:N" (vLLM's
-    return_tokens_as_token_ids, for tokens that are no whole UTF-8 text)."""
-    return f"token_id:{token_id}" if as_token_id else _text(tokenizer, token_id, entry)
+    """How the API names the token: its text, or by its id."""
+    return _by_id(token_id) if as_token_id else _text(tokenizer, token_id, entry)
 
 
 def _top(entry: dict[int, Logprob], num_top: int) -> list[tuple[int, Logprob]]:
@@ -56,7 +61,7 @@ def completion_logprobs(tokenizer: Any, token_ids: list[int],
     offset = text_offset
     for token_id, entry in zip(token_ids, logprobs):
         text = _text(tokenizer, token_id, entry)
-        result.tokens.append(f"token_id:{token_id}" if as_token_ids else text)
+        result.tokens.append(_by_id(token_id) if as_token_ids else text)
         result.text_offset.append(offset)
         offset += len(text)
         if entry is None:  # an echoed prompt's first token: nothing before it predicts it
