@@ -31,8 +31,9 @@ _SOURCES = tuple(_CSRC / name
                               "page_copy.cpp", "kv_fp8.cpp"))
 # Included by the sources: part of the build's digest, not compiled on their own.
 _HEADERS = tuple(_CSRC / name
-                 for name in ("paged_prefill.h", "paged_prefill_bf16.h",
-                              "paged_prefill_amx.h", "softmax_span.h", "kv_fp8.h"))
+                 for name in ("paged_decode_amx.h", "paged_prefill.h", "paged_prefill_bf16.h",
+                              "paged_prefill_amx.h", "amx_tiles.h", "softmax_span.h",
+                              "kv_fp8.h"))
 # -ffast-math lets expf vectorize; it is a compile flag only, so the process's floating-point
 # mode is untouched. -march=native: the cache is per machine. -fopenmp: at::parallel_for is
 # inline OpenMP; the extension links libgomp.so.1, which resolves to the copy torch has loaded,
@@ -54,6 +55,9 @@ def ops():
         block_table (B, n) int64, first_key (B,) int64, seq_lens (B,) int64, scale)
         -> (B, Hq, D): sequence b attends keys [first_key[b], seq_lens[b]); the cache has the
         query's dtype or an fp8 one.
+    use_amx_tiles(enable) -> bool: whether the bf16 attention kernels multiply AMX tiles from
+        now on (the CPU has AMX-BF16 and the OS lends it); tests pass False to hold the
+        vdpbf16ps paths to the reference on the same CPU.
     gather_fp8_pages(pages (N, P) fp8, rows (n,) int64, dtype) -> (n, P) of dtype: the rows'
         pages converted (see kvtier/models/attention.py).
     rms_norm(x, weight, eps), silu_and_mul(x), rotary(x (T, H, D), cos (T, D), sin (T, D)):

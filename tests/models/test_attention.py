@@ -25,18 +25,18 @@ HEAD_DIM = 8
 
 @pytest.fixture(params=["amx", "vdpbf16ps"])
 def bf16_tiles(request):
-    """The bf16 prefill tests run on both tile kinds: AMX tile multiplies where the CPU and the
+    """The bf16 kernel tests run on both tile kinds: AMX tile multiplies where the CPU and the
     OS allow them, then the vdpbf16ps tiles on the same CPU."""
     kernels = cpu_kernels.ops()
     if kernels is None:
         pytest.skip("no C++ kernels: no bf16 tiles")
-    uses_amx = kernels.paged_prefill_use_amx(request.param == "amx")
+    uses_amx = kernels.use_amx_tiles(request.param == "amx")
     try:
         if request.param == "amx" and not uses_amx:
             pytest.skip("no AMX tiles on this CPU")
         yield request.param
     finally:
-        kernels.paged_prefill_use_amx(True)
+        kernels.use_amx_tiles(True)
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler: torch path only")
@@ -64,19 +64,20 @@ def test_low_precision_decodes_match_fp32_reference(dtype):
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.usefixtures("attention_path")
+@pytest.mark.usefixtures("attention_path", "bf16_tiles")
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (16, 2), (32, 8), (24, 2)])
 def test_bf16_decodes_on_16_slot_pages_match_fp32_reference(num_heads, num_kv_heads, head_dim,
                                                             window):
-    """bf16 with 16-slot pages takes the kernel's vdpbf16ps path where the CPU has AVX512-BF16:
+    """bf16 with 16-slot pages takes the kernel's AMX or vdpbf16ps path where the CPU has them:
     sequences ending inside a page, on its last slot and just past it, a window starting inside
-    a page, and groups of 3 and 8 query heads per kv head."""
+    a page; groups of 3, 8 (AMX's most) and 12 query heads per kv head; 32 query heads, more
+    than one AMX score tile holds."""
     gen = torch.Generator().manual_seed(4)
-    kv_cache = torch.randn(2, 48, 16, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-    seq_lens = [1, 16, 17, 100, 37]
-    metadata = scattered_decodes(seq_lens, 48, 16, gen)
+    kv_cache = torch.randn(2, 64, 16, num_kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    seq_lens = [1, 16, 17, 100, 37, 300]  # 300: more pages than AMX sums between tile stores
+    metadata = scattered_decodes(seq_lens, 64, 16, gen)
     query = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
     scale = head_dim ** -0.5
     reference = reference_paged_attention(query.float(), kv_cache.float(), metadata, 0, scale,

@@ -207,18 +207,6 @@ bool paged_prefill_has_bf16_tiles(at::ScalarType dtype, int64_t head_dim, int64_
 #endif
 }
 
-// Whether the bf16 tiles run as AMX tile multiplies (the CPU has AMX-BF16 and the OS lends its
-// registers); `enable` false (tests) keeps them on vdpbf16ps until enabled again. Returns
-// whether they use AMX from now on.
-bool paged_prefill_use_amx(bool enable) {
-#if defined(KVTIER_HAS_AMX)
-  amx_enabled.store(enable);
-  return use_amx();
-#else
-  return false;
-#endif
-}
-
 // Runs the tiles through the bf16 tiles when they can take them; false: use attend_tile.
 template <typename scalar_t>
 bool try_bf16_tiles(const scalar_t*, const scalar_t*, const Batch&, const Shape&, scalar_t*) {
@@ -307,7 +295,6 @@ TORCH_LIBRARY_FRAGMENT(kvtier, m) {
   m.def("paged_prefill_supports(int head_dim, int block_size) -> bool", &paged_prefill_supports);
   m.def("paged_prefill_has_bf16_tiles(ScalarType dtype, int head_dim, int block_size) -> bool",
         &paged_prefill_has_bf16_tiles);
-  m.def("paged_prefill_use_amx(bool enable) -> bool", &paged_prefill_use_amx);
   m.def("paged_prefill_attention(Tensor query, Tensor kv_cache, Tensor block_table, "
         "Tensor query_start, Tensor num_computed, Tensor query_lens, int window, float scale, "
         "Tensor(a!) out) -> ()");

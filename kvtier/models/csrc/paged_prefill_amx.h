@@ -14,46 +14,14 @@
 
 #pragma once
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define KVTIER_HAS_AMX 1
+#include "amx_tiles.h"
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <atomic>
+#if defined(KVTIER_HAS_AMX)
 
 namespace {
 
-// Linux lends the AMX tile registers to a process only once it asks (arch_prctl
-// ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); a kernel without AMX support says no.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-// Tests turn the AMX tiles off to hold the vdpbf16ps tiles to the reference on the same CPU.
-std::atomic<bool> amx_enabled{true};
-
-bool use_amx() { return amx_enabled.load(std::memory_order_relaxed) && amx_permitted(); }
-
-// Every tile register 16 rows of 64 bytes: 16 x 16 fp32 or 16 x 32 bf16. The configuration
-// is per thread, so each task loads it.
-void load_amx_config() {
-  struct alignas(64) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } config{};
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.colsb[t] = 64;
-    config.rows[t] = 16;
-  }
-  _tile_loadconfig(&config);
-}
+using kvtier::load_amx_config;
+using kvtier::use_amx;
 
 constexpr int64_t round_up(int64_t n, int64_t m) { return (n + m - 1) / m * m; }
 
@@ -170,4 +138,4 @@ void attend_tile_amx(const c10::BFloat16* query, const PackedPages& pages, int64
 
 }  // namespace
 
-#endif  // __AMX_TILE__ && __AMX_BF16__
+#endif  // KVTIER_HAS_AMX

@@ -1,9 +1,14 @@
-// The softmax both attention kernels take over one row of scores.
+// The softmax pieces the attention kernels share: one row of scores in place (any CPU), and
+// with AVX-512 a 16-lane exp and the lane mask of a key span.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace kvtier {
 
@@ -22,5 +27,31 @@ inline void softmax_span(float* scores, int64_t size, int64_t begin, int64_t end
   for (int64_t t = begin; t < end; ++t) scores[t] *= inv;
   for (int64_t t = end; t < size; ++t) scores[t] = 0.f;
 }
+
+#if defined(__AVX512F__)
+// exp of 16 lanes: 2^n * 2^f with n = round(x log2 e), |f| <= 1/2, 2^f by its Taylor series to
+// f^6 (relative error ~1e-7, far below the bf16 rounding of the weights); large negative x
+// gives 0.
+inline __m512 exp16(__m512 x) {
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The lanes of keys [c, c + 16) inside [begin, end).
+inline __mmask16 span_mask(int64_t c, int64_t begin, int64_t end) {
+  const uint32_t from_begin = begin <= c ? 0xffffu : begin - c >= 16 ? 0u : 0xffffu << (begin - c);
+  const uint32_t before_end = end - c >= 16 ? 0xffffu : end <= c ? 0u : (1u << (end - c)) - 1;
+  return static_cast<__mmask16>(from_begin & before_end);
+}
+#endif  // __AVX512F__
 
 }  // namespace kvtier
