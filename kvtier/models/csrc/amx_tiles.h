@@ -46,6 +46,10 @@ inline void load_amx_config(const uint8_t (&rows)[8]) {
     config.colsb[t] = 64;
     config.rows[t] = rows[t];
   }
+  // GCC 12 takes ldtilecfg for an instruction that does not read its operand and drops the
+  // stores above as dead (the tiles then got whatever the stack held): a memory barrier keeps
+  // them.
+  asm volatile("" : : "r"(&config) : "memory");
   _tile_loadconfig(&config);
 }
 
