@@ -6,8 +6,9 @@
 // Scores: A is a page's 16 slots of one kv head by 32 dims (rows at the cache's slot stride); B
 // the queries as 16 dim pairs by 16 columns, one per query head of a block of kv heads, zero in
 // the columns of the block's other kv heads, so a block's kv heads add into one 16 keys x 16
-// heads tile. The softmax runs over that key-major layout, a head a lane, and transposes each
-// page's weights to the head-major A of the values.
+// heads tile. The softmax takes each head's peak over that key-major layout (a head a lane), then
+// transposes each page's scores to a head a row for the exp, and writes the weights as the
+// values' head-major A.
 // Values: the products sum over keys, and a B row must hold two keys per 32-bit word; the cache
 // pairs two dims of one key instead. So B is the V rows as they lie (16 keys by 16 dim pairs)
 // and A pairs each key's weight with a zero: row 2j carries head j's weight in the low half of
